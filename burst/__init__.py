@@ -1,5 +1,11 @@
-"""burst: exact distributed attention (BurstAttention) for long sequences."""
+"""burst: exact distributed attention (BurstAttention) for long sequences.
 
+    out = burst.burst_attn(q, k, v, causal=True, group=cp_group)   # q, k, v: this rank's shards
+"""
+
+from burst.attention import BACKWARD_MODES, burst_attn, choose_backward
+from burst.comm import SENT
+from burst.kernels import select_kernel
 from burst.layout import (
     gather_sequence,
     sequence_positions,
@@ -10,7 +16,12 @@ from burst.layout import (
 )
 
 __all__ = [
+    "BACKWARD_MODES",
+    "SENT",
+    "burst_attn",
+    "choose_backward",
     "gather_sequence",
+    "select_kernel",
     "sequence_positions",
     "shard_for_rank",
     "shard_sequence",

@@ -1,0 +1,112 @@
+"""`burst_attn`: exact attention over a sequence sharded across the ranks of a process group."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from burst.comm import SENT, Ring
+from burst.groups import group_rank_and_size
+from burst.kernels import KERNEL_NAMES, default_scale, select_kernel
+from burst.ring import burst_backward, ring_backward, ring_forward
+
+BACKWARD_MODES = ("auto", "burst", "ring")
+
+
+def backward_bytes_per_hop(q: torch.Tensor, k: torch.Tensor, mode: str) -> int:
+    """Bytes one rank sends per backward ring step in `mode` ("burst" or "ring").
+
+    burst: q and dout in their dtype, lse and delta (one float32 each per query row), dq in float32.
+    ring:  k and v in their dtype, dk and dv in float32.
+    """
+    if mode == "burst":
+        rows = q.numel() // q.shape[-1]
+        return 2 * q.numel() * q.element_size() + 2 * rows * 4 + q.numel() * 4
+    return 2 * k.numel() * k.element_size() + 2 * k.numel() * 4
+
+
+def choose_backward(q: torch.Tensor, k: torch.Tensor, mode: str) -> str:
+    """Resolve "auto" to the mode that sends fewer bytes for these shapes and dtypes."""
+    if mode != "auto":
+        return mode
+    return min(("burst", "ring"), key=lambda m: backward_bytes_per_hop(q, k, m))
+
+
+def validate_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, world_size: int, backward: str,
+                    kernel: str) -> None:
+    """Raise a ValueError naming the problem; called before any communication.
+
+    Every rank holds shards of the same shapes, so a bad input fails on every rank at once
+    and none is left waiting in a send.
+    """
+    if backward not in BACKWARD_MODES:
+        raise ValueError(f"unknown backward mode {backward!r}; choose one of {', '.join(BACKWARD_MODES)}")
+    if kernel not in KERNEL_NAMES:
+        raise ValueError(f"unknown attention kernel {kernel!r}; choose one of {', '.join(KERNEL_NAMES)}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be [batch, local_seq, heads, head_dim], got shape {tuple(t.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch, local_seq and head_dim")
+    if q.shape[2] % k.shape[2] != 0:
+        raise ValueError(f"q heads ({q.shape[2]}) must be a multiple of kv heads ({k.shape[2]}) "
+                         "for grouped-query attention")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them first")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    local = q.shape[1]
+    if local == 0 or local % 2 != 0:
+        raise ValueError(
+            f"local sequence length {local} on each of {world_size} ranks: the global length {local * world_size} "
+            f"must be a positive multiple of 2 x world size = {2 * world_size} (the zigzag layout cuts it into "
+            f"{2 * world_size} chunks); pad the sequence or change its length, and shard it with burst.shard_sequence")
+
+
+class BurstAttnFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, group, backward, kernel_name):
+        ring = Ring(group)
+        kernel = select_kernel(q.device, q.dtype, kernel_name)
+        out, lse = ring_forward(ring, kernel, q, k, v, causal, scale)
+        SENT.last_forward = ring.bytes_sent
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring, ctx.kernel, ctx.causal, ctx.scale = ring, kernel, causal, scale
+        ctx.backward_mode = choose_backward(q, k, backward)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring = ctx.ring
+        ring.bytes_sent = 0
+        run = burst_backward if ctx.backward_mode == "burst" else ring_backward
+        dq, dk, dv = run(ring, ctx.kernel, dout, q, k, v, out, lse, ctx.causal, ctx.scale)
+        SENT.last_backward = ring.bytes_sent
+        return dq, dk, dv, None, None, None, None, None
+
+
+def burst_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
+               group: dist.ProcessGroup | None = None, softmax_scale: float | None = None,
+               backward: str = "auto", kernel: str = "auto",
+               return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Exact softmax attention of this rank's queries against the whole sharded sequence.
+
+    q [batch, local_seq, q_heads, head_dim]; k, v [batch, local_seq, kv_heads, head_dim], each
+    rank passing its shard as laid out by `burst.shard_sequence`. Returns the local output
+    [batch, local_seq, q_heads, head_dim] in q's dtype, and with `return_lse` also the float32
+    log-sum-exp [batch, q_heads, local_seq] of every query row (not differentiable).
+
+    group: the sequence-parallel process group (None: the default group; without
+    torch.distributed initialised, a world of one). backward: "burst" (the query side
+    travels), "ring" (keys and values travel) or "auto" (whichever sends fewer bytes).
+    kernel: the local attention kernel, see `burst.kernels.select_kernel`.
+    """
+    _, world_size = group_rank_and_size(group)
+    validate_inputs(q, k, v, world_size, backward, kernel)
+    scale = default_scale(q.shape[-1]) if softmax_scale is None else softmax_scale
+    out, lse = BurstAttnFunction.apply(q, k, v, causal, scale, group, backward, kernel)
+    return (out, lse) if return_lse else out

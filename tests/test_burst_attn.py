@@ -1,0 +1,127 @@
+"""burst_attn against a float64 single-process reference, on 1-4 gloo ranks."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import burst
+from burst.attention import backward_bytes_per_hop
+from tests.distributed import run_on_ranks
+
+# max |error| allowed against float64, for inputs ~ N(0, 1)
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 4e-2}
+
+
+def reference(q, k, v, dout, causal):
+    """float64 attention over the whole sequence: out, lse, dq, dk, dv."""
+    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+    groups = q.shape[2] // k.shape[2]
+    qh = qr.transpose(1, 2)
+    kh, vh = (t.repeat_interleave(groups, 2).transpose(1, 2) for t in (kr, vr))
+    scores = qh @ kh.transpose(-1, -2) / q.shape[-1] ** 0.5
+    if causal:
+        n = scores.shape[-1]
+        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    lse = torch.logsumexp(scores, -1)
+    out = (torch.softmax(scores, -1) @ vh).transpose(1, 2)
+    out.backward(dout.double())
+    return out.detach(), lse.detach(), qr.grad, kr.grad, vr.grad
+
+
+def make_inputs(seq, q_heads, kv_heads, dtype, seed=0, batch=2, head_dim=16):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, seq, q_heads, head_dim, generator=g)
+    k = torch.randn(batch, seq, kv_heads, head_dim, generator=g)
+    v = torch.randn(batch, seq, kv_heads, head_dim, generator=g)
+    dout = torch.randn(batch, seq, q_heads, head_dim, generator=g)
+    return [t.to(dtype) for t in (q, k, v, dout)]
+
+
+CASES = [(causal, heads, dtype, mode)
+         for causal in (True, False)
+         for heads in ((4, 4), (4, 2))
+         for dtype in (torch.float32, torch.bfloat16)
+         for mode in ("burst", "ring")]
+
+
+def check_against_reference(world_size, causal, heads, dtype, mode, kernel="auto"):
+    seq = 2 * world_size * 12
+    q, k, v, dout = make_inputs(seq, *heads, dtype)
+    expected = reference(q, k, v, dout, causal)
+    lq, lk, lv = (burst.shard_sequence(t).requires_grad_() for t in (q, k, v))
+    out, lse = burst.burst_attn(lq, lk, lv, causal=causal, backward=mode, kernel=kernel, return_lse=True)
+    assert out.dtype == dtype and out.shape == lq.shape and lse.dtype == torch.float32
+    out.backward(burst.shard_sequence(dout))
+    got = [burst.gather_sequence(t) for t in (out.detach(), lse, lq.grad, lk.grad, lv.grad)]
+    got[1] = burst.gather_sequence(lse, dim=2)
+    for name, g, e in zip(("out", "lse", "dq", "dk", "dv"), got, expected):
+        err = (g.double() - e).abs().max().item()
+        assert err <= TOLERANCE[dtype], f"{name}: max error {err:.2e} (world {world_size}, {causal=}, {heads=}, " \
+                                        f"{dtype}, {mode})"
+    return lq, lk
+
+
+def check_bytes(world_size, q, k, mode):
+    hops = world_size - 1
+    assert burst.SENT.last_forward == hops * 2 * k.numel() * k.element_size()
+    assert burst.SENT.last_backward == hops * backward_bytes_per_hop(q, k, mode)
+
+
+def _all_cases(rank, world_size):
+    for case in CASES:
+        lq, lk = check_against_reference(world_size, *case)
+        check_bytes(world_size, lq, lk, case[-1])
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_matches_float64_reference_on_ranks(world_size):
+    run_on_ranks(_all_cases, world_size)
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_matches_float64_reference_single_process(case):
+    check_against_reference(1, *case)
+    assert burst.SENT.last_forward == 0 and burst.SENT.last_backward == 0
+
+
+def _math_kernel(rank, world_size):
+    check_against_reference(world_size, True, (4, 2), torch.float32, "burst", kernel="math")
+    check_against_reference(world_size, False, (4, 4), torch.float32, "ring", kernel="math")
+
+
+def test_math_kernel_on_ranks():
+    run_on_ranks(_math_kernel, 3)
+
+
+def test_auto_picks_the_cheaper_side():
+    q = torch.empty(1, 8, 8, 64, dtype=torch.bfloat16)
+    assert burst.choose_backward(q, torch.empty(1, 8, 8, 64, dtype=torch.bfloat16), "auto") == "burst"
+    assert burst.choose_backward(q, torch.empty(1, 8, 4, 64, dtype=torch.bfloat16), "auto") == "ring"
+    assert burst.choose_backward(q, torch.empty(1, 8, 2, 64, dtype=torch.bfloat16), "auto") == "ring"
+    assert burst.choose_backward(q, torch.empty(1, 8, 2, 64, dtype=torch.bfloat16), "burst") == "burst"
+
+
+def bad_inputs():
+    ok = torch.zeros(1, 8, 4, 16)
+    return [
+        ((torch.zeros(1, 7, 4, 16),) * 3, {}, "multiple of 2 x world"),
+        ((torch.zeros(1, 0, 4, 16),) * 3, {}, "multiple of 2 x world"),
+        ((ok, torch.zeros(1, 8, 3, 16), torch.zeros(1, 8, 3, 16)), {}, "multiple of kv heads"),
+        ((ok, ok, torch.zeros(1, 8, 2, 16)), {}, "same shape"),
+        ((ok, torch.zeros(1, 4, 4, 16), torch.zeros(1, 4, 4, 16)), {}, "must agree"),
+        ((ok, ok.bfloat16(), ok.bfloat16()), {}, "share one dtype"),
+        ((torch.zeros(8, 4, 16), ok, ok), {}, "must be \\[batch"),
+        ((ok, ok, ok), {"backward": "sideways"}, "unknown backward mode"),
+        ((ok, ok, ok), {"kernel": "cuda-magic"}, "unknown attention kernel"),
+    ]
+
+
+def _bad_inputs_raise(rank, world_size):
+    for args, kwargs, message in bad_inputs():
+        with pytest.raises(ValueError, match=message):
+            burst.burst_attn(*args, **kwargs)
+    dist.barrier()  # every rank raised and none is stuck in a send
+
+
+def test_bad_inputs_raise_on_every_rank():
+    run_on_ranks(_bad_inputs_raise, 2, timeout_s=30)
