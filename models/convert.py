@@ -1,0 +1,210 @@
+"""Convert model checkpoints between Hugging Face LLaMA and the native format.
+
+Every source format is read into one `Checkpoint` (a ModelConfig plus a stream of tensors under
+native names) and every target format is written from one; a new source format (the trainer's
+checkpoints) is one detector and one reader in SOURCE_FORMATS. Tensor names translate through
+the single HF_TO_NATIVE table; the native model uses Hugging Face's rotary layout, so no q/k
+permutation is needed. Everything is validated from file headers before any tensor is read.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from models.checkpoint import CONFIG_NAME, check_tensor_shapes, expected_shapes, is_native_checkpoint, read_config
+from models.config import ModelConfig, RopeScaling
+from models.storage import (
+    DEFAULT_MAX_SHARD_BYTES,
+    atomic_directory,
+    read_json,
+    read_tensors,
+    tensor_files,
+    tensor_shapes,
+    write_json,
+    write_tensors,
+)
+
+# Hugging Face LlamaForCausalLM name -> native Transformer name; {} is the layer index.
+HF_TO_NATIVE = {
+    "model.embed_tokens.weight": "tok_embeddings.weight",
+    "model.layers.{}.input_layernorm.weight": "layers.{}.attention_norm.weight",
+    "model.layers.{}.self_attn.q_proj.weight": "layers.{}.attention.wq.weight",
+    "model.layers.{}.self_attn.k_proj.weight": "layers.{}.attention.wk.weight",
+    "model.layers.{}.self_attn.v_proj.weight": "layers.{}.attention.wv.weight",
+    "model.layers.{}.self_attn.o_proj.weight": "layers.{}.attention.wo.weight",
+    "model.layers.{}.post_attention_layernorm.weight": "layers.{}.ffn_norm.weight",
+    "model.layers.{}.mlp.gate_proj.weight": "layers.{}.feed_forward.w1.weight",
+    "model.layers.{}.mlp.down_proj.weight": "layers.{}.feed_forward.w2.weight",
+    "model.layers.{}.mlp.up_proj.weight": "layers.{}.feed_forward.w3.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "output.weight",
+}
+NATIVE_TO_HF = {native: hf for hf, native in HF_TO_NATIVE.items()}
+
+# Older transformers saved the rotary inverse frequencies as weights; they follow from the config.
+HF_DERIVED_SUFFIX = "rotary_emb.inv_freq"
+# Copied unchanged from source to destination when present.
+CARRIED_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                 "generation_config.json")
+
+
+def rename(name: str, table: dict[str, str]) -> str:
+    """Translate a tensor name through `table`; a name the table does not know comes back unchanged."""
+    layer = re.search(r"\.(\d+)\.", name)
+    key = name.replace(layer.group(0), ".{}.", 1) if layer else name
+    if key not in table:
+        return name
+    return table[key].format(layer.group(1)) if layer else table[key]
+
+
+@dataclass
+class Checkpoint:
+    """A validated source checkpoint: its config and its tensors, streamed under native names."""
+
+    config: ModelConfig
+    tensors: Callable[[], Iterator[tuple[str, torch.Tensor]]]
+
+
+# ---- Hugging Face side -----------------------------------------------------------------------------------------
+
+def is_hf_checkpoint(path: Path) -> bool:
+    config = path / CONFIG_NAME
+    return config.is_file() and bool({"model_type", "architectures"} & set(read_json(config)))
+
+
+def config_from_hf(hf: dict, where: Path) -> ModelConfig:
+    """ModelConfig from a transformers 4.x (rope_theta, rope_scaling) or 5.x (rope_parameters) config.json."""
+    architectures = hf.get("architectures") or []
+    if hf.get("model_type") != "llama" and "LlamaForCausalLM" not in architectures:
+        raise ValueError(f"{where} describes model_type {hf.get('model_type')!r} {architectures}, not LLaMA "
+                         f"(model_type 'llama', LlamaForCausalLM); only LLaMA checkpoints can be converted")
+    missing = [key for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
+                               "intermediate_size") if key not in hf]
+    if missing:
+        raise ValueError(f"{where} lacks {missing}; it is not a complete LlamaConfig")
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    unsupported = {"hidden_act": (hf.get("hidden_act", "silu"), "silu"), "attention_bias": (hf.get("attention_bias"),
+                   False), "mlp_bias": (hf.get("mlp_bias"), False),
+                   "head_dim": (head_dim, hf["hidden_size"] // hf["num_attention_heads"])}
+    for key, (value, supported) in unsupported.items():
+        if value not in (supported, None):
+            raise ValueError(f"{where}: {key}={value!r} is not supported (the native model has {key}={supported!r})")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        raise ValueError(f"{where}: rope type {rope_type!r} is not supported; only 'default' and 'llama3' are")
+    scaling = None
+    if rope_type == "llama3":
+        scaling = RopeScaling(factor=rope["factor"], low_freq_factor=rope["low_freq_factor"],
+                              high_freq_factor=rope["high_freq_factor"],
+                              original_max_position_embeddings=rope["original_max_position_embeddings"])
+    return ModelConfig(
+        dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=hf["num_attention_heads"],
+        n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"], vocab_size=hf["vocab_size"],
+        ffn_hidden_dim=hf["intermediate_size"], norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)), rope_scaling=scaling,
+        max_seq_len=hf.get("max_position_embeddings", 2048), tie_embeddings=hf.get("tie_word_embeddings", False),
+        init_std=hf.get("initializer_range", 0.02))
+
+
+def config_to_hf(config: ModelConfig, dtype: torch.dtype) -> dict:
+    """A config.json that transformers 4.x and 5.x load as LlamaForCausalLM."""
+    rope_scaling = None
+    if config.rope_scaling is not None:
+        rope_scaling = {"rope_type": "llama3", **vars(config.rope_scaling)}
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+        "hidden_size": config.dim, "intermediate_size": config.ffn_hidden_dim,
+        "num_hidden_layers": config.n_layers, "num_attention_heads": config.n_heads,
+        "num_key_value_heads": config.n_kv_heads, "head_dim": config.head_dim, "vocab_size": config.vocab_size,
+        "rms_norm_eps": config.norm_eps, "rope_theta": config.rope_theta, "rope_scaling": rope_scaling,
+        "max_position_embeddings": config.max_seq_len, "tie_word_embeddings": config.tie_embeddings,
+        "initializer_range": config.init_std, "attention_bias": False, "mlp_bias": False,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def read_hf(src: Path) -> Checkpoint:
+    config = config_from_hf(read_json(src / CONFIG_NAME), src / CONFIG_NAME)
+    files = tensor_files(src)
+    # A tied checkpoint may still store lm_head.weight: it is the embedding matrix again.
+    derived = {name for name in files if name.endswith(HF_DERIVED_SUFFIX)
+               or (config.tie_embeddings and name == "lm_head.weight")}
+    files = {name: file for name, file in files.items() if name not in derived}
+    expected = {rename(name, NATIVE_TO_HF): shape for name, shape in expected_shapes(config).items()}
+    check_tensor_shapes(tensor_shapes(files), expected, str(src))
+    return Checkpoint(config, lambda: ((rename(name, HF_TO_NATIVE), t) for name, t in read_tensors(files)))
+
+
+def write_hf(checkpoint: Checkpoint, dst: Path, max_shard_bytes: int) -> None:
+    dtypes = []
+
+    def hf_tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in checkpoint.tensors():
+            dtypes.append(tensor.dtype)
+            yield rename(name, NATIVE_TO_HF), tensor
+
+    write_tensors(hf_tensors(), dst, max_shard_bytes)
+    write_json(config_to_hf(checkpoint.config, dtypes[0]), dst / CONFIG_NAME)
+
+
+# ---- native side -----------------------------------------------------------------------------------------------
+
+def read_native(src: Path) -> Checkpoint:
+    config = read_config(src)
+    files = tensor_files(src)
+    check_tensor_shapes(tensor_shapes(files), expected_shapes(config), str(src))
+    return Checkpoint(config, lambda: read_tensors(files))
+
+
+def write_native(checkpoint: Checkpoint, dst: Path, max_shard_bytes: int) -> None:
+    write_json(checkpoint.config.to_dict(), dst / CONFIG_NAME)
+    write_tensors(checkpoint.tensors(), dst, max_shard_bytes)
+
+
+# ---- detection and conversion ----------------------------------------------------------------------------------
+
+SOURCE_FORMATS: dict[str, tuple[Callable[[Path], bool], Callable[[Path], Checkpoint]]] = {
+    "hf": (is_hf_checkpoint, read_hf),
+    "burst": (is_native_checkpoint, read_native),
+}
+TARGET_FORMATS: dict[str, Callable[[Checkpoint, Path, int], None]] = {"hf": write_hf, "burst": write_native}
+
+
+def detect_format(path: Path) -> str:
+    """The name of the source format of the checkpoint directory `path` (a key of SOURCE_FORMATS)."""
+    if not path.is_dir():
+        raise ValueError(f"{path} is not a directory; pass a checkpoint directory")
+    for name, (is_format, _) in SOURCE_FORMATS.items():
+        if is_format(path):
+            return name
+    raise ValueError(f"{path} is not a recognised checkpoint: expected a Hugging Face LLaMA directory "
+                     f"(config.json with model_type 'llama') or a burst checkpoint (config.json with dim, n_layers)")
+
+
+def convert_checkpoint(src: str | Path, dst: str | Path, to: str, force: bool = False,
+                       max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
+    """Convert the checkpoint directory `src` (format detected) into `dst` in format `to` ("burst" or "hf").
+
+    Tensors are streamed one at a time; `dst` appears only when complete, and an existing
+    `dst` is replaced only with force=True. Returns `dst`.
+    """
+    if to not in TARGET_FORMATS:
+        raise ValueError(f"unknown target format {to!r}; choose one of {', '.join(TARGET_FORMATS)}")
+    src, dst = Path(src), Path(dst)
+    if dst.resolve() == src.resolve():
+        raise ValueError(f"source and destination are the same directory ({src}); choose another destination")
+    _, read = SOURCE_FORMATS[detect_format(src)]
+    checkpoint = read(src)
+    with atomic_directory(dst, force) as tmp:
+        TARGET_FORMATS[to](checkpoint, tmp, max_shard_bytes)
+        for name in CARRIED_FILES:
+            if (src / name).is_file():
+                shutil.copy2(src / name, tmp / name)
+    return dst

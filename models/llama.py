@@ -1,0 +1,191 @@
+"""A decoder-only LLaMA transformer: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU.
+
+Rotary embeddings use the "rotate half" layout of Hugging Face's LlamaForCausalLM (the first
+and second halves of each head form the rotated pairs), so converted checkpoints need only a
+renaming, no q/k permutation. RoPE is computed from explicit global positions on every call,
+so a rank holding a zigzag shard of a long sequence rotates each token by its true position.
+
+Build on the meta device, then materialise and initialise:
+
+    with torch.device("meta"):
+        model = Transformer(config)
+    model.to_empty(device="cuda")
+    model.init_weights()
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.attention import LocalAttention
+from models.config import ModelConfig
+from models.loss import chunked_cross_entropy
+
+
+def rope_inv_freq(config: ModelConfig, device: torch.device | str | None = None) -> torch.Tensor:
+    """Rotary inverse frequencies [head_dim // 2] in float32, with LLaMA-3.1 scaling when configured."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    wavelen = 2 * math.pi / inv_freq
+    low_freq_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_freq_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    # Same arithmetic as Meta's and Hugging Face's reference, so converted models agree to the last bit.
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = ((scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor)
+              / (scaling.high_freq_factor - scaling.low_freq_factor))
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rotary_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [seq] or [batch, seq] int64 -> cos, sin [..., seq, 1, head_dim // 2] float32."""
+    angles = positions[..., None].float() * inv_freq  # [..., seq, head_dim // 2]
+    return angles.cos()[..., None, :], angles.sin()[..., None, :]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [batch, seq, heads, head_dim] pairwise (i, i + head_dim/2), in float32."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).type_as(x)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in float32 whatever the input dtype."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.type_as(x)
+
+
+class Attention(nn.Module):
+    """Projections and rotary embeddings around the swappable `core_attention`."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        self.wq = nn.Linear(config.dim, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(config.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(config.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, config.dim, bias=False)
+        self.core_attention = LocalAttention()
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                doc_boundaries: Sequence[torch.Tensor] | None) -> torch.Tensor:
+        batch, seq_len, _ = x.shape
+        q = self.wq(x).view(batch, seq_len, self.n_heads, self.head_dim)
+        k = self.wk(x).view(batch, seq_len, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(batch, seq_len, self.n_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.core_attention(q, k, v, doc_boundaries)  # [batch, seq, n_heads, head_dim]
+        return self.wo(out.reshape(batch, seq_len, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.w1 = nn.Linear(config.dim, config.ffn_hidden_dim, bias=False)
+        self.w2 = nn.Linear(config.ffn_hidden_dim, config.dim, bias=False)
+        self.w3 = nn.Linear(config.dim, config.ffn_hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm residual block: x + attention(norm(x)), then + feed_forward(norm(x))."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attention = Attention(config)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.feed_forward = FeedForward(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                doc_boundaries: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, doc_boundaries)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    """tokens [batch, seq] -> logits [batch, seq, vocab]; `loss` for training without full logits."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layers))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        # With tied embeddings there is no output module: the embedding matrix projects back.
+        self.output = None if config.tie_embeddings else nn.Linear(config.dim, config.vocab_size, bias=False)
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """The [vocab, dim] matrix that turns hidden states into logits."""
+        return self.tok_embeddings.weight if self.output is None else self.output.weight
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Initialise in place (works on materialised meta tensors and on FSDP-sharded parameters).
+
+        Embeddings and linear weights ~ normal(0, init_std); the projections that write into the
+        residual stream (attention.wo, feed_forward.w2) use init_std / sqrt(2 * n_layers) so the
+        residual variance does not grow with depth (GPT-2); RMSNorm weights are 1.
+        """
+        std = self.config.init_std
+        residual_std = std / math.sqrt(2 * self.config.n_layers)
+        for name, param in self.named_parameters():
+            if name.endswith("norm.weight"):
+                nn.init.ones_(param)
+            elif name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+                nn.init.normal_(param, mean=0.0, std=residual_std)
+            else:
+                nn.init.normal_(param, mean=0.0, std=std)
+
+    def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                      doc_boundaries: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+        """tokens [batch, seq] -> final-normed hidden states [batch, seq, dim].
+
+        positions: global position ids [seq] or [batch, seq] (default 0..seq-1).
+        doc_boundaries: one 1-D tensor of document offsets per batch row, or None.
+        """
+        if positions is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
+        cos, sin = rotary_cos_sin(positions, rope_inv_freq(self.config, tokens.device))
+        h = self.tok_embeddings(tokens)  # [batch, seq, dim]
+        for layer in self.layers:
+            h = layer(h, cos, sin, doc_boundaries)
+        return self.norm(h)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                doc_boundaries: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+        """tokens [batch, seq] -> logits [batch, seq, vocab]."""
+        return F.linear(self.hidden_states(tokens, positions, doc_boundaries), self.output_weight)
+
+    def loss(self, tokens: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None = None,
+             doc_boundaries: Sequence[torch.Tensor] | None = None,
+             chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+        """Summed cross-entropy over labels [batch, seq] (-100 = ignored) and the count of scored tokens.
+
+        Returns (loss_sum float32 scalar, num_tokens int64 scalar); the caller divides, after
+        reducing both across ranks. Logits are formed chunk_size rows at a time, never in full.
+        """
+        hidden = self.hidden_states(tokens, positions, doc_boundaries)
+        return chunked_cross_entropy(hidden.flatten(0, 1), self.output_weight, labels.flatten(), chunk_size)

@@ -1,0 +1,76 @@
+"""Cross-entropy over a large vocabulary without materialising the [tokens, vocab] logits.
+
+At 131,072 tokens and a 128K vocabulary the float32 logits alone are ~63 GiB. Forward computes
+logits `chunk_size` rows at a time and keeps only each row's logsumexp; backward recomputes each
+chunk's logits to form softmax - onehot and the gradients of hidden and weight. Memory beyond
+the inputs is O(chunk_size x vocab) plus the [vocab, dim] weight gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _chunk_logits(hidden_chunk: torch.Tensor, weight32: torch.Tensor) -> torch.Tensor:
+    """[chunk, dim] x [vocab, dim] -> float32 logits [chunk, vocab]."""
+    return hidden_chunk.float() @ weight32.t()
+
+
+class ChunkedCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int,
+                ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # Autocast would run the matmuls in bf16; the softmax needs float32 logits.
+        with torch.autocast(hidden.device.type, enabled=False):
+            weight32 = weight.float()
+            valid = labels != ignore_index  # [N]
+            safe_labels = torch.where(valid, labels, 0)
+            logsumexp = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)  # [N]
+            loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+            for start in range(0, hidden.shape[0], chunk_size):
+                rows = slice(start, start + chunk_size)
+                logits = _chunk_logits(hidden[rows], weight32)  # [chunk, vocab]
+                logsumexp[rows] = torch.logsumexp(logits, dim=-1)
+                target = logits.gather(1, safe_labels[rows, None]).squeeze(1)  # [chunk]
+                loss_sum += ((logsumexp[rows] - target) * valid[rows]).sum()
+        ctx.save_for_backward(hidden, weight, safe_labels, valid, logsumexp)
+        ctx.chunk_size = chunk_size
+        count = valid.sum()
+        ctx.mark_non_differentiable(count)
+        return loss_sum, count
+
+    @staticmethod
+    def backward(ctx, grad_loss_sum: torch.Tensor, _grad_count: torch.Tensor):
+        hidden, weight, safe_labels, valid, logsumexp = ctx.saved_tensors
+        with torch.autocast(hidden.device.type, enabled=False):
+            weight32 = weight.float()
+            grad_hidden = torch.empty_like(hidden)  # [N, dim]
+            grad_weight = torch.zeros_like(weight32)  # [vocab, dim]
+            for start in range(0, hidden.shape[0], ctx.chunk_size):
+                rows = slice(start, start + ctx.chunk_size)
+                hidden32 = hidden[rows].float()
+                # d(loss_sum)/d(logits) = softmax - onehot(label) on scored rows, 0 on ignored ones.
+                grad_logits = _chunk_logits(hidden32, weight32)  # [chunk, vocab]
+                grad_logits.sub_(logsumexp[rows, None]).exp_()
+                grad_logits.scatter_add_(1, safe_labels[rows, None],
+                                         torch.full_like(logsumexp[rows, None], -1.0))
+                grad_logits.mul_((valid[rows] * grad_loss_sum)[:, None])
+                grad_hidden[rows] = grad_logits @ weight32
+                grad_weight.addmm_(grad_logits.t(), hidden32)
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None
+
+
+def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int = 1024,
+                          ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed cross-entropy of logits = hidden @ weight.T, computed chunk by chunk in float32.
+
+    hidden [N, dim], weight [vocab, dim], labels [N] int64 (ignore_index = not scored).
+    Returns (loss_sum float32 scalar, count int64 scalar of scored rows); loss_sum / count is
+    F.cross_entropy's mean.
+    """
+    if hidden.dim() != 2 or labels.shape != hidden.shape[:1] or weight.shape[1] != hidden.shape[1]:
+        raise ValueError(f"chunked_cross_entropy expects hidden [N, dim], weight [vocab, dim], labels [N]; "
+                         f"got {tuple(hidden.shape)}, {tuple(weight.shape)}, {tuple(labels.shape)}")
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    return ChunkedCrossEntropy.apply(hidden, weight, labels, chunk_size, ignore_index)

@@ -1,0 +1,159 @@
+"""Checkpoint directories on disk: safetensors files, sharded with an index, written atomically.
+
+The layout is Hugging Face's: `model.safetensors`, or past a size threshold
+`model-00001-of-0000N.safetensors` ... plus `model.safetensors.index.json`
+({"metadata": {"total_size": bytes}, "weight_map": {tensor name: file name}}). Both the native
+format and the Hugging Face format use it; only tensor names and config.json differ.
+Tensors are read and written one at a time so a 7B model never sits in memory twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+
+
+def read_json(path: Path) -> dict:
+    """A JSON object from `path`, with an error naming the file when it is missing or malformed."""
+    if not path.is_file():
+        raise ValueError(f"{path} does not exist")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON ({err}); re-export or re-download it") from err
+
+
+def write_json(obj: dict, path: Path) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def open_safetensors(file: Path):
+    """safe_open(file), with a ValueError naming the file when it is truncated or corrupt."""
+    try:
+        return safe_open(str(file), framework="pt")
+    except Exception as err:  # safetensors raises its own error types for each kind of damage
+        raise ValueError(f"{file} is not a readable safetensors file ({err}); "
+                         f"it is probably truncated or corrupt: re-download or re-export it") from err
+
+
+def tensor_files(directory: Path) -> dict[str, Path]:
+    """Map each tensor name to the safetensors file in `directory` that holds it."""
+    single, index = directory / WEIGHTS_NAME, directory / INDEX_NAME
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index} has no 'weight_map' object; re-export the checkpoint")
+        files = {name: directory / file for name, file in weight_map.items()}
+    elif single.is_file():
+        with open_safetensors(single) as f:
+            return dict.fromkeys(f.keys(), single)
+    else:
+        raise ValueError(f"{directory} holds neither {WEIGHTS_NAME} nor {INDEX_NAME}; "
+                         f"point at a directory written by save_pretrained or burst")
+    for file in sorted(set(files.values())):
+        if not file.is_file():
+            raise ValueError(f"{file} is listed in {index} but does not exist; copy the missing shard")
+        with open_safetensors(file) as f:
+            stored = set(f.keys())
+        listed = {name for name, listed_file in files.items() if listed_file == file}
+        if listed - stored:
+            raise ValueError(f"{file} lacks tensors that {index} places there: {sorted(listed - stored)[:5]}; "
+                             f"the shard and the index do not belong together")
+    return files
+
+
+def tensor_shapes(files: dict[str, Path]) -> dict[str, tuple[int, ...]]:
+    """Each tensor's shape, read from the file headers only (no tensor data is loaded)."""
+    shapes = {}
+    for file in sorted(set(files.values())):
+        with open_safetensors(file) as f:
+            for name in f.keys():
+                if files.get(name) == file:
+                    shapes[name] = tuple(f.get_slice(name).get_shape())
+    return shapes
+
+
+def read_tensors(files: dict[str, Path], device: str | torch.device = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) one at a time, opening each file once."""
+    for file in sorted(set(files.values())):
+        with open_safetensors(file) as f:
+            for name in f.keys():
+                if files.get(name) == file:
+                    try:
+                        yield name, f.get_tensor(name).to(device)
+                    except Exception as err:
+                        raise ValueError(f"{file}: tensor {name!r} cannot be read ({err}); "
+                                         f"the file is corrupt: re-download or re-export it") from err
+
+
+def write_tensors(tensors: Iterable[tuple[str, torch.Tensor]], directory: Path,
+                  max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
+    """Write tensors as model.safetensors, or as numbered shards plus an index once they exceed max_shard_bytes.
+
+    Holds at most one shard in memory.
+    """
+    shards: list[list[str]] = []  # tensor names of each flushed shard
+    pending: dict[str, torch.Tensor] = {}
+    pending_bytes = total_bytes = 0
+
+    def flush() -> None:
+        save_file(pending, str(directory / f"shard-{len(shards) + 1:05d}.tmp"), metadata={"format": "pt"})
+        shards.append(list(pending))
+        pending.clear()
+
+    for name, tensor in tensors:
+        size = tensor.numel() * tensor.element_size()
+        if pending and pending_bytes + size > max_shard_bytes:
+            flush()
+            pending_bytes = 0
+        pending[name] = tensor.detach().contiguous().cpu()
+        pending_bytes += size
+        total_bytes += size
+    flush()
+    if len(shards) == 1:
+        os.replace(directory / "shard-00001.tmp", directory / WEIGHTS_NAME)
+        return
+    weight_map = {}
+    for number, names in enumerate(shards, start=1):
+        file = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        os.replace(directory / f"shard-{number:05d}.tmp", directory / file)
+        weight_map.update(dict.fromkeys(names, file))
+    write_json({"metadata": {"total_size": total_bytes}, "weight_map": weight_map}, directory / INDEX_NAME)
+
+
+@contextlib.contextmanager
+def atomic_directory(dst: Path, force: bool = False) -> Iterator[Path]:
+    """Yield a temporary directory next to `dst` that becomes `dst` only if the block completes.
+
+    An existing `dst` is refused unless `force`; then it is replaced only after the new one is complete.
+    """
+    dst = Path(dst)
+    if dst.exists() and not force:
+        raise ValueError(f"{dst} already exists; choose another destination or pass force=True (--force) "
+                         f"to replace it")
+    tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        if dst.exists():
+            old = dst.parent / f".{dst.name}.old-{os.getpid()}"
+            os.replace(dst, old)
+            os.replace(tmp, dst)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, dst)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
