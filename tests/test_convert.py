@@ -1,0 +1,206 @@
+"""Hugging Face <-> native conversion: parity with transformers' LlamaForCausalLM, bit-exact round trips, refusals."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig, LlamaForCausalLM
+from typer.testing import CliRunner
+
+from cli import app
+from models import convert_checkpoint, load_model
+from models.convert import config_from_hf
+from models.llama import rope_inv_freq
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}
+HF_CONFIGS = {
+    "gqa": dict(num_attention_heads=4, num_key_value_heads=2),
+    "mha-tied-theta": dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True,
+                           rope_parameters={"rope_type": "default", "rope_theta": 1234.0}),
+    "gqa-llama3-scaling": dict(num_attention_heads=4, num_key_value_heads=1,
+                               rope_parameters={**LLAMA3_ROPE, "rope_theta": 500000.0}),
+}
+SEQ_LEN = 48  # past original_max_position_embeddings, so the llama3 scaling matters
+
+
+def save_hf_model(path, name: str, transformers4_config: bool = False, **save_kwargs) -> LlamaForCausalLM:
+    """A small random LlamaForCausalLM saved with save_pretrained; optionally with a 4.x-style config.json."""
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, vocab_size=300,
+                         max_position_embeddings=256, rms_norm_eps=1e-5, **HF_CONFIGS[name])
+    model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(path, **save_kwargs)
+    if transformers4_config:
+        fields = json.loads((path / "config.json").read_text())
+        rope = fields.pop("rope_parameters")
+        fields.update(rope_theta=rope.pop("rope_theta"), rope_scaling=rope, torch_dtype=fields.pop("dtype"))
+        (path / "config.json").write_text(json.dumps(fields))
+    return model
+
+
+def hf_logits(model: LlamaForCausalLM, tokens: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def hf_tensors(path) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for file in sorted(path.glob("*.safetensors")):
+        tensors.update(load_file(file))
+    return tensors
+
+
+@pytest.mark.parametrize("name", list(HF_CONFIGS))
+def test_hf_to_burst_to_hf(tmp_path, name):
+    hf_model = save_hf_model(tmp_path / "hf", name)
+    (tmp_path / "hf" / "tokenizer.model").write_bytes(b"sentencepiece model bytes")
+    tokens = torch.randint(0, 300, (2, SEQ_LEN))
+
+    convert_checkpoint(tmp_path / "hf", tmp_path / "burst", to="burst")
+    model = load_model(tmp_path / "burst")
+    with torch.no_grad():
+        diff = (model(tokens) - hf_logits(hf_model, tokens)).abs().max().item()
+    print(f"{name}: max |logit diff| burst vs transformers = {diff:.3e}")
+    assert diff <= 1e-4
+    assert (tmp_path / "burst" / "tokenizer.model").read_bytes() == b"sentencepiece model bytes"
+
+    convert_checkpoint(tmp_path / "burst", tmp_path / "hf2", to="hf")
+    source, round_trip = hf_tensors(tmp_path / "hf"), hf_tensors(tmp_path / "hf2")
+    assert source.keys() == round_trip.keys()
+    assert all(torch.equal(source[k], round_trip[k]) and source[k].dtype == round_trip[k].dtype for k in source)
+    reloaded = LlamaForCausalLM.from_pretrained(tmp_path / "hf2").eval()
+    assert torch.equal(hf_logits(reloaded, tokens), hf_logits(hf_model, tokens))
+    assert (tmp_path / "hf2" / "tokenizer.model").exists()
+
+
+def test_transformers4_config_and_llama3_scaling(tmp_path):
+    hf_model = save_hf_model(tmp_path / "hf", "gqa-llama3-scaling", transformers4_config=True)
+    convert_checkpoint(tmp_path / "hf", tmp_path / "burst", to="burst")
+    model = load_model(tmp_path / "burst")
+    assert model.config.rope_theta == 500000.0 and model.config.rope_scaling.original_max_position_embeddings == 16
+    tokens = torch.randint(0, 300, (1, SEQ_LEN))
+    with torch.no_grad():
+        assert (model(tokens) - hf_logits(hf_model, tokens)).abs().max() <= 1e-4
+    # The scaling changes the frequencies, so a converter that dropped it would fail the parity above.
+    assert not torch.equal(rope_inv_freq(model.config),
+                           rope_inv_freq(dataclasses.replace(model.config, rope_scaling=None)))
+
+
+def test_sharded_checkpoints(tmp_path):
+    hf_model = save_hf_model(tmp_path / "hf", "gqa", max_shard_size="100KB")
+    assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
+    convert_checkpoint(tmp_path / "hf", tmp_path / "burst", to="burst", max_shard_bytes=60_000)
+    index = json.loads((tmp_path / "burst" / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    assert not (tmp_path / "burst" / "model.safetensors").exists()
+    tokens = torch.randint(0, 300, (1, SEQ_LEN))
+    with torch.no_grad():
+        assert (load_model(tmp_path / "burst")(tokens) - hf_logits(hf_model, tokens)).abs().max() <= 1e-4
+    convert_checkpoint(tmp_path / "burst", tmp_path / "hf2", to="hf", max_shard_bytes=60_000)
+    reloaded = LlamaForCausalLM.from_pretrained(tmp_path / "hf2").eval()
+    assert torch.equal(hf_logits(reloaded, tokens), hf_logits(hf_model, tokens))
+
+
+def edit_weights(path, edit) -> None:
+    file = path / "model.safetensors"
+    tensors = load_file(file)
+    edit(tensors)
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+def test_bad_sources_are_refused_and_leave_nothing(tmp_path):
+    src, dst = tmp_path / "hf", tmp_path / "out"
+    save_hf_model(src, "gqa")
+    config = json.loads((src / "config.json").read_text())
+
+    def refused(match: str) -> None:
+        with pytest.raises(ValueError, match=match):
+            convert_checkpoint(src, dst, to="burst")
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no DST, no temporary directory
+
+    (src / "config.json").write_text(json.dumps({**config, "model_type": "mistral",
+                                                 "architectures": ["MistralForCausalLM"]}))
+    refused(r"model_type 'mistral' \['MistralForCausalLM'\], not LLaMA")
+    (src / "config.json").write_text(json.dumps({**config, "vocab_size": 500}))
+    refused(r"'model.embed_tokens.weight' has shape \[300, 64\] but the config implies \[500, 64\]")
+    (src / "config.json").write_text(json.dumps(config))
+
+    original = (src / "model.safetensors").read_bytes()
+    edit_weights(src, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    refused(r"missing tensors \['model.layers.1.mlp.up_proj.weight'\]")
+    (src / "model.safetensors").write_bytes(original)
+    edit_weights(src, lambda t: t.update({"model.layers.0.self_attn.q_proj.bias": torch.zeros(64)}))
+    refused(r"unexpected tensors \['model.layers.0.self_attn.q_proj.bias'\]")
+    (src / "model.safetensors").write_bytes(original[: len(original) // 2])
+    refused(r"hf/model.safetensors is not a readable safetensors file .* truncated or corrupt")
+    (src / "model.safetensors").write_bytes(b"\xff" * 64 + original[64:])
+    refused(r"hf/model.safetensors is not a readable safetensors file")
+    (src / "model.safetensors").unlink()
+    refused(r"holds neither model.safetensors nor model.safetensors.index.json")
+    (src / "config.json").unlink()
+    refused(r"is not a recognised checkpoint")
+
+
+def test_failure_while_writing_leaves_no_destination(tmp_path, monkeypatch):
+    save_hf_model(tmp_path / "hf", "gqa")
+
+    def write_then_fail(tensors, directory, max_shard_bytes):
+        (directory / "model.safetensors").write_bytes(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr("models.convert.write_tensors", write_then_fail)
+    with pytest.raises(OSError, match="disk full"):
+        convert_checkpoint(tmp_path / "hf", tmp_path / "out", to="burst")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+def test_existing_destination_needs_force(tmp_path):
+    save_hf_model(tmp_path / "hf", "gqa")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("precious")
+    with pytest.raises(ValueError, match="out already exists; choose another destination or pass force=True"):
+        convert_checkpoint(tmp_path / "hf", tmp_path / "out", to="burst")
+    assert (tmp_path / "out" / "keep.txt").read_text() == "precious"
+    convert_checkpoint(tmp_path / "hf", tmp_path / "out", to="burst", force=True)
+    assert not (tmp_path / "out" / "keep.txt").exists() and load_model(tmp_path / "out").config.dim == 64
+    with pytest.raises(ValueError, match="unknown target format 'gguf'; choose one of hf, burst"):
+        convert_checkpoint(tmp_path / "hf", tmp_path / "x", to="gguf")
+
+
+def test_unsupported_llama_variants_are_named():
+    base = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "vocab_size": 300, "intermediate_size": 96}
+    with pytest.raises(ValueError, match="attention_bias=True is not supported"):
+        config_from_hf({**base, "attention_bias": True}, "config.json")
+    with pytest.raises(ValueError, match="rope type 'yarn' is not supported"):
+        config_from_hf({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "config.json")
+
+
+def test_cli(tmp_path):
+    save_hf_model(tmp_path / "hf", "gqa")
+    runner = CliRunner()
+    args = ["convert-checkpoint", str(tmp_path / "hf"), str(tmp_path / "out"), "--to", "burst"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2 and "already exists" in result.output and "Traceback" not in result.output
+    assert runner.invoke(app, [*args, "--force"]).exit_code == 0
+
+
+def test_tensors_derived_from_others_are_skipped(tmp_path):
+    # Older transformers stored rotary inverse frequencies, and tied checkpoints may repeat the embedding as lm_head.
+    hf_model = save_hf_model(tmp_path / "hf", "mha-tied-theta")
+    assert "lm_head.weight" not in hf_tensors(tmp_path / "hf")
+    edit_weights(tmp_path / "hf", lambda t: t.update({
+        "lm_head.weight": t["model.embed_tokens.weight"].clone(),
+        "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)}))
+    convert_checkpoint(tmp_path / "hf", tmp_path / "burst", to="burst")
+    tokens = torch.randint(0, 300, (1, SEQ_LEN))
+    with torch.no_grad():
+        assert (load_model(tmp_path / "burst")(tokens) - hf_logits(hf_model, tokens)).abs().max() <= 1e-4
