@@ -1,0 +1,62 @@
+"""The embedded default corpus: the Python standard library's own source code.
+
+It is on every machine that can run burst, it needs no download, and it is made of long real
+documents (hundreds of files over 16K tokens). On first use it is prepared, with a 4,096-token
+vocabulary trained on it (the vocabulary of the `debug` and `tiny` model presets), into
+`$BURST_CACHE` (default `~/.cache/burst`) and reused afterwards. To train on your own data,
+run `burst prepare` and point the trainer at the store it writes.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import platform
+import shutil
+import sysconfig
+from pathlib import Path
+
+from data.prepare import prepare
+from data.store import FORMAT_VERSION, METADATA_FILE
+
+STDLIB_VOCAB_SIZE = 4096
+# Part of the cache key: change it whenever the files chosen or the prepare options change.
+CORPUS_OPTIONS: dict[str, object] = {"corpus": "stdlib-py", "revision": 1, "vocab_size": STDLIB_VOCAB_SIZE,
+                                     "val_fraction": 0.01, "seed": 0, "format_version": FORMAT_VERSION}
+
+
+def stdlib_sources() -> list[Path]:
+    """Every .py file of this interpreter's standard library, its tests included; not site-packages."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    installed = {"site-packages", "dist-packages"}
+    return sorted(p for p in stdlib.rglob("*.py") if p.is_file() and not installed & set(p.relative_to(stdlib).parts))
+
+
+def cache_root(cache_dir: str | Path | None = None) -> Path:
+    """Where prepared default corpora live: `cache_dir`, else $BURST_CACHE, else ~/.cache/burst."""
+    return Path(cache_dir or os.environ.get("BURST_CACHE") or Path.home() / ".cache" / "burst")
+
+
+def default_store(cache_dir: str | Path | None = None, *, progress: bool = True) -> Path:
+    """The token store of the standard-library corpus, prepared on first use (about 20 s on 2 cores).
+
+    Safe to call from many processes at once (a trainer's ranks): one prepares under a file
+    lock while the others wait, then all reuse the same store.
+    """
+    stdlib = sysconfig.get_paths()["stdlib"]
+    key = json.dumps({**CORPUS_OPTIONS, "stdlib": stdlib}, sort_keys=True)
+    name = f"stdlib-{platform.python_version()}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    root = cache_root(cache_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    store_dir = root / name
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released by the kernel if this process dies
+        if not (store_dir / METADATA_FILE).is_file():
+            for stale in root.glob(f"{name}.tmp-*"):  # left by a prepare that was killed; we hold the lock
+                shutil.rmtree(stale, ignore_errors=True)
+            prepare(stdlib_sources(), store_dir, vocab_size=CORPUS_OPTIONS["vocab_size"],
+                    val_fraction=CORPUS_OPTIONS["val_fraction"], seed=CORPUS_OPTIONS["seed"], force=True,
+                    progress=progress)
+    return store_dir

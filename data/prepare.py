@@ -1,0 +1,195 @@
+"""`burst prepare`: read a corpus, tokenize it on every core, and write a token store.
+
+The store is built in a temporary sibling directory (`DIR.tmp-*`) and renamed to DIR only when
+complete, with metadata.json written last: an interrupted prepare never leaves a directory that
+looks like a store. Tokens go to disk chunk by chunk, so memory stays flat for any corpus size.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from data.sources import DocumentReader, InputReport, find_input_files
+from data.store import TOKENIZER_FILE, StoreWriter, TokenStore, token_dtype
+from data.tokenizer import Tokenizer, available_cores, train_tokenizer
+
+DEFAULT_VOCAB_SIZE = 32_000
+LONG_DOCUMENT_TOKENS = (8_192, 16_384, 32_768, 65_536, 131_072)  # common sequence lengths
+CHUNK_CHARS = 8_000_000  # text per encode call: enough work for every core, little memory
+
+
+@dataclass
+class PrepareSummary:
+    """What `prepare` wrote and what it found in the input."""
+
+    out_dir: Path
+    num_documents: int
+    num_train_documents: int
+    num_val_documents: int
+    num_tokens: int
+    vocab_size: int
+    length_min: int  # document lengths in tokens, BOS/EOS not counted
+    length_median: int
+    length_p90: int
+    length_max: int
+    documents_at_least: dict[int, int]  # {sequence length: documents with at least that many tokens}
+    report: InputReport
+    seconds: float
+
+
+def prepare(inputs: Sequence[str | Path], out_dir: str | Path, *, tokenizer: str | Path | None = None,
+            vocab_size: int | None = None, text_field: str = "text", val_fraction: float = 0.01,
+            workers: int | None = None, seed: int = 0, force: bool = False, progress: bool = True) -> PrepareSummary:
+    """Tokenize `inputs` (files or directories) into a token store at `out_dir`.
+
+    With `tokenizer` (a SentencePiece .model) its ids are used; otherwise a tokenizer of
+    `vocab_size` (default 32,000) is trained on the corpus. `val_fraction` of the documents,
+    chosen with `seed`, form the validation split. Prints a progress bar and a summary table
+    unless `progress` is False.
+    """
+    started = time.perf_counter()
+    out_dir = Path(out_dir)
+    _check_arguments(inputs, out_dir, tokenizer, vocab_size, val_fraction, force)
+    report = InputReport()
+    files = find_input_files(inputs, report)
+    console = Console(quiet=not progress)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    work_dir = Path(tempfile.mkdtemp(prefix=f"{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeElapsedColumn(),
+                      TimeRemainingColumn(), console=console) as bar:
+            tok = _tokenizer_for(files, work_dir / TOKENIZER_FILE, tokenizer, vocab_size, text_field, seed, bar)
+            writer = StoreWriter(work_dir, token_dtype(tok.vocab_size))
+            try:
+                _tokenize(DocumentReader(files, report, text_field), tok, writer, workers, bar)
+            finally:
+                writer.close()
+        if writer.num_documents == 0:
+            raise ValueError(f"no documents to store in {[str(i) for i in inputs]}: {report.files} files read, "
+                             f"problems {report.problems()}, e.g. {report.examples}")
+        val_documents = _choose_val_documents(writer.num_documents, val_fraction, seed)
+        writer.finish(val_documents, {
+            "tokenizer": {"file": TOKENIZER_FILE, "sha256": tok.sha256, "vocab_size": tok.vocab_size,
+                          "bos_id": tok.bos_id, "eos_id": tok.eos_id},
+            "split": {"val_fraction": val_fraction, "seed": seed},
+            "inputs": [str(i) for i in inputs], "text_field": text_field,
+            "input_report": {"files": report.files, "documents": report.documents, **report.problems()}})
+        if out_dir.exists():  # only here with force: refused earlier otherwise
+            shutil.rmtree(out_dir)
+        work_dir.rename(out_dir)
+    except BaseException:  # KeyboardInterrupt too: leave nothing behind that could be mistaken for a store
+        shutil.rmtree(work_dir, ignore_errors=True)
+        raise
+    summary = _summarize(TokenStore(out_dir), report, time.perf_counter() - started)
+    console.print(summary_table(summary))
+    return summary
+
+
+def _check_arguments(inputs: Sequence[str | Path], out_dir: Path, tokenizer: str | Path | None,
+                     vocab_size: int | None, val_fraction: float, force: bool) -> None:
+    """Refuse bad arguments before any work is done."""
+    if not inputs:
+        raise ValueError("no inputs given; pass files or directories to tokenize")
+    if tokenizer is not None and vocab_size is not None:
+        raise ValueError("pass either --tokenizer (use an existing model) or --vocab-size (train one), not both")
+    if not 0 <= val_fraction < 1:
+        raise ValueError(f"--val-fraction {val_fraction} must be in [0, 1), e.g. 0.01")
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        if not force:
+            raise FileExistsError(f"{out_dir} already exists and is not empty; choose another --out, "
+                                  f"or pass --force to replace it")
+        resolved = out_dir.resolve()
+        for item in map(Path, inputs):
+            if item.resolve() == resolved or resolved in item.resolve().parents:
+                raise ValueError(f"input {item} lies inside --out {out_dir}, which --force would delete; "
+                                 f"choose another --out")
+
+
+def _tokenizer_for(files: list[Path], path: Path, existing: str | Path | None, vocab_size: int | None,
+                   text_field: str, seed: int, bar: Progress) -> Tokenizer:
+    """Copy the given tokenizer into the store, or train one on the corpus there."""
+    if existing is not None:
+        Tokenizer(existing)  # fail here, with a clear message, if it is not a usable model
+        shutil.copyfile(existing, path)
+        return Tokenizer(path)
+    started = time.perf_counter()
+    bar.console.print(f"training a tokenizer (vocabulary {vocab_size or DEFAULT_VOCAB_SIZE:,}) on {len(files):,} files")
+    texts = DocumentReader(files, InputReport(), text_field)  # problems are counted in the main pass
+    tok = train_tokenizer(texts, path, vocab_size or DEFAULT_VOCAB_SIZE, seed=seed)
+    bar.console.print(f"trained the tokenizer in {time.perf_counter() - started:.1f} s")
+    return tok
+
+
+def _tokenize(reader: DocumentReader, tok: Tokenizer, writer: StoreWriter, workers: int | None,
+              bar: Progress) -> None:
+    """Encode the documents chunk by chunk on `workers` threads, appending them to the store in order."""
+    task = bar.add_task("tokenizing", total=sum(p.stat().st_size for p in reader.files))
+    threads = workers or available_cores()
+    chunk: list[str] = []
+    chunk_chars = 0
+
+    def flush() -> None:
+        writer.append(tok.encode_batch(chunk, threads))
+        chunk.clear()
+        bar.update(task, completed=reader.bytes_read,
+                   description=f"tokenizing: {writer.num_documents:,} documents, {writer.num_tokens:,} tokens")
+
+    for text in reader:
+        chunk.append(text)
+        chunk_chars += len(text)
+        if chunk_chars >= CHUNK_CHARS:
+            flush()
+            chunk_chars = 0
+    flush()
+
+
+def _choose_val_documents(num_documents: int, val_fraction: float, seed: int) -> np.ndarray:
+    """Sorted ids of the validation documents: at least one when asked for any, never all of them."""
+    if val_fraction == 0 or num_documents < 2:
+        return np.zeros(0, np.int64)
+    count = min(max(round(num_documents * val_fraction), 1), num_documents - 1)
+    return np.sort(np.random.default_rng(seed).choice(num_documents, count, replace=False))
+
+
+def _summarize(store: TokenStore, report: InputReport, seconds: float) -> PrepareSummary:
+    lengths = store.document_lengths
+    return PrepareSummary(
+        out_dir=store.directory, num_documents=store.num_documents,
+        num_train_documents=store.num_documents - store.metadata["num_val_documents"],
+        num_val_documents=store.metadata["num_val_documents"], num_tokens=store.num_tokens,
+        vocab_size=store.vocab_size, length_min=int(lengths.min()), length_median=int(np.median(lengths)),
+        length_p90=int(np.percentile(lengths, 90)), length_max=int(lengths.max()),
+        documents_at_least={n: int((lengths >= n).sum()) for n in LONG_DOCUMENT_TOKENS},
+        report=report, seconds=seconds)
+
+
+def summary_table(summary: PrepareSummary) -> Table:
+    """The summary printed at the end of `burst prepare`."""
+    table = Table(title=f"token store {summary.out_dir}", show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    table.add_column(overflow="fold")  # where a problem was first seen
+    table.add_row("documents", f"{summary.num_documents:,} ({summary.num_train_documents:,} train, "
+                               f"{summary.num_val_documents:,} val)")
+    table.add_row("tokens", f"{summary.num_tokens:,} (vocabulary {summary.vocab_size:,})")
+    table.add_row("tokens per document", f"min {summary.length_min:,}  median {summary.length_median:,}  "
+                                         f"p90 {summary.length_p90:,}  max {summary.length_max:,}")
+    for length, count in summary.documents_at_least.items():
+        table.add_row(f"documents >= {length // 1024}K tokens", f"{count:,}")
+    table.add_row("files read", f"{summary.report.files:,}")
+    for problem, count in summary.report.problems().items():
+        example = f"e.g. {summary.report.examples[problem][0]}" if count else ""
+        table.add_row(problem.replace("_", " "), f"{count:,}", example, style="yellow" if count else None)
+    table.add_row("time", f"{summary.seconds:.1f} s")
+    return table
+

@@ -1,0 +1,159 @@
+"""The token store: a directory holding a tokenized corpus, written once and memory-mapped to read.
+
+    tokens.bin         every document's tokens, back to back (uint16 if the vocabulary fits, else uint32)
+    offsets.bin        int64 [num_documents + 1]: document i is tokens[offsets[i]:offsets[i + 1]]
+    val_documents.bin  int64, sorted: the documents of the validation split; the rest are training
+    tokenizer.model    the SentencePiece model the tokens came from
+    metadata.json      format version, dtype, counts, tokenizer hash, split; written last, so a
+                       directory without it is not (yet) a store
+
+BOS/EOS are not stored: the loader adds them when it packs documents into sequences.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+FORMAT_VERSION = 1
+TOKENS_FILE, OFFSETS_FILE, VAL_FILE = "tokens.bin", "offsets.bin", "val_documents.bin"
+TOKENIZER_FILE, METADATA_FILE = "tokenizer.model", "metadata.json"
+SPLITS = ("train", "val")
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The smallest unsigned dtype that holds every token id of the vocabulary."""
+    return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
+
+
+class StoreWriter:
+    """Appends documents' tokens to a store directory, keeping only the current chunk in memory."""
+
+    def __init__(self, directory: Path, dtype: np.dtype) -> None:
+        self.directory, self.dtype = directory, dtype
+        self.num_documents = self.num_tokens = 0
+        self._tokens = open(directory / TOKENS_FILE, "wb")
+        self._offsets = open(directory / OFFSETS_FILE, "wb")
+        np.zeros(1, np.int64).tofile(self._offsets)
+
+    def append(self, documents: list[list[int]]) -> None:
+        if not documents:
+            return
+        lengths = np.fromiter(map(len, documents), np.int64, len(documents))
+        np.concatenate(documents).astype(self.dtype, copy=False).tofile(self._tokens)
+        (self.num_tokens + np.cumsum(lengths)).tofile(self._offsets)
+        self.num_documents += len(documents)
+        self.num_tokens += int(lengths.sum())
+
+    def finish(self, val_documents: np.ndarray, metadata: dict[str, Any]) -> None:
+        """Close the arrays, write the split, then metadata.json: from here on it is a complete store."""
+        self._tokens.close()
+        self._offsets.close()
+        np.asarray(val_documents, np.int64).tofile(self.directory / VAL_FILE)
+        metadata = {"format_version": FORMAT_VERSION, "dtype": self.dtype.name,
+                    "num_documents": self.num_documents, "num_tokens": self.num_tokens,
+                    "num_val_documents": len(val_documents), **metadata}
+        (self.directory / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
+
+    def close(self) -> None:
+        self._tokens.close()
+        self._offsets.close()
+
+
+def _map(path: Path, dtype: np.dtype, count: int, directory: Path) -> np.ndarray:
+    """Memory-map `count` items of `dtype` from `path`, refusing a file whose size does not match."""
+    expected = count * dtype.itemsize
+    actual = path.stat().st_size if path.is_file() else None
+    if actual != expected:
+        found = "is missing" if actual is None else f"has {actual} bytes"
+        raise ValueError(f"{directory} is not a complete token store: {path.name} {found}, metadata.json says "
+                         f"{count} x {dtype.name} = {expected} bytes; prepare the store again with `burst prepare`")
+    return np.memmap(path, dtype, mode="r", shape=(count,)) if count else np.empty(0, dtype)
+
+
+class TokenStore:
+    """A prepared corpus, memory-mapped: `document(i)` reads no more than document i.
+
+    `split("train" | "val")` is a view with the same API over that split's documents.
+    """
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        meta_path = self.directory / METADATA_FILE
+        if not meta_path.is_file():
+            raise FileNotFoundError(
+                f"{self.directory} is not a complete token store: {METADATA_FILE} is missing (a `burst prepare` "
+                f"that did not finish leaves none); create it with `burst prepare INPUT... --out {self.directory}`")
+        self.metadata: dict[str, Any] = json.loads(meta_path.read_text())
+        version = self.metadata.get("format_version")
+        if version != FORMAT_VERSION:
+            raise ValueError(f"{self.directory} is a token store of format version {version}, this burst reads "
+                             f"version {FORMAT_VERSION}; prepare the store again with this version of `burst prepare`")
+        total_documents = self.metadata["num_documents"]
+        self._tokens = _map(self.directory / TOKENS_FILE, np.dtype(self.metadata["dtype"]),
+                            self.metadata["num_tokens"], self.directory)
+        self._offsets = _map(self.directory / OFFSETS_FILE, np.dtype(np.int64), total_documents + 1, self.directory)
+        self._val = _map(self.directory / VAL_FILE, np.dtype(np.int64), self.metadata["num_val_documents"],
+                         self.directory)
+        self._documents: np.ndarray | None = None  # global document ids of a split view; None: all of them
+        self.split_name = "all"
+
+    @property
+    def num_documents(self) -> int:
+        return self.metadata["num_documents"] if self._documents is None else len(self._documents)
+
+    @property
+    def document_lengths(self) -> np.ndarray:
+        """int64 [num_documents]: tokens per document (BOS/EOS not counted)."""
+        lengths = np.diff(self._offsets)
+        return lengths if self._documents is None else lengths[self._documents]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.metadata["num_tokens"] if self._documents is None else int(self.document_lengths.sum())
+
+    def document(self, i: int) -> np.ndarray:
+        """The tokens of document i of this store or split, as a read-only view of the memory map."""
+        if not 0 <= i < self.num_documents:
+            raise IndexError(f"document {i} out of range: the {self.split_name} split has {self.num_documents}")
+        index = i if self._documents is None else int(self._documents[i])
+        return self._tokens[self._offsets[index]:self._offsets[index + 1]]
+
+    def split(self, name: str) -> TokenStore:
+        """A view over the "train" or "val" documents, chosen by `burst prepare --val-fraction`."""
+        if name not in SPLITS:
+            raise ValueError(f"unknown split {name!r}; a token store has the splits {SPLITS}")
+        if self._documents is not None:
+            raise ValueError(f"this is already the {self.split_name!r} split; call split() on the whole TokenStore")
+        in_val = np.zeros(self.metadata["num_documents"], bool)
+        in_val[self._val] = True
+        view = object.__new__(TokenStore)
+        view.__dict__.update(self.__dict__)
+        view._documents, view.split_name = np.flatnonzero(in_val if name == "val" else ~in_val), name
+        return view
+
+    @property
+    def tokenizer_path(self) -> Path:
+        return self.directory / self.metadata["tokenizer"]["file"]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.metadata["tokenizer"]["vocab_size"]
+
+    @property
+    def bos_id(self) -> int:
+        return self.metadata["tokenizer"]["bos_id"]
+
+    @property
+    def eos_id(self) -> int:
+        return self.metadata["tokenizer"]["eos_id"]
+
+    def __len__(self) -> int:
+        return self.num_documents
+
+    def __repr__(self) -> str:
+        return (f"TokenStore({str(self.directory)!r}, split={self.split_name!r}, "
+                f"documents={self.num_documents}, tokens={self.num_tokens})")
