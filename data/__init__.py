@@ -2,15 +2,21 @@
 sequence-parallel loader, and passkey-retrieval samples for long-context evaluation."""
 
 from data.corpus import default_store
+from data.loader import Batch, SequenceLoader
+from data.passkey import PasskeySample, passkey_sample
 from data.prepare import PrepareSummary, prepare
 from data.store import TokenStore
 from data.tokenizer import Tokenizer, train_tokenizer
 
 __all__ = [
+    "Batch",
+    "PasskeySample",
     "PrepareSummary",
+    "SequenceLoader",
     "TokenStore",
     "Tokenizer",
     "default_store",
+    "passkey_sample",
     "prepare",
     "train_tokenizer",
 ]

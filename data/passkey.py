@@ -1,0 +1,54 @@
+"""Passkey retrieval: a number hidden at a chosen depth of a long filler text, asked for at the end.
+
+The sample is built in tokens, each part encoded on its own, so that it has exactly the length
+asked for and the answer's place is known exactly:
+
+    BOS  intro  filler[:a]  needle  filler[:b]  question  answer
+                <-------- depth * filler --->
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from data.tokenizer import Tokenizer
+
+INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+         "I will quiz you about the important information there.")
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+NEEDLE = "The pass key is {passkey}. Remember it. {passkey} is the pass key. "
+QUESTION = "What is the pass key? The pass key is"
+
+
+@dataclass
+class PasskeySample:
+    tokens: list[int]  # [length]: BOS, the prompt, and the answer at the end
+    answer_ids: list[int]  # == tokens[answer_start:answer_end]
+    answer_start: int  # logits at positions answer_start - 1 ... answer_end - 2 must predict the answer
+    answer_end: int
+    passkey: str
+    depth: float  # where the needle sits in the filler: 0 = start, 1 = end
+
+
+def passkey_sample(tokenizer: Tokenizer, length: int, depth: float, seed: int = 0, digits: int = 5) -> PasskeySample:
+    """A passkey-retrieval sample of exactly `length` tokens, the needle at `depth` of the filler.
+
+    The passkey is a `digits`-digit number drawn from `seed`, so equal arguments give equal samples.
+    """
+    if not 0 <= depth <= 1:
+        raise ValueError(f"depth {depth} must be in [0, 1]: 0 puts the pass key at the start, 1 at the end")
+    passkey = str(random.Random(seed).randrange(10 ** (digits - 1), 10**digits))
+    intro, needle = tokenizer.encode(INTRO), tokenizer.encode(NEEDLE.format(passkey=passkey))
+    question, answer = tokenizer.encode(QUESTION), tokenizer.encode(passkey)
+    fixed = 1 + len(intro) + len(needle) + len(question) + len(answer)
+    filler_tokens = length - fixed
+    if filler_tokens < 0:
+        raise ValueError(f"a passkey sample needs at least {fixed} tokens with this tokenizer; asked for {length}")
+    unit = tokenizer.encode(FILLER)
+    filler = unit * (filler_tokens // len(unit) + 1)  # cut at a token, so the length comes out exact
+    before = round(depth * filler_tokens)
+    tokens = ([tokenizer.bos_id] + intro + filler[:before] + needle + filler[:filler_tokens - before]
+              + question + answer)
+    return PasskeySample(tokens=tokens, answer_ids=answer, answer_start=length - len(answer), answer_end=length,
+                         passkey=passkey, depth=depth)
