@@ -78,7 +78,7 @@ def is_hf_checkpoint(path: Path) -> bool:
     return config.is_file() and bool({"model_type", "architectures"} & set(read_json(config)))
 
 
-def config_from_hf(hf: dict, where: Path) -> ModelConfig:
+def config_from_hf(hf: dict, where: Path | str) -> ModelConfig:
     """ModelConfig from a transformers 4.x (rope_theta, rope_scaling) or 5.x (rope_parameters) config.json."""
     architectures = hf.get("architectures") or []
     if hf.get("model_type") != "llama" and "LlamaForCausalLM" not in architectures:
@@ -88,13 +88,11 @@ def config_from_hf(hf: dict, where: Path) -> ModelConfig:
                                "intermediate_size") if key not in hf]
     if missing:
         raise ValueError(f"{where} lacks {missing}; it is not a complete LlamaConfig")
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
-    unsupported = {"hidden_act": (hf.get("hidden_act", "silu"), "silu"), "attention_bias": (hf.get("attention_bias"),
-                   False), "mlp_bias": (hf.get("mlp_bias"), False),
-                   "head_dim": (head_dim, hf["hidden_size"] // hf["num_attention_heads"])}
-    for key, (value, supported) in unsupported.items():
-        if value not in (supported, None):
-            raise ValueError(f"{where}: {key}={value!r} is not supported (the native model has {key}={supported!r})")
+    natural_head_dim = hf["hidden_size"] // hf["num_attention_heads"]
+    for key, supported in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False),
+                           ("head_dim", natural_head_dim)):
+        if hf.get(key) not in (supported, None):
+            raise ValueError(f"{where}: {key}={hf[key]!r} is not supported (the native model has {key}={supported!r})")
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "llama3"):

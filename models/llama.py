@@ -147,7 +147,8 @@ class Transformer(nn.Module):
 
         Embeddings and linear weights ~ normal(0, init_std); the projections that write into the
         residual stream (attention.wo, feed_forward.w2) use init_std / sqrt(2 * n_layers) so the
-        residual variance does not grow with depth (GPT-2); RMSNorm weights are 1.
+        residual variance does not grow with depth (GPT-2); RMSNorm weights are 1. There are no
+        buffers to recompute: rotary frequencies are derived from the config on every call.
         """
         std = self.config.init_std
         residual_std = std / math.sqrt(2 * self.config.n_layers)
