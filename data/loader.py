@@ -96,19 +96,18 @@ class SequenceLoader:
         is_start = np.zeros(rows * seq_len + 1, bool)
         is_start[starts] = True
         is_start = np.lib.stride_tricks.sliding_window_view(is_start, seq_len + 1)[::seq_len]
-        labels = np.where(is_start[:, 1:], IGNORE_INDEX, sequences[:, 1:])  # [rows, seq_len]
         boundaries = [np.unique(np.concatenate([[0], np.flatnonzero(row[:-1]), [seq_len]])) for row in is_start]
-        positions = np.broadcast_to(np.arange(seq_len), (rows, seq_len))
+        full = np.empty((3, rows, seq_len), np.int64)  # tokens, labels, positions: sharded in one call
+        full[0] = sequences[:, :-1]
+        full[1] = np.where(is_start[:, 1:], IGNORE_INDEX, sequences[:, 1:])
+        full[2] = np.arange(seq_len)
         if self.reset_positions:
-            positions = np.stack([positions[0] - b[np.searchsorted(b, positions[0], "right") - 1] for b in boundaries])
-
-        def shard(x: np.ndarray) -> torch.Tensor:  # [rows, seq_len] -> [rows, seq_len // cp_size]
-            return shard_for_rank(torch.from_numpy(np.array(x, np.int64)), self.cp_rank, self.cp_size)
-
-        labels_shard = shard(labels)
-        return Batch(tokens=shard(sequences[:, :-1]), labels=labels_shard, positions=shard(positions),
+            for row, b in enumerate(boundaries):
+                full[2, row] -= np.repeat(b[:-1], np.diff(b))  # the start of each position's document
+        tokens, labels, positions = shard_for_rank(torch.from_numpy(full), self.cp_rank, self.cp_size, dim=2)
+        return Batch(tokens=tokens, labels=labels, positions=positions,  # each [rows, seq_len // cp_size]
                      doc_boundaries=[torch.from_numpy(b.astype(np.int64)) for b in boundaries],
-                     num_tokens=int((labels_shard != IGNORE_INDEX).sum()))
+                     num_tokens=int((labels != IGNORE_INDEX).sum()))
 
     # -- the packing stream -----------------------------------------------------------------
 

@@ -25,7 +25,7 @@ from data.tokenizer import Tokenizer, available_cores, train_tokenizer
 
 DEFAULT_VOCAB_SIZE = 32_000
 LONG_DOCUMENT_TOKENS = (8_192, 16_384, 32_768, 65_536, 131_072)  # common sequence lengths
-CHUNK_CHARS = 8_000_000  # text per encode call: enough work for every core, little memory
+CHUNK_CHARS = 4_000_000  # text per encode call: enough work for every core, little memory
 
 
 @dataclass
@@ -176,8 +176,8 @@ def _summarize(store: TokenStore, report: InputReport, seconds: float) -> Prepar
 def summary_table(summary: PrepareSummary) -> Table:
     """The summary printed at the end of `burst prepare`."""
     table = Table(title=f"token store {summary.out_dir}", show_header=False, title_justify="left")
-    table.add_column(style="bold")
-    table.add_column(justify="right")
+    table.add_column(style="bold", no_wrap=True)
+    table.add_column(justify="right", no_wrap=True)
     table.add_column(overflow="fold")  # where a problem was first seen
     table.add_row("documents", f"{summary.num_documents:,} ({summary.num_train_documents:,} train, "
                                f"{summary.num_val_documents:,} val)")
