@@ -205,3 +205,18 @@ def test_default_store_prepares_once_under_concurrent_callers(tmp_path, monkeypa
     store = TokenStore(paths[0])
     assert store.num_documents >= 20 and store.vocab_size == 500
     assert default_store(tmp_path, progress=False) == paths[0] and len(calls) == 1
+
+
+def test_parquet_rows_are_documents_and_bad_rows_are_counted(tmp_path, tokenizer):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    pq.write_table(pa.table({"text": ["alpha beta", None, "", "gamma 数据"]}), corpus / "a.parquet", row_group_size=2)
+    pq.write_table(pa.table({"body": ["no text column"]}), corpus / "b.parquet")
+    summary = prepare([corpus], tmp_path / "store", tokenizer=tokenizer.path, progress=False)
+    assert summary.report.problems() == {"skipped_files": 0, "unreadable_files": 1, "empty_documents": 1,
+                                         "missing_text_field": 1, "invalid_json": 0, "invalid_utf8": 0}
+    assert "no column 'text'" in summary.report.examples["unreadable_files"][0]
+    store = TokenStore(tmp_path / "store")
+    assert [store.document(i).tolist() for i in range(2)] == [tokenizer.encode(t) for t in ["alpha beta", "gamma 数据"]]
