@@ -14,9 +14,11 @@ from burst.layout import (
     unshard,
     zigzag_positions,
 )
+from burst.module import BurstAttention
 
 __all__ = [
     "BACKWARD_MODES",
+    "BurstAttention",
     "SENT",
     "burst_attn",
     "choose_backward",

@@ -65,10 +65,21 @@ def validate_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, world_siz
             f"{2 * world_size} chunks); pad the sequence or change its length, and shard it with burst.shard_sequence")
 
 
+def heads_first(x: torch.Tensor) -> torch.Tensor:
+    """[b, s, h, d] with heads-first memory ([b, h, s, d] contiguous), seen sequence-major.
+
+    PyTorch's CPU flash kernels run 5-10% faster on heads-first memory; indexing stays
+    sequence-major everywhere, and `comm.wire_view` sends such tensors without a copy.
+    """
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 class BurstAttnFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, group, backward, kernel_name):
         ring = Ring(group)
+        if q.device.type == "cpu":
+            q, k, v = heads_first(q), heads_first(k), heads_first(v)
         kernel = select_kernel(q.device, q.dtype, kernel_name)
         out, lse = ring_forward(ring, kernel, q, k, v, causal, scale)
         SENT.last_forward = ring.bytes_sent
@@ -83,6 +94,8 @@ class BurstAttnFunction(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         ring = ctx.ring
         ring.bytes_sent = 0
+        if dout.device.type == "cpu":
+            dout = heads_first(dout)
         run = burst_backward if ctx.backward_mode == "burst" else ring_backward
         dq, dk, dv = run(ring, ctx.kernel, dout, q, k, v, out, lse, ctx.causal, ctx.scale)
         SENT.last_backward = ring.bytes_sent

@@ -51,6 +51,16 @@ class Pending:
         return self.received
 
 
+def wire_view(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous view of `t`'s memory (no copy) for the library's two layouts: sequence-major,
+    and heads-first storage seen through a sequence-major view; anything else is copied."""
+    if t.is_contiguous():
+        return t
+    if t.dim() == 4 and t.transpose(1, 2).is_contiguous():
+        return t.transpose(1, 2)
+    return t.contiguous()
+
+
 class Ring:
     """The ring of ranks of `group`: rank r sends to r + 1 and receives from r - 1 (mod W)."""
 
@@ -68,11 +78,11 @@ class Ring:
         if not outgoing and not incoming_like:
             return Pending()
         dtypes = incoming_dtypes or [t.dtype for t in incoming_like]
-        received = [torch.empty(t.shape, dtype=dt, device=t.device) for t, dt in zip(incoming_like, dtypes)]
+        received = [torch.empty_like(t, dtype=dt) for t, dt in zip(incoming_like, dtypes, strict=True)]  # same strides
+        sending = [wire_view(t) for t in outgoing]
         # look the functions up now, not at import: the benchmark harness wraps them to count bytes
-        sending = [t.contiguous() for t in outgoing]
         ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in sending]
-        ops += [dist.P2POp(dist.irecv, t, self.prev, self.group) for t in received]
+        ops += [dist.P2POp(dist.irecv, wire_view(t), self.prev, self.group) for t in received]
         sent = sum(t.numel() * t.element_size() for t in sending)
         self.bytes_sent += sent
         SENT.total += sent

@@ -19,7 +19,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from burst.comm import Ring
 from burst.kernels import AttentionKernel
@@ -43,7 +42,7 @@ def ring_forward(ring: Ring, kernel: AttentionKernel, q: torch.Tensor, k: torch.
                  causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(out in q's dtype, lse float32) of this rank's queries against the whole sequence."""
     batch, shard_len, q_heads, _ = q.shape
-    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    out = torch.zeros_like(q, dtype=torch.float32)
     lse = torch.full((batch, q_heads, shard_len), float("-inf"), dtype=torch.float32, device=q.device)
     kv = [k, v]
     for step in range(ring.world_size):
@@ -73,7 +72,7 @@ def circulate(ring: Ring, visitor: list[torch.Tensor], num_grads: int, step: Ste
     """
     world, grad_like = ring.world_size, visitor[:num_grads]
     f32 = [torch.float32] * num_grads
-    own = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in grad_like]
+    own = [torch.zeros_like(t, dtype=torch.float32) for t in grad_like]
     traveling: list[torch.Tensor] = []
     for t in range(world):
         forward_visitor = t + 1 < world
@@ -88,13 +87,13 @@ def circulate(ring: Ring, visitor: list[torch.Tensor], num_grads: int, step: Ste
         if t == 0:
             target = own
         else:
-            target = arrived or [torch.zeros(x.shape, dtype=torch.float32, device=x.device) for x in grad_like]
+            target = arrived or [torch.zeros_like(x, dtype=torch.float32) for x in grad_like]
             traveling = target
-        for acc, grad in zip(target, grads):
+        for acc, grad in zip(target, grads, strict=True):
             acc[:, rows] += grad
         visitor = next_visitor or visitor
     if world > 1:
-        for acc, grad in zip(own, ring.exchange(traveling, grad_like, f32).wait()):
+        for acc, grad in zip(own, ring.exchange(traveling, grad_like, f32).wait(), strict=True):
             acc += grad
     return own
 
@@ -116,8 +115,8 @@ def burst_backward(ring: Ring, kernel: AttentionKernel, dout, q, k, v, out, lse,
     """The paper's backward: K, V and their gradients stay home; Q, dO, lse, delta travel."""
     shard_len = q.shape[1]
     delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()  # [b, h, s]
-    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    dk = torch.zeros_like(k, dtype=torch.float32)
+    dv = torch.zeros_like(v, dtype=torch.float32)
 
     def step(visitor: list[torch.Tensor], owner: int) -> tuple[slice, list[torch.Tensor]]:
         vq, vdout, vlse, vdelta = visitor
@@ -137,7 +136,7 @@ def burst_backward(ring: Ring, kernel: AttentionKernel, dout, q, k, v, out, lse,
 def ring_backward(ring: Ring, kernel: AttentionKernel, dout, q, k, v, out, lse, causal: bool, scale: float):
     """Ring attention's backward: Q, dO and dQ stay home; K, V travel, dK, dV follow them."""
     shard_len = q.shape[1]
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dq = torch.zeros_like(q, dtype=torch.float32)
 
     def step(visitor: list[torch.Tensor], owner: int) -> tuple[slice, list[torch.Tensor]]:
         vk, vv = visitor

@@ -54,7 +54,7 @@ def check_against_reference(world_size, causal, heads, dtype, mode, kernel="auto
     out.backward(burst.shard_sequence(dout))
     got = [burst.gather_sequence(t) for t in (out.detach(), lse, lq.grad, lk.grad, lv.grad)]
     got[1] = burst.gather_sequence(lse, dim=2)
-    for name, g, e in zip(("out", "lse", "dq", "dk", "dv"), got, expected):
+    for name, g, e in zip(("out", "lse", "dq", "dk", "dv"), got, expected, strict=True):
         err = (g.double() - e).abs().max().item()
         assert err <= TOLERANCE[dtype], f"{name}: max error {err:.2e} (world {world_size}, {causal=}, {heads=}, " \
                                         f"{dtype}, {mode})"

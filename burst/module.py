@@ -1,0 +1,29 @@
+"""`BurstAttention`: the drop-in module a model's attention calls once it is parallelized.
+
+It has the forward signature of `models.LocalAttention` (q [b, s, hq, d], k/v [b, s, hkv, d],
+causal), so the parallelize step swaps one for the other and the model never knows.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from burst.attention import BACKWARD_MODES, burst_attn
+
+
+class BurstAttention(nn.Module):
+    def __init__(self, group: dist.ProcessGroup | None = None, backward: str = "auto", kernel: str = "auto"):
+        super().__init__()
+        if backward not in BACKWARD_MODES:
+            raise ValueError(f"unknown backward mode {backward!r}; choose one of {', '.join(BACKWARD_MODES)}")
+        self.group, self.backward, self.kernel = group, backward, kernel
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_boundaries=None) -> torch.Tensor:
+        if doc_boundaries is not None:
+            raise NotImplementedError("document masking across ranks is not implemented yet (issue 7)")
+        return burst_attn(q, k, v, causal=True, group=self.group, backward=self.backward, kernel=self.kernel)
+
+    def extra_repr(self) -> str:
+        return f"backward={self.backward!r}, kernel={self.kernel!r}"
