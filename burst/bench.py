@@ -1,0 +1,166 @@
+"""`burst bench attention`: forward/backward time, bytes sent and peak memory of burst_attn.
+
+Every backward mode runs on N local ranks over the same global inputs, next to a
+single-process run of the same kernels over the whole sequence (in the launching process),
+so the table shows what the split costs and saves. Modes are timed in alternation
+(A B A B ...) so that a noisy machine blurs them alike.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from burst.attention import BACKWARD_MODES, burst_attn
+from burst.comm import SENT
+from burst.launch import init_worker_process_group, run_local, threads_per_process
+from burst.layout import check_sequence_length, shard_sequence
+from burst.memory import peak_memory_mib, reset_peak_memory
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass
+class AttentionBenchConfig:
+    nproc: int = 2
+    seq_len: int = 8192
+    heads: int = 8
+    kv_heads: int | None = None  # None: same as heads (MHA)
+    head_dim: int = 64
+    batch: int = 1
+    dtype: str = "bf16"
+    causal: bool = True
+    iters: int = 2
+    modes: list[str] = field(default_factory=lambda: ["burst", "ring"])
+    single_process: bool = True
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
+        if self.nproc < 1 or self.iters < 1:
+            raise ValueError("--nproc and --iters must be at least 1")
+        self.kv_heads = self.kv_heads or self.heads
+        if self.heads % self.kv_heads:
+            raise ValueError(f"--heads {self.heads} must be a multiple of --kv-heads {self.kv_heads}")
+        unknown = [m for m in self.modes if m not in BACKWARD_MODES]
+        if unknown:
+            raise ValueError(f"unknown backward mode(s) {unknown}; choose from {', '.join(BACKWARD_MODES)}")
+        check_sequence_length(self.seq_len, self.nproc)
+
+
+@dataclass
+class BenchRow:
+    name: str
+    ranks: int
+    forward_s: float
+    backward_s: float
+    sent_forward_mib: float  # per rank, the largest over ranks
+    sent_backward_mib: float
+    peak_memory_mib: float
+
+    @property
+    def total_s(self) -> float:
+        return self.forward_s + self.backward_s
+
+
+def _global_inputs(config: AttentionBenchConfig, device: torch.device) -> list[torch.Tensor]:
+    """The same q, k, v, dout on every rank: [batch, seq, heads, head_dim]."""
+    g = torch.Generator().manual_seed(0)
+    shape_q = (config.batch, config.seq_len, config.heads, config.head_dim)
+    shape_kv = (config.batch, config.seq_len, config.kv_heads, config.head_dim)
+    dtype = DTYPES[config.dtype]
+    return [torch.randn(s, generator=g).to(device, dtype) for s in (shape_q, shape_kv, shape_kv, shape_q)]
+
+
+def _time_once(q, k, v, dout, config: AttentionBenchConfig, mode: str, device) -> tuple[float, float]:
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    barrier = dist.barrier if dist.is_initialized() else (lambda: None)
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    barrier()
+    start = time.perf_counter()
+    out = burst_attn(q, k, v, causal=config.causal, backward=mode)
+    sync()
+    barrier()
+    middle = time.perf_counter()
+    out.backward(dout)
+    sync()
+    barrier()
+    return middle - start, time.perf_counter() - middle
+
+
+def _measure(config: AttentionBenchConfig, modes: list[str], inputs, device) -> dict[str, dict]:
+    """Median forward/backward seconds, bytes sent and peak memory of each mode on this rank."""
+    times: dict[str, list[tuple[float, float]]] = {m: [] for m in modes}
+    peaks: dict[str, float] = {}
+    sent: dict[str, tuple[int, int]] = {}
+    for i in range(config.iters + 1):  # the first round warms up
+        for mode in modes:
+            reset_peak_memory(device)
+            fwd, bwd = _time_once(*inputs, config, mode, device)
+            peaks[mode] = max(peaks.get(mode, 0.0), peak_memory_mib(device))
+            sent[mode] = (SENT.last_forward, SENT.last_backward)
+            if i:
+                times[mode].append((fwd, bwd))
+    return {m: {"forward_s": statistics.median(t[0] for t in times[m]),
+                "backward_s": statistics.median(t[1] for t in times[m]),
+                "sent_forward": sent[m][0], "sent_backward": sent[m][1], "peak_mib": peaks[m]} for m in modes}
+
+
+def _worker(config: AttentionBenchConfig) -> dict[str, dict]:
+    torch.set_num_threads(threads_per_process(config.nproc))
+    device = init_worker_process_group()
+    try:
+        inputs = [shard_sequence(t) for t in _global_inputs(config, device)]
+        return _measure(config, config.modes, inputs, device)
+    finally:
+        dist.destroy_process_group()
+
+
+def _rows(name: str, ranks: int, per_rank: list[dict]) -> BenchRow:
+    """One row from every rank's figures: the slowest rank's time, the largest bytes and memory."""
+    mib = 2**20
+    return BenchRow(name, ranks, max(r["forward_s"] for r in per_rank), max(r["backward_s"] for r in per_rank),
+                    max(r["sent_forward"] for r in per_rank) / mib, max(r["sent_backward"] for r in per_rank) / mib,
+                    max(r["peak_mib"] for r in per_rank))
+
+
+def run_attention_bench(config: AttentionBenchConfig) -> list[BenchRow]:
+    """Measure each backward mode on `config.nproc` local ranks, and the single-process run."""
+    results = run_local(_worker, config.nproc, (config,))
+    rows = [_rows(f"{mode} x{config.nproc}", config.nproc, [results[r][mode] for r in results])
+            for mode in config.modes]
+    if config.single_process:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        torch.set_num_threads(threads_per_process(config.nproc))  # the same cores per process as a rank
+        single = _measure(config, ["auto"], _global_inputs(config, device), device)["auto"]
+        rows.insert(0, _rows("single process", 1, [single]))
+    return rows
+
+
+def print_table(config: AttentionBenchConfig, rows: list[BenchRow]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    title = (f"burst_attn: {config.seq_len:,} tokens, {config.heads}/{config.kv_heads} heads x {config.head_dim}, "
+             f"{config.dtype}, {'causal' if config.causal else 'full'}, batch {config.batch}")
+    table = Table(title=title)
+    for column in ("run", "fwd s", "bwd s", "total s", "vs single", "sent fwd MiB", "sent bwd MiB", "peak MiB"):
+        table.add_column(column, justify="left" if column == "run" else "right")
+    single = rows[0].total_s if rows[0].ranks == 1 else None
+    for row in rows:
+        speedup = f"{single / row.total_s:.2f}x" if single else "-"
+        table.add_row(row.name, f"{row.forward_s:.3f}", f"{row.backward_s:.3f}", f"{row.total_s:.3f}", speedup,
+                      f"{row.sent_forward_mib:.1f}", f"{row.sent_backward_mib:.1f}", f"{row.peak_memory_mib:.0f}")
+    Console().print(table)
+    Console().print("time: the slowest rank; sent: bytes per rank, the largest rank; peak: resident memory of the "
+                    "largest process on CPU, allocated memory on CUDA", style="dim")
+
+
+def write_json(path: str, config: AttentionBenchConfig, rows: list[BenchRow]) -> None:
+    with open(path, "w") as f:
+        json.dump({"config": asdict(config), "runs": [asdict(r) | {"total_s": r.total_s} for r in rows]}, f, indent=1)
