@@ -62,6 +62,36 @@ def prepare_command(
         raise typer.Exit(2) from None
 
 
+@bench_app.command("attention")
+def bench_attention_command(
+    nproc: int = typer.Option(2, "--nproc", help="Local ranks the sequence is split across."),
+    seq_len: int = typer.Option(8192, "--seq-len", help="Global sequence length (a multiple of 2 x nproc)."),
+    heads: int = typer.Option(8, "--heads", help="Query heads."),
+    kv_heads: int | None = typer.Option(None, "--kv-heads", help="Key/value heads (default: --heads)."),
+    head_dim: int = typer.Option(64, "--head-dim"),
+    batch: int = typer.Option(1, "--batch"),
+    dtype: str = typer.Option("bf16", "--dtype", help="bf16, fp16 or fp32."),
+    causal: bool = typer.Option(True, "--causal/--non-causal"),
+    iters: int = typer.Option(2, "--iters", help="Timed iterations after one warm-up."),
+    modes: str = typer.Option("burst,ring", "--modes", help="Backward modes to run: burst, ring, auto."),
+    json_path: Path | None = typer.Option(None, "--json", help="Also write the figures to this JSON file."),
+) -> None:
+    """Time burst_attn forward and backward on local ranks against a single process."""
+    from burst.bench import AttentionBenchConfig, print_table, run_attention_bench, write_json
+
+    try:
+        config = AttentionBenchConfig(nproc=nproc, seq_len=seq_len, heads=heads, kv_heads=kv_heads,
+                                      head_dim=head_dim, batch=batch, dtype=dtype, causal=causal, iters=iters,
+                                      modes=[m.strip() for m in modes.split(",") if m.strip()])
+    except ValueError as err:
+        typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from None
+    rows = run_attention_bench(config)
+    print_table(config, rows)
+    if json_path:
+        write_json(str(json_path), config, rows)
+
+
 def main() -> None:
     app()
 
