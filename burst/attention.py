@@ -8,6 +8,7 @@ import torch.distributed as dist
 from burst.comm import SENT, Ring
 from burst.groups import group_rank_and_size
 from burst.kernels import KERNEL_NAMES, default_scale, select_kernel
+from burst.plan import AttentionPlan, normalize_boundaries
 from burst.ring import burst_backward, ring_backward, ring_forward
 
 BACKWARD_MODES = ("auto", "burst", "ring")
@@ -76,15 +77,15 @@ def heads_first(x: torch.Tensor) -> torch.Tensor:
 
 class BurstAttnFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, group, backward, kernel_name):
+    def forward(ctx, q, k, v, plan, scale, group, backward, kernel_name):
         ring = Ring(group)
         if q.device.type == "cpu":
             q, k, v = heads_first(q), heads_first(k), heads_first(v)
         kernel = select_kernel(q.device, q.dtype, kernel_name)
-        out, lse = ring_forward(ring, kernel, q, k, v, causal, scale)
+        out, lse = ring_forward(ring, kernel, plan, q, k, v, scale)
         SENT.last_forward = ring.bytes_sent
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.kernel, ctx.causal, ctx.scale = ring, kernel, causal, scale
+        ctx.ring, ctx.kernel, ctx.plan, ctx.scale = ring, kernel, plan, scale
         ctx.backward_mode = choose_backward(q, k, backward)
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -97,14 +98,14 @@ class BurstAttnFunction(torch.autograd.Function):
         if dout.device.type == "cpu":
             dout = heads_first(dout)
         run = burst_backward if ctx.backward_mode == "burst" else ring_backward
-        dq, dk, dv = run(ring, ctx.kernel, dout, q, k, v, out, lse, ctx.causal, ctx.scale)
+        dq, dk, dv = run(ring, ctx.kernel, ctx.plan, dout, q, k, v, out, lse, ctx.scale)
         SENT.last_backward = ring.bytes_sent
         return dq, dk, dv, None, None, None, None, None
 
 
 def burst_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
                group: dist.ProcessGroup | None = None, softmax_scale: float | None = None,
-               backward: str = "auto", kernel: str = "auto",
+               backward: str = "auto", kernel: str = "auto", doc_boundaries=None,
                return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact softmax attention of this rank's queries against the whole sharded sequence.
 
@@ -117,9 +118,16 @@ def burst_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
     torch.distributed initialised, a world of one). backward: "burst" (the query side
     travels), "ring" (keys and values travel) or "auto" (whichever sends fewer bytes).
     kernel: the local attention kernel, see `burst.kernels.select_kernel`.
+    doc_boundaries: for packed sequences, the cumulative document offsets of each batch row
+    over the global sequence (a list of 1-D tensors, e.g. [0, 100, 350, seq_len], as the
+    loader returns them; or a 2-D tensor). A query then sees only keys of its own document
+    (causally when `causal`), and fully masked blocks are skipped, not computed.
     """
     _, world_size = group_rank_and_size(group)
     validate_inputs(q, k, v, world_size, backward, kernel)
+    boundaries = None if doc_boundaries is None else \
+        normalize_boundaries(doc_boundaries, q.shape[0], q.shape[1] * world_size)
+    plan = AttentionPlan(q.shape[1], world_size, causal, boundaries)
     scale = default_scale(q.shape[-1]) if softmax_scale is None else softmax_scale
-    out, lse = BurstAttnFunction.apply(q, k, v, causal, scale, group, backward, kernel)
+    out, lse = BurstAttnFunction.apply(q, k, v, plan, scale, group, backward, kernel)
     return (out, lse) if return_lse else out

@@ -37,6 +37,7 @@ class AttentionBenchConfig:
     causal: bool = True
     iters: int = 2
     modes: list[str] = field(default_factory=lambda: ["burst", "ring"])
+    doc_length: int | None = None  # packed documents of this many tokens: masked runs beside unmasked ones
     single_process: bool = True
 
     def __post_init__(self) -> None:
@@ -51,6 +52,20 @@ class AttentionBenchConfig:
         if unknown:
             raise ValueError(f"unknown backward mode(s) {unknown}; choose from {', '.join(BACKWARD_MODES)}")
         check_sequence_length(self.seq_len, self.nproc)
+        if self.doc_length is not None and not 0 < self.doc_length <= self.seq_len:
+            raise ValueError(f"--doc-length must be between 1 and --seq-len {self.seq_len}, got {self.doc_length}")
+
+    def variants(self) -> list[tuple[str, str, bool]]:
+        """(name, backward mode, document-masked) of each run; unmasked runs come too for comparison."""
+        masks = [False, True] if self.doc_length else [False]
+        return [(f"{mode}{' docs' if masked else ''}", mode, masked) for masked in masks for mode in self.modes]
+
+    def doc_boundaries(self) -> list[torch.Tensor] | None:
+        """Packed documents of doc_length tokens (the last one shorter), the same in every batch row."""
+        if self.doc_length is None:
+            return None
+        offsets = list(range(0, self.seq_len, self.doc_length)) + [self.seq_len]
+        return [torch.tensor(offsets)] * self.batch
 
 
 @dataclass
@@ -77,13 +92,14 @@ def _global_inputs(config: AttentionBenchConfig, device: torch.device) -> list[t
     return [torch.randn(s, generator=g).to(device, dtype) for s in (shape_q, shape_kv, shape_kv, shape_q)]
 
 
-def _time_once(q, k, v, dout, config: AttentionBenchConfig, mode: str, device) -> tuple[float, float]:
+def _time_once(q, k, v, dout, config: AttentionBenchConfig, mode: str, masked: bool, device) -> tuple[float, float]:
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     barrier = dist.barrier if dist.is_initialized() else (lambda: None)
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     barrier()
     start = time.perf_counter()
-    out = burst_attn(q, k, v, causal=config.causal, backward=mode)
+    out = burst_attn(q, k, v, causal=config.causal, backward=mode,
+                     doc_boundaries=config.doc_boundaries() if masked else None)
     sync()
     barrier()
     middle = time.perf_counter()
@@ -93,22 +109,22 @@ def _time_once(q, k, v, dout, config: AttentionBenchConfig, mode: str, device) -
     return middle - start, time.perf_counter() - middle
 
 
-def _measure(config: AttentionBenchConfig, modes: list[str], inputs, device) -> dict[str, dict]:
-    """Median forward/backward seconds, bytes sent and peak memory of each mode on this rank."""
-    times: dict[str, list[tuple[float, float]]] = {m: [] for m in modes}
+def _measure(config: AttentionBenchConfig, variants: list[tuple[str, str, bool]], inputs, device) -> dict[str, dict]:
+    """Median forward/backward seconds, bytes sent and peak memory of each variant on this rank."""
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name, _, _ in variants}
     peaks: dict[str, float] = {}
     sent: dict[str, tuple[int, int]] = {}
     for i in range(config.iters + 1):  # the first round warms up
-        for mode in modes:
+        for name, mode, masked in variants:
             reset_peak_memory(device)
-            fwd, bwd = _time_once(*inputs, config, mode, device)
-            peaks[mode] = max(peaks.get(mode, 0.0), peak_memory_mib(device))
-            sent[mode] = (SENT.last_forward, SENT.last_backward)
+            fwd, bwd = _time_once(*inputs, config, mode, masked, device)
+            peaks[name] = max(peaks.get(name, 0.0), peak_memory_mib(device))
+            sent[name] = (SENT.last_forward, SENT.last_backward)
             if i:
-                times[mode].append((fwd, bwd))
-    return {m: {"forward_s": statistics.median(t[0] for t in times[m]),
-                "backward_s": statistics.median(t[1] for t in times[m]),
-                "sent_forward": sent[m][0], "sent_backward": sent[m][1], "peak_mib": peaks[m]} for m in modes}
+                times[name].append((fwd, bwd))
+    return {n: {"forward_s": statistics.median(t[0] for t in times[n]),
+                "backward_s": statistics.median(t[1] for t in times[n]),
+                "sent_forward": sent[n][0], "sent_backward": sent[n][1], "peak_mib": peaks[n]} for n in times}
 
 
 def _worker(config: AttentionBenchConfig) -> dict[str, dict]:
@@ -116,7 +132,7 @@ def _worker(config: AttentionBenchConfig) -> dict[str, dict]:
     device = init_worker_process_group()
     try:
         inputs = [shard_sequence(t) for t in _global_inputs(config, device)]
-        return _measure(config, config.modes, inputs, device)
+        return _measure(config, config.variants(), inputs, device)
     finally:
         dist.destroy_process_group()
 
@@ -132,13 +148,16 @@ def _rows(name: str, ranks: int, per_rank: list[dict]) -> BenchRow:
 def run_attention_bench(config: AttentionBenchConfig) -> list[BenchRow]:
     """Measure each backward mode on `config.nproc` local ranks, and the single-process run."""
     results = run_local(_worker, config.nproc, (config,))
-    rows = [_rows(f"{mode} x{config.nproc}", config.nproc, [results[r][mode] for r in results])
-            for mode in config.modes]
+    rows = [_rows(f"{name} x{config.nproc}", config.nproc, [results[r][name] for r in results])
+            for name, _, _ in config.variants()]
     if config.single_process:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         torch.set_num_threads(threads_per_process(config.nproc))  # the same cores per process as a rank
-        single = _measure(config, ["auto"], _global_inputs(config, device), device)["auto"]
-        rows.insert(0, _rows("single process", 1, [single]))
+        variants = [("single process", "auto", False)]
+        if config.doc_length:
+            variants.append(("single process docs", "auto", True))
+        single = _measure(config, variants, _global_inputs(config, device), device)
+        rows[:0] = [_rows(name, 1, [single[name]]) for name, _, _ in variants]
     return rows
 
 
@@ -147,7 +166,8 @@ def print_table(config: AttentionBenchConfig, rows: list[BenchRow]) -> None:
     from rich.table import Table
 
     title = (f"burst_attn: {config.seq_len:,} tokens, {config.heads}/{config.kv_heads} heads x {config.head_dim}, "
-             f"{config.dtype}, {'causal' if config.causal else 'full'}, batch {config.batch}")
+             f"{config.dtype}, {'causal' if config.causal else 'full'}, batch {config.batch}"
+             + (f", docs of {config.doc_length:,} tokens" if config.doc_length else ""))
     table = Table(title=title)
     for column in ("run", "fwd s", "bwd s", "total s", "vs single", "sent fwd MiB", "sent bwd MiB", "peak MiB"):
         table.add_column(column, justify="left" if column == "run" else "right")

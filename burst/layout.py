@@ -11,8 +11,6 @@ cuts shards before any communication); the `group` variants ask the process grou
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 
@@ -89,32 +87,3 @@ def sequence_positions(seq_len: int, group: dist.ProcessGroup | None = None,
     rank, world_size = group_rank_and_size(group)
     return zigzag_positions(seq_len, rank, world_size).to(device)
 
-
-@dataclass(frozen=True)
-class Block:
-    """Which rows of a query shard meet which rows of a key/value shard at one ring step."""
-
-    q_rows: slice
-    kv_rows: slice
-    causal: bool
-
-
-ALL = slice(None)
-
-
-def block_for(query_owner: int, kv_owner: int, shard_len: int, causal: bool) -> Block:
-    """The work between the query shard of `query_owner` and the key/value shard of `kv_owner`.
-
-    With the zigzag layout and a causal mask each case is one equal-cost kernel call:
-    its own shard is causal on itself; a shard from an earlier rank is seen in full by the
-    whole query shard but only its first chunk is visible; a later rank's shard is seen in
-    full by the second query chunk only.
-    """
-    half = shard_len // 2
-    if not causal:
-        return Block(ALL, ALL, False)
-    if query_owner == kv_owner:
-        return Block(ALL, ALL, True)
-    if kv_owner < query_owner:
-        return Block(ALL, slice(0, half), False)
-    return Block(slice(half, None), ALL, False)

@@ -21,9 +21,8 @@ class BurstAttention(nn.Module):
         self.group, self.backward, self.kernel = group, backward, kernel
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_boundaries=None) -> torch.Tensor:
-        if doc_boundaries is not None:
-            raise NotImplementedError("document masking across ranks is not implemented yet (issue 7)")
-        return burst_attn(q, k, v, causal=True, group=self.group, backward=self.backward, kernel=self.kernel)
+        return burst_attn(q, k, v, causal=True, group=self.group, backward=self.backward, kernel=self.kernel,
+                          doc_boundaries=doc_boundaries)
 
     def extra_repr(self) -> str:
         return f"backward={self.backward!r}, kernel={self.kernel!r}"

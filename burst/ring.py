@@ -22,7 +22,7 @@ import torch
 
 from burst.comm import Ring
 from burst.kernels import AttentionKernel
-from burst.layout import block_for
+from burst.plan import AttentionPlan
 
 
 def merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
@@ -38,8 +38,8 @@ def merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, b
     lse.copy_(torch.logaddexp(lse, block_lse))
 
 
-def ring_forward(ring: Ring, kernel: AttentionKernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def ring_forward(ring: Ring, kernel: AttentionKernel, plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(out in q's dtype, lse float32) of this rank's queries against the whole sequence."""
     batch, shard_len, q_heads, _ = q.shape
     out = torch.zeros_like(q, dtype=torch.float32)
@@ -48,17 +48,18 @@ def ring_forward(ring: Ring, kernel: AttentionKernel, q: torch.Tensor, k: torch.
     for step in range(ring.world_size):
         last = step + 1 == ring.world_size
         pending = ring.exchange([] if last else kv, [] if last else kv)  # next block in flight
-        block = block_for(ring.rank, (ring.rank - step) % ring.world_size, shard_len, causal)
-        block_out, block_lse = kernel.forward(q[:, block.q_rows], kv[0][:, block.kv_rows],
-                                              kv[1][:, block.kv_rows], block.causal, scale)
-        merge_block(out[:, block.q_rows], lse[..., block.q_rows], block_out, block_lse)
+        for seg in plan(ring.rank, (ring.rank - step) % ring.world_size):
+            block_out, block_lse = kernel.forward(q[seg.batch, seg.q_rows], kv[0][seg.batch, seg.kv_rows],
+                                                  kv[1][seg.batch, seg.kv_rows], seg.causal, scale)
+            merge_block(out[seg.batch, seg.q_rows], lse[seg.batch, :, seg.q_rows], block_out, block_lse)
         kv = pending.wait() or kv
     return out.to(q.dtype), lse
 
 
-# step(visitor, owner) -> (rows of the visitor that got gradients, those gradients); it
-# accumulates the home gradients itself.
-StepFn = Callable[[list[torch.Tensor], int], tuple[slice, list[torch.Tensor]]]
+# step(visitor, owner) -> [(batch rows, sequence rows, gradients of the visitor there), ...];
+# it accumulates the home gradients itself.
+GradPieces = list[tuple[slice, slice, list[torch.Tensor]]]
+StepFn = Callable[[list[torch.Tensor], int], GradPieces]
 
 
 def circulate(ring: Ring, visitor: list[torch.Tensor], num_grads: int, step: StepFn) -> list[torch.Tensor]:
@@ -80,7 +81,7 @@ def circulate(ring: Ring, visitor: list[torch.Tensor], num_grads: int, step: Ste
         incoming = (visitor if forward_visitor else []) + (grad_like if t >= 2 else [])
         dtypes = [x.dtype for x in (visitor if forward_visitor else [])] + (f32 if t >= 2 else [])
         pending = ring.exchange(outgoing, incoming, dtypes)
-        rows, grads = step(visitor, (ring.rank - t) % world)
+        pieces = step(visitor, (ring.rank - t) % world)
         received = pending.wait()
         split = len(visitor) if forward_visitor else 0
         next_visitor, arrived = received[:split], received[split:]
@@ -89,8 +90,9 @@ def circulate(ring: Ring, visitor: list[torch.Tensor], num_grads: int, step: Ste
         else:
             target = arrived or [torch.zeros_like(x, dtype=torch.float32) for x in grad_like]
             traveling = target
-        for acc, grad in zip(target, grads, strict=True):
-            acc[:, rows] += grad
+        for batch, rows, grads in pieces:
+            for acc, grad in zip(target, grads, strict=True):
+                acc[batch, rows] += grad
         visitor = next_visitor or visitor
     if world > 1:
         for acc, grad in zip(own, ring.exchange(traveling, grad_like, f32).wait(), strict=True):
@@ -111,41 +113,43 @@ def output_with_delta(dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     return (d32 * factor.unsqueeze(-1)).to(dout.dtype)
 
 
-def burst_backward(ring: Ring, kernel: AttentionKernel, dout, q, k, v, out, lse, causal: bool, scale: float):
+def burst_backward(ring: Ring, kernel: AttentionKernel, plan: AttentionPlan, dout, q, k, v, out, lse, scale: float):
     """The paper's backward: K, V and their gradients stay home; Q, dO, lse, delta travel."""
-    shard_len = q.shape[1]
     delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()  # [b, h, s]
     dk = torch.zeros_like(k, dtype=torch.float32)
     dv = torch.zeros_like(v, dtype=torch.float32)
 
-    def step(visitor: list[torch.Tensor], owner: int) -> tuple[slice, list[torch.Tensor]]:
+    def step(visitor: list[torch.Tensor], owner: int) -> GradPieces:
         vq, vdout, vlse, vdelta = visitor
-        block = block_for(owner, ring.rank, shard_len, causal)
-        rows, cols = block.q_rows, block.kv_rows
-        vout = out[:, rows] if owner == ring.rank else output_with_delta(vdout[:, rows], vdelta[..., rows])
-        dq_blk, dk_blk, dv_blk = kernel.backward(vdout[:, rows], vq[:, rows], k[:, cols], v[:, cols], vout,
-                                                 vlse[..., rows], block.causal, scale)
-        dk[:, cols] += dk_blk
-        dv[:, cols] += dv_blk
-        return rows, [dq_blk]
+        pieces = []
+        for seg in plan(owner, ring.rank):
+            b, rows, cols = seg.batch, seg.q_rows, seg.kv_rows
+            vout = out[b, rows] if owner == ring.rank else output_with_delta(vdout[b, rows], vdelta[b, :, rows])
+            dq_blk, dk_blk, dv_blk = kernel.backward(vdout[b, rows], vq[b, rows], k[b, cols], v[b, cols], vout,
+                                                     vlse[b, :, rows], seg.causal, scale)
+            dk[b, cols] += dk_blk
+            dv[b, cols] += dv_blk
+            pieces.append((b, rows, [dq_blk]))
+        return pieces
 
     (dq,) = circulate(ring, [q, dout, lse, delta], 1, step)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def ring_backward(ring: Ring, kernel: AttentionKernel, dout, q, k, v, out, lse, causal: bool, scale: float):
+def ring_backward(ring: Ring, kernel: AttentionKernel, plan: AttentionPlan, dout, q, k, v, out, lse, scale: float):
     """Ring attention's backward: Q, dO and dQ stay home; K, V travel, dK, dV follow them."""
-    shard_len = q.shape[1]
     dq = torch.zeros_like(q, dtype=torch.float32)
 
-    def step(visitor: list[torch.Tensor], owner: int) -> tuple[slice, list[torch.Tensor]]:
+    def step(visitor: list[torch.Tensor], owner: int) -> GradPieces:
         vk, vv = visitor
-        block = block_for(ring.rank, owner, shard_len, causal)
-        rows, cols = block.q_rows, block.kv_rows
-        dq_blk, dk_blk, dv_blk = kernel.backward(dout[:, rows], q[:, rows], vk[:, cols], vv[:, cols], out[:, rows],
-                                                 lse[..., rows], block.causal, scale)
-        dq[:, rows] += dq_blk
-        return cols, [dk_blk, dv_blk]
+        pieces = []
+        for seg in plan(ring.rank, owner):
+            b, rows, cols = seg.batch, seg.q_rows, seg.kv_rows
+            dq_blk, dk_blk, dv_blk = kernel.backward(dout[b, rows], q[b, rows], vk[b, cols], vv[b, cols], out[b, rows],
+                                                     lse[b, :, rows], seg.causal, scale)
+            dq[b, rows] += dq_blk
+            pieces.append((b, cols, [dk_blk, dv_blk]))
+        return pieces
 
     dk, dv = circulate(ring, [k, v], 2, step)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
