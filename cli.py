@@ -74,6 +74,8 @@ def bench_attention_command(
     causal: bool = typer.Option(True, "--causal/--non-causal"),
     iters: int = typer.Option(2, "--iters", help="Timed iterations after one warm-up."),
     modes: str = typer.Option("burst,ring", "--modes", help="Backward modes to run: burst, ring, auto."),
+    doc_length: int | None = typer.Option(None, "--doc-length",
+                                          help="Also run document-masked, packing documents of this many tokens."),
     json_path: Path | None = typer.Option(None, "--json", help="Also write the figures to this JSON file."),
 ) -> None:
     """Time burst_attn forward and backward on local ranks against a single process."""
@@ -82,7 +84,7 @@ def bench_attention_command(
     try:
         config = AttentionBenchConfig(nproc=nproc, seq_len=seq_len, heads=heads, kv_heads=kv_heads,
                                       head_dim=head_dim, batch=batch, dtype=dtype, causal=causal, iters=iters,
-                                      modes=[m.strip() for m in modes.split(",") if m.strip()])
+                                      modes=[m.strip() for m in modes.split(",") if m.strip()], doc_length=doc_length)
     except ValueError as err:
         typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from None
