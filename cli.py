@@ -62,6 +62,49 @@ def prepare_command(
         raise typer.Exit(2) from None
 
 
+def _number_list(text: str | None, kind: type, flag: str) -> list | None:
+    """'1024,2048' -> [1024, 2048]; None stays None (the config's default)."""
+    if text is None:
+        return None
+    try:
+        return [kind(item) for item in text.split(",") if item.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"expected comma-separated {kind.__name__} values, got {text!r}",
+                                 param_hint=flag) from None
+
+
+@app.command("eval")
+def eval_command(
+    checkpoint: Path = typer.Option(..., "--checkpoint", help="Model directory: native (burst) or Hugging Face LLaMA."),
+    data: Path | None = typer.Option(None, "--data", help="Token store (default: the embedded stdlib corpus)."),
+    seq_len: int | None = typer.Option(None, "--seq-len", help="Tokens per validation sequence (4096)."),
+    batches: int | None = typer.Option(None, "--batches", help="Validation sequences to score (16)."),
+    buckets: int | None = typer.Option(None, "--buckets", help="Position buckets for loss by position (8)."),
+    passkey_lengths: str | None = typer.Option(None, "--passkey-lengths",
+                                               help="Passkey sample lengths, e.g. 1024,2048 (seq-len/4, /2, 1)."),
+    passkey_depths: str | None = typer.Option(None, "--passkey-depths", help="Needle depths (0,0.25,0.5,0.75,1)."),
+    passkey_trials: int | None = typer.Option(None, "--passkey-trials", help="Samples per cell; 0 skips (5)."),
+    cp: int | None = typer.Option(None, "--cp", help="Context-parallel ranks; start them with torchrun (1)."),
+    precision: str | None = typer.Option(None, "--precision", help="Weights dtype: fp32 or bf16 (fp32)."),
+    json_path: Path | None = typer.Option(None, "--json", help="Write the results here, and a PNG plot beside."),
+) -> None:
+    """Perplexity, loss by position and passkey retrieval of a model checkpoint.
+
+    With --cp N, launch N processes: torchrun --nproc-per-node N $(which burst) eval ... --cp N
+    """
+    from evaluation import EvalConfig, evaluate  # here, so `burst --help` does not import torch
+
+    flags = dict(data=data, seq_len=seq_len, batches=batches, buckets=buckets, passkey_trials=passkey_trials,
+                 passkey_lengths=_number_list(passkey_lengths, int, "--passkey-lengths"),
+                 passkey_depths=_number_list(passkey_depths, float, "--passkey-depths"),
+                 cp=cp, precision=precision, json_path=json_path)
+    try:
+        evaluate(EvalConfig(checkpoint=checkpoint, **{name: v for name, v in flags.items() if v is not None}))
+    except (ValueError, OSError) as err:
+        typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from None
+
+
 @bench_app.command("attention")
 def bench_attention_command(
     nproc: int = typer.Option(2, "--nproc", help="Local ranks the sequence is split across."),
@@ -92,6 +135,63 @@ def bench_attention_command(
     print_table(config, rows)
     if json_path:
         write_json(str(json_path), config, rows)
+
+
+class Precision(str, enum.Enum):
+    bf16 = "bf16"
+    fp32 = "fp32"
+
+
+class AttentionBackward(str, enum.Enum):
+    auto = "auto"
+    burst = "burst"
+    ring = "ring"
+
+
+@app.command("train")
+def train_command(
+    config: Path | None = typer.Option(None, "--config", help="TOML file of settings; flags override it."),
+    model: str | None = typer.Option(None, "--model", help="Preset (debug, tiny, llama3-8b, ...) or native "
+                                                          "checkpoint directory to start from. [default: tiny]"),
+    data: Path | None = typer.Option(None, "--data", help="Token store from `burst prepare`. "
+                                                          "[default: the embedded stdlib corpus]"),
+    seq_len: int | None = typer.Option(None, "--seq-len", help="Tokens per sequence, split over --cp ranks."),
+    cp: int | None = typer.Option(None, "--cp", help="Sequence-parallel degree (ranks per sequence)."),
+    dp: int | None = typer.Option(None, "--dp", help="Data-parallel degree."),
+    batch_size: int | None = typer.Option(None, "--batch-size", help="Sequences per dp rank per micro-batch."),
+    grad_accum: int | None = typer.Option(None, "--grad-accum", help="Micro-batches per optimizer step."),
+    steps: int | None = typer.Option(None, "--steps", help="Optimizer steps."),
+    lr: float | None = typer.Option(None, "--lr", help="Peak learning rate."),
+    warmup: int | None = typer.Option(None, "--warmup", help="Linear warmup steps."),
+    precision: Precision | None = typer.Option(None, "--precision", help="bf16 autocast or fp32."),
+    activation_checkpointing: bool | None = typer.Option(
+        None, "--activation-checkpointing/--no-activation-checkpointing", help="Recompute activations in backward."),
+    attention_backward: AttentionBackward | None = typer.Option(None, "--attention-backward",
+                                                                help="BurstAttention backward communication."),
+    seed: int | None = typer.Option(None, "--seed", help="Seed of the initial weights and the data order."),
+    out: Path | None = typer.Option(None, "--out", help="Run directory (must be new). [default: runs/DATE-TIME]"),
+    log_every: int | None = typer.Option(None, "--log-every", help="Steps between logged metrics."),
+) -> None:
+    """Train a LLaMA-style model with BurstAttention sequence parallelism (defaults: see TrainConfig)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # here: keep --help fast
+
+    from trainer import TrainingStopped, launch, load_config
+
+    flags = {"model": model, "data": data, "seq_len": seq_len, "cp": cp, "dp": dp, "batch_size": batch_size,
+             "grad_accum": grad_accum, "steps": steps, "lr": lr, "warmup": warmup, "precision": precision,
+             "activation_checkpointing": activation_checkpointing, "attention_backward": attention_backward,
+             "seed": seed, "out": out, "log_every": log_every}
+    overrides = {name: value.value if isinstance(value, enum.Enum) else str(value) if isinstance(value, Path)
+                 else value for name, value in flags.items() if value is not None}
+    try:
+        launch(load_config(config, overrides))
+    except (ValueError, TrainingStopped) as err:
+        typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2 if isinstance(err, ValueError) else 1) from None
+    except ChildFailedError as err:
+        rank, failure = err.get_first_failure()
+        typer.secho(f"error: training failed on rank {rank}: {failure.message}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(1) from None
 
 
 def main() -> None:

@@ -186,6 +186,13 @@ def detect_format(path: Path) -> str:
                      f"(config.json with model_type 'llama') or a burst checkpoint (config.json with dim, n_layers)")
 
 
+def read_checkpoint(path: str | Path) -> Checkpoint:
+    """The checkpoint directory `path`, format detected, validated from file headers; tensors are read lazily."""
+    path = Path(path)
+    _, read = SOURCE_FORMATS[detect_format(path)]
+    return read(path)
+
+
 def convert_checkpoint(src: str | Path, dst: str | Path, to: str, force: bool = False,
                        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
     """Convert the checkpoint directory `src` (format detected) into `dst` in format `to` ("burst" or "hf").
@@ -198,8 +205,7 @@ def convert_checkpoint(src: str | Path, dst: str | Path, to: str, force: bool = 
     src, dst = Path(src), Path(dst)
     if dst.resolve() == src.resolve():
         raise ValueError(f"source and destination are the same directory ({src}); choose another destination")
-    _, read = SOURCE_FORMATS[detect_format(src)]
-    checkpoint = read(src)
+    checkpoint = read_checkpoint(src)
     with atomic_directory(dst, force) as tmp:
         TARGET_FORMATS[to](checkpoint, tmp, max_shard_bytes)
         for name in CARRIED_FILES:

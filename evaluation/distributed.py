@@ -1,0 +1,85 @@
+"""Evaluation over a context-parallel group: each rank holds a zigzag shard of every sequence.
+
+The model code knows nothing about ranks (style principle 1): `use_burst_attention` swaps every
+block's `core_attention` for `burst.BurstAttention`, exactly as the trainer's parallelize step
+does; inputs are cut with the zigzag layout; per-rank sums are added up with `all_reduce_sum`.
+`group=None` means one process alone, even when torch.distributed is initialised for something else.
+
+Processes are started by torchrun (RANK, WORLD_SIZE, LOCAL_RANK in the environment); one
+evaluation uses every rank of the world as its context-parallel group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+import burst
+from models import Transformer
+
+
+def rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """(rank, size) of this process in `group`; (0, 1) for None."""
+    return (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
+
+
+def use_burst_attention(model: Transformer, group: dist.ProcessGroup | None) -> None:
+    """Make every attention block attend across `group` (in place); a no-op for a single process."""
+    if rank_and_size(group)[1] == 1:
+        return
+    for block in model.layers:
+        block.attention.core_attention = burst.BurstAttention(group)
+
+
+def shard_tokens(tokens: torch.Tensor, group: dist.ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """tokens [batch, seq] -> this rank's zigzag shard [batch, seq // cp] and its global positions [seq // cp]."""
+    rank, size = rank_and_size(group)
+    seq_len = tokens.shape[1]
+    return burst.shard_for_rank(tokens, rank, size), burst.zigzag_positions(seq_len, rank, size).to(tokens.device)
+
+
+def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Sum `tensor` over the ranks of `group` in place and return it."""
+    if rank_and_size(group)[1] > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    return tensor
+
+
+def eval_device() -> torch.device:
+    """This rank's GPU (LOCAL_RANK) when CUDA is available, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def context_parallel_group(cp: int, device: torch.device) -> Iterator[dist.ProcessGroup | None]:
+    """The process group of `cp` ranks to evaluate over (None for cp=1).
+
+    Joins the group torchrun describes when torch.distributed is not initialised yet (and leaves
+    it afterwards); the world must have exactly `cp` ranks.
+    """
+    world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+    if world_size != cp:
+        if cp == 1:
+            raise ValueError(f"{world_size} processes were started but --cp is 1; pass --cp {world_size} to "
+                             f"evaluate across them, or start a single process")
+        raise ValueError(f"--cp {cp} evaluates on {cp} processes but {world_size} were started; launch with "
+                         f"`torchrun --nproc-per-node {cp} $(which burst) eval ... --cp {cp}`")
+    if cp == 1:
+        yield None
+        return
+    joined = not dist.is_initialized()
+    if joined:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    try:
+        yield dist.group.WORLD
+    finally:
+        if joined:
+            dist.destroy_process_group()

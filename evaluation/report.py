@@ -1,0 +1,113 @@
+"""What `burst eval` shows and writes: rich tables, a JSON file, and a PNG of loss by position beside it."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rich.table import Table
+
+if TYPE_CHECKING:  # run.py imports this module; the annotation alone needs EvalResult
+    from evaluation.run import EvalResult
+
+PLOT_HINT = "pip install 'burst[plot]'"
+
+
+def _finite(x: float) -> float | None:
+    """JSON has no NaN: an empty bucket's loss is written as null."""
+    return None if math.isnan(x) else x
+
+
+def to_json(result: EvalResult) -> dict[str, Any]:
+    """The JSON document of `--json`: perplexity, loss_by_position (buckets), passkey (grid and accuracy)."""
+    ppl = result.perplexity
+    passkey = None
+    if result.passkey is not None:
+        grid = result.passkey
+        passkey = {
+            "accuracy": grid.accuracy, "lengths": grid.lengths, "depths": grid.depths,
+            # grid[i][j]: accuracy at lengths[i], depths[j]
+            "grid": [[c.accuracy for c in row] for row in grid.rows()],
+            "cells": [{"length": c.length, "depth": c.depth, "trials": c.trials, "retrieved": c.retrieved,
+                       "accuracy": c.accuracy} for c in grid.cells],
+        }
+    return {
+        "checkpoint": str(result.checkpoint), "format": result.format, "data": str(result.data),
+        "cp": result.cp, "precision": result.precision, "seq_len": ppl.seq_len, "sequences": ppl.sequences,
+        "tokens": ppl.tokens, "perplexity": _finite(ppl.perplexity), "loss": _finite(ppl.loss),
+        "loss_by_position": [{"start": b.start, "end": b.end, "mean_loss": _finite(b.mean_loss), "tokens": b.tokens}
+                             for b in ppl.loss_by_position],
+        "passkey": passkey, "warnings": result.warnings, "seconds": result.seconds,
+    }
+
+
+def write_files(result: EvalResult, json_path: Path) -> Path | None:
+    """Write the loss-by-position PNG beside `json_path` (same name, .png), then the JSON.
+
+    Returns the PNG's path, or None when matplotlib is missing: then the JSON's warnings say so.
+    """
+    plot = json_path.with_suffix(".png")
+    if not plot_loss_by_position(result, plot):
+        result.warnings.append(f"the plot {plot} was skipped: matplotlib is not installed ({PLOT_HINT})")
+        plot = None
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(to_json(result), indent=2) + "\n")
+    return plot
+
+
+def plot_loss_by_position(result: EvalResult, path: Path) -> bool:
+    """Write a PNG of mean loss per position bucket; False (nothing written) when matplotlib is missing."""
+    try:
+        from matplotlib.figure import Figure  # no pyplot: no GUI backend, safe on a headless node
+    except ImportError:
+        return False
+    buckets = [b for b in result.perplexity.loss_by_position if b.tokens]
+    figure = Figure(figsize=(7, 4), dpi=120)
+    axes = figure.add_subplot()
+    axes.plot([(b.start + b.end) / 2 for b in buckets], [b.mean_loss for b in buckets], marker="o")
+    axes.set_xlabel("position in the context (bucket centre)")
+    axes.set_ylabel("mean cross-entropy (nats)")
+    axes.set_title(f"{Path(result.checkpoint).name}: loss by position, seq_len {result.perplexity.seq_len:,}, "
+                   f"perplexity {result.perplexity.perplexity:.3f}", fontsize=9)
+    axes.grid(alpha=0.3)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path)
+    return True
+
+
+def tables(result: EvalResult) -> list[Table]:
+    """A summary, loss by position, and (when run) the passkey grid: accuracy per length (rows) x depth."""
+    ppl = result.perplexity
+    summary = Table(title=f"burst eval {result.checkpoint}", show_header=False, title_justify="left")
+    summary.add_column(style="bold")
+    summary.add_column(justify="right")
+    summary.add_row("perplexity", f"{ppl.perplexity:.4f}")
+    summary.add_row("loss (nats/token)", f"{ppl.loss:.4f}")
+    summary.add_row("scored tokens", f"{ppl.tokens:,} in {ppl.sequences} x {ppl.seq_len:,}-token sequences")
+    summary.add_row("data", str(result.data))
+    summary.add_row("cp ranks / precision", f"{result.cp} / {result.precision}")
+    if result.passkey is not None:
+        summary.add_row("passkey accuracy", f"{result.passkey.accuracy:.3f}")
+    summary.add_row("time", f"{result.seconds:.1f} s")
+
+    positions = Table(title="loss by position", title_justify="left")
+    for name in ("positions", "mean loss", "tokens"):
+        positions.add_column(name, justify="right")
+    for b in ppl.loss_by_position:
+        positions.add_row(f"{b.start:,}-{b.end - 1:,}", f"{b.mean_loss:.4f}", f"{b.tokens:,}")
+    out = [summary, positions]
+
+    if result.passkey is not None:
+        grid = result.passkey
+        passkey = Table(title=f"passkey retrieval accuracy ({grid.cells[0].trials} trials per cell)",
+                        title_justify="left")
+        passkey.add_column("length \\ depth", justify="right")
+        for depth in grid.depths:
+            passkey.add_column(f"{depth:g}", justify="right")
+        for length, row in zip(grid.lengths, grid.rows(), strict=True):
+            passkey.add_row(f"{length:,}", *(f"{c.accuracy:.2f}" for c in row))
+        out.append(passkey)
+    return out

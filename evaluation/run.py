@@ -1,0 +1,166 @@
+"""`burst eval`: perplexity, loss by position and passkey retrieval of a model checkpoint.
+
+    result = evaluate(EvalConfig(checkpoint=Path("out/model"), seq_len=4096, cp=2))
+
+Every input is checked before the weights are read (style principle 8); the work itself lives
+in perplexity.py and passkey.py, the output in report.py. With cp > 1 the processes come from
+torchrun and rank 0 prints and writes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from rich.console import Console
+
+from burst.layout import check_sequence_length
+from data import Tokenizer, TokenStore, default_store, passkey_sample
+from evaluation.checkpoint import EvalCheckpoint, check_tokenizer, load_for_eval
+from evaluation.distributed import context_parallel_group, eval_device, rank_and_size, use_burst_attention
+from evaluation.passkey import PasskeyResult, evaluate_passkey
+from evaluation.perplexity import PerplexityResult, available_sequences, evaluate_perplexity
+from evaluation.report import tables, write_files
+
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+
+
+@dataclass
+class EvalConfig:
+    """What to evaluate and how. passkey_lengths None: a quarter, half and all of seq_len."""
+
+    checkpoint: Path
+    data: Path | None = None  # token store; None: the embedded standard-library corpus
+    seq_len: int = 4096
+    batches: int = 16  # validation sequences to score, one per batch; fewer if the split holds fewer
+    buckets: int = 8  # equal position buckets for loss by position
+    passkey_lengths: list[int] | None = None
+    passkey_depths: list[float] = field(default_factory=lambda: list(DEFAULT_DEPTHS))
+    passkey_trials: int = 5  # samples (different passkeys) per cell; 0 skips passkey retrieval
+    cp: int = 1  # context-parallel ranks (processes started by torchrun)
+    precision: str = "fp32"  # a key of PRECISIONS: the dtype the weights are cast to
+    json_path: Path | None = None  # also write JSON here, and the loss-by-position PNG beside it
+    seed: int = 0  # of the passkeys
+
+    def __post_init__(self) -> None:
+        """Refuse values that cannot work, naming the flag; the checks that need files come later."""
+        if self.cp < 1:
+            raise ValueError(f"--cp {self.cp} must be at least 1")
+        check_sequence_length(self.seq_len, self.cp)
+        if self.batches < 1:
+            raise ValueError(f"--batches {self.batches} must be at least 1")
+        if not 1 <= self.buckets <= self.seq_len:
+            raise ValueError(f"--buckets {self.buckets} must be between 1 and --seq-len {self.seq_len}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"--precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
+        if self.passkey_trials < 0:
+            raise ValueError(f"--passkey-trials {self.passkey_trials} must be >= 0 (0 skips passkey retrieval)")
+        if self.passkey_lengths is None:
+            step = 2 * self.cp  # every length must split into the zigzag layout's 2 x cp chunks
+            self.passkey_lengths = sorted({n - n % step for n in (self.seq_len // 4, self.seq_len // 2, self.seq_len)
+                                           if n >= step})
+        if self.passkey_trials and not (self.passkey_lengths and self.passkey_depths):
+            raise ValueError("--passkey-lengths and --passkey-depths need at least one value each "
+                             "(or pass --passkey-trials 0 to skip passkey retrieval)")
+        for length in self.passkey_lengths:
+            try:
+                check_sequence_length(length, self.cp)
+            except ValueError as err:
+                raise ValueError(f"--passkey-lengths: {err}") from None
+        for depth in self.passkey_depths:
+            if not 0 <= depth <= 1:
+                raise ValueError(f"--passkey-depths: depth {depth} must be in [0, 1] (0 = start, 1 = end)")
+
+
+@dataclass
+class EvalResult:
+    checkpoint: Path
+    format: str  # the checkpoint's format (a key of models.convert.SOURCE_FORMATS)
+    data: Path  # the token store
+    cp: int
+    precision: str
+    perplexity: PerplexityResult
+    passkey: PasskeyResult | None  # None when passkey_trials is 0
+    warnings: list[str]
+    seconds: float
+
+
+@dataclass
+class EvalInputs:
+    """Everything `evaluate` reads, opened and checked before any weight is loaded."""
+
+    checkpoint: EvalCheckpoint
+    store: TokenStore
+    tokenizer: Tokenizer
+    sequences: int  # validation sequences that will be scored
+    warnings: list[str]
+
+
+def open_inputs(config: EvalConfig) -> EvalInputs:
+    """Open checkpoint and data and check that they fit each other and the config."""
+    checkpoint = load_for_eval(config.checkpoint)
+    store = TokenStore(config.data if config.data is not None else default_store())
+    check_tokenizer(checkpoint, store)
+    val = store.split("val")
+    available = available_sequences(val, config.seq_len)
+    if available == 0:
+        raise ValueError(f"the validation split of {store.directory} has {val.num_tokens:,} tokens in "
+                         f"{val.num_documents} documents, not enough for one sequence of {config.seq_len:,}; "
+                         f"lower --seq-len, or prepare the store with a larger --val-fraction")
+    tokenizer = Tokenizer(store.tokenizer_path)
+    if config.passkey_trials:
+        for trial in range(config.passkey_trials):  # the passkey's digits may tokenize to different lengths
+            try:
+                passkey_sample(tokenizer, min(config.passkey_lengths), 0.0, seed=config.seed + trial)
+            except ValueError as err:
+                raise ValueError(f"--passkey-lengths: {err}; use longer lengths") from None
+    warnings = []
+    if available < config.batches:
+        warnings.append(f"the validation split holds {available} sequences of {config.seq_len:,} tokens; "
+                        f"scoring {available}, not --batches {config.batches}")
+    max_seq_len = checkpoint.config.max_seq_len
+    longest = max([config.seq_len] + (config.passkey_lengths if config.passkey_trials else []))
+    if longest > max_seq_len:
+        warnings.append(f"sequences of up to {longest:,} tokens are longer than the model's max_seq_len "
+                        f"{max_seq_len:,}: positions past it were never trained, so expect worse results there")
+    return EvalInputs(checkpoint=checkpoint, store=store, tokenizer=tokenizer,
+                      sequences=min(available, config.batches), warnings=warnings)
+
+
+def evaluate(config: EvalConfig, console: Console | None = None) -> EvalResult:
+    """Evaluate `config.checkpoint`; print tables on rank 0 and, with `json_path`, write the JSON and PNG there."""
+    started = time.perf_counter()
+    console = console or Console(stderr=True)
+    device = eval_device()
+    with context_parallel_group(config.cp, device) as group:
+        is_main = rank_and_size(group)[0] == 0
+        say = console.print if is_main else lambda *_: None
+        inputs = open_inputs(config)
+        for warning in inputs.warnings:
+            say(f"[yellow]warning:[/] {warning}")
+        model = inputs.checkpoint.model(device, PRECISIONS[config.precision])
+        use_burst_attention(model, group)
+        say(f"perplexity: {inputs.sequences} x {config.seq_len:,} tokens of {inputs.store.directory} (val)")
+        perplexity = evaluate_perplexity(model, inputs.store.split("val"), config.seq_len, inputs.sequences,
+                                         config.buckets, group)
+        passkey = None
+        if config.passkey_trials:
+            say(f"passkey: lengths {config.passkey_lengths}, depths {config.passkey_depths}, "
+                f"{config.passkey_trials} trials each")
+            passkey = evaluate_passkey(model, inputs.tokenizer, config.passkey_lengths, config.passkey_depths,
+                                       config.passkey_trials, group, config.seed)
+    result = EvalResult(checkpoint=config.checkpoint, format=inputs.checkpoint.format, data=inputs.store.directory,
+                        cp=config.cp, precision=config.precision, perplexity=perplexity, passkey=passkey,
+                        warnings=inputs.warnings, seconds=time.perf_counter() - started)
+    if is_main:
+        for table in tables(result):
+            say(table)
+        if config.json_path is not None:
+            plot = write_files(result, config.json_path)
+            if plot is None:
+                say(f"[yellow]warning:[/] {result.warnings[-1]}")
+            say(f"wrote {config.json_path}" + (f" and {plot}" if plot else ""))
+    return result
