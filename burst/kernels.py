@@ -25,6 +25,7 @@ import math
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
 Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -89,9 +90,10 @@ class TorchCUDAKernel:
     def backward(self, dout, q, k, v, out, lse, causal, scale):
         groups = q.shape[2] // k.shape[2]
         no_rng = torch.empty(0, dtype=torch.int64, device=q.device)
+        padded_lse = F.pad(lse, (0, -lse.shape[-1] % 32))  # the layout the forward returns
         dq, dk, dv, _ = torch.ops.aten._efficient_attention_backward(
             dout.contiguous(), q, _repeat_heads(k, groups), _repeat_heads(v, groups), None, out.contiguous(),
-            None, None, q.shape[1], k.shape[1], lse.contiguous(), 0.0, no_rng, no_rng,
+            None, None, q.shape[1], k.shape[1], padded_lse.contiguous(), 0.0, no_rng, no_rng,
             self._CAUSAL_TOP_LEFT if causal else self._NO_MASK, False, scale=scale)
         return dq, _sum_head_groups(dk, groups), _sum_head_groups(dv, groups)
 
