@@ -82,7 +82,8 @@ class BurstAttnFunction(torch.autograd.Function):
         if q.device.type == "cpu":
             q, k, v = heads_first(q), heads_first(k), heads_first(v)
         kernel = select_kernel(q.device, q.dtype, kernel_name)
-        out, lse = ring_forward(ring, kernel, plan, q, k, v, scale)
+        with torch.autocast(q.device.type, enabled=False):  # the kernels choose their own precision
+            out, lse = ring_forward(ring, kernel, plan, q, k, v, scale)
         SENT.last_forward = ring.bytes_sent
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.kernel, ctx.plan, ctx.scale = ring, kernel, plan, scale
@@ -98,7 +99,8 @@ class BurstAttnFunction(torch.autograd.Function):
         if dout.device.type == "cpu":
             dout = heads_first(dout)
         run = burst_backward if ctx.backward_mode == "burst" else ring_backward
-        dq, dk, dv = run(ring, ctx.kernel, ctx.plan, dout, q, k, v, out, lse, ctx.scale)
+        with torch.autocast(q.device.type, enabled=False):
+            dq, dk, dv = run(ring, ctx.kernel, ctx.plan, dout.to(q.dtype), q, k, v, out, lse, ctx.scale)
         SENT.last_backward = ring.bytes_sent
         return dq, dk, dv, None, None, None, None, None
 

@@ -125,3 +125,15 @@ def _bad_inputs_raise(rank, world_size):
 
 def test_bad_inputs_raise_on_every_rank():
     run_on_ranks(_bad_inputs_raise, 2, timeout_s=30)
+
+
+def test_autocast_does_not_lower_the_reference_kernel_precision():
+    q, k, v, dout = make_inputs(32, 4, 2, torch.float32)
+    expected = reference(q, k, v, dout, True)
+    q.requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = burst.burst_attn(q, k, v, kernel="math")
+    out.backward(dout)
+    assert out.dtype == torch.float32
+    assert (out.double() - expected[0]).abs().max() < TOLERANCE[torch.float32]
+    assert (q.grad.double() - expected[2]).abs().max() < TOLERANCE[torch.float32]
