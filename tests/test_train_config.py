@@ -1,0 +1,62 @@
+"""TrainConfig: defaults < TOML file < flags, refusals that name the bad setting, the LR schedule, decay groups."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from models import ModelConfig, Transformer
+from trainer.config import TrainConfig, load_config, to_toml
+from trainer.optim import build_optimizer, lr_factor
+
+
+def test_flags_override_the_file_which_overrides_the_defaults(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('model = "debug"\nsteps = 7\nlr = 1\nactivation_checkpointing = true\n')
+    config = load_config(path, {"steps": 3, "cp": 2})
+    assert (config.model, config.steps, config.cp, config.lr) == ("debug", 3, 2, 1.0)
+    assert config.activation_checkpointing is True
+    assert config.seq_len == TrainConfig().seq_len  # untouched: the default
+
+
+def test_the_saved_toml_reads_back_to_the_same_config(tmp_path):
+    config = TrainConfig(model="debug", data='a "quoted" dir', seq_len=512, lr=3e-5, out="runs/x")
+    path = tmp_path / "config.toml"
+    path.write_text(to_toml(config))
+    assert load_config(path) == config
+    assert "data" not in to_toml(TrainConfig())  # None: left out, the default again on reading
+
+
+@pytest.mark.parametrize("text, overrides, message", [
+    ("stepz = 3\n", {}, "unknown setting 'stepz' in"),
+    ("", {"learning_rate": 1.0}, "unknown setting 'learning_rate' in the command line"),
+    ('steps = "ten"\n', {}, "setting 'steps' in"),
+    ("seq_len = 1004\ncp = 4\n", {}, "seq_len 1004 does not split over cp = 4"),
+    ('precision = "fp16"\n', {}, "precision 'fp16' is not one of bf16, fp32"),
+    ("steps = [\n", {}, "cannot read the config file"),
+])
+def test_bad_settings_are_refused_with_the_setting_named(tmp_path, text, overrides, message):
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        load_config(path, overrides)
+
+
+def test_lr_warms_up_linearly_then_decays_by_cosine_to_the_floor():
+    factors = [lr_factor(step, warmup=4, steps=15, min_ratio=0.1) for step in range(15)]
+    assert factors[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert factors[4] == 1.0 and math.isclose(factors[-1], 0.1)
+    assert all(a >= b for a, b in zip(factors[4:], factors[5:], strict=False))
+    assert math.isclose(factors[9], 0.55)  # half way through the cosine: half way to the floor
+
+
+def test_weight_decay_skips_norms_and_embeddings():
+    model = Transformer(dataclasses.replace(ModelConfig.from_name("debug"), vocab_size=64))
+    optimizer = build_optimizer(model, TrainConfig(weight_decay=0.1))
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed = {names[id(p)] for g in optimizer.param_groups if g["weight_decay"] > 0 for p in g["params"]}
+    assert "output.weight" in decayed and "layers.0.attention.wq.weight" in decayed
+    assert not any("norm" in n or "tok_embeddings" in n for n in decayed)
+    assert sum(len(g["params"]) for g in optimizer.param_groups) == len(list(model.parameters()))
+    assert isinstance(optimizer, torch.optim.AdamW)

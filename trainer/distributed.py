@@ -1,0 +1,67 @@
+"""This process's place in a run: the process group, the ("dp", "cp") DeviceMesh, and its device.
+
+torchrun, or `burst train`'s own launcher, describes the group in the environment (RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR, ...). CPU ranks use gloo; CUDA ranks use NCCL with one GPU per local rank.
+A single process has no process group and no mesh.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from data.tokenizer import available_cores
+from trainer.config import TrainConfig
+
+TIMEOUT = datetime.timedelta(minutes=30)  # a 1M-token step on a slow link can take minutes
+
+
+@dataclass
+class Distributed:
+    """This process's place in the run."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    mesh: DeviceMesh | None  # ("dp", "cp"); None when the run is a single process
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh["dp"].get_local_rank() if self.mesh is not None else 0
+
+    @property
+    def cp_rank(self) -> int:
+        return self.mesh["cp"].get_local_rank() if self.mesh is not None else 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def environment_world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_distributed(config: TrainConfig) -> Distributed:
+    """Join the process group the environment describes (none for a single process) and build the mesh."""
+    world_size = environment_world_size()
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        # The ranks on one machine share its cores; more threads than cores only slows every rank down.
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        torch.set_num_threads(max(1, available_cores() // local_world_size))
+    if world_size == 1:
+        return Distributed(0, 1, device, None)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=TIMEOUT)
+    mesh = init_device_mesh(device.type, (config.dp, config.cp), mesh_dim_names=("dp", "cp"))
+    return Distributed(rank, world_size, device, mesh)

@@ -1,0 +1,67 @@
+"""Starting the ranks: under torchrun, join the ranks it started; on one machine, start cp x dp of them here.
+
+    burst train --cp 2                      # this process starts 2 workers (torch's elastic launcher)
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \
+        --rdzv-id JOB --no-python burst train --cp 8 --dp 2 --out runs/job   # every node runs this
+
+Every worker runs `train(config)`, which joins the process group (see distributed.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+
+import torch
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from trainer.config import TrainConfig
+from trainer.distributed import environment_world_size
+from trainer.preflight import plan_run
+from trainer.train import TrainingStopped, train
+
+
+def under_torchrun() -> bool:
+    """True in a process that torchrun (or our own launcher) started as one rank of a group."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def launch(config: TrainConfig) -> None:
+    """Run `train(config)` on every rank; raises ValueError, before any worker starts, on a bad config."""
+    if under_torchrun():
+        if config.out is None and environment_world_size() > 1:
+            raise ValueError("under torchrun pass --out: every rank, on every node, must use the same run directory")
+        train(config)
+        return
+    plan = plan_run(config, world_size=config.world_size)  # before any process starts; prepares the default corpus
+    config = plan.config
+    if torch.cuda.is_available() and torch.cuda.device_count() < config.world_size:
+        raise ValueError(f"cp x dp = {config.world_size} ranks need {config.world_size} GPUs, this machine has "
+                         f"{torch.cuda.device_count()}; use torchrun to run on several machines")
+    if config.world_size == 1:
+        train(config)
+        return
+    # What `torchrun --standalone --nproc-per-node W` does: a c10d rendezvous on a free local port.
+    launch_config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=config.world_size, rdzv_backend="c10d",
+                                 rdzv_endpoint="localhost:0", run_id=str(uuid.uuid4()), max_restarts=0)
+    logging.disable(logging.ERROR)  # the agent logs a worker's failure as pages of tracebacks; we report it once
+    try:
+        elastic_launch(launch_config, train)(config)
+    except ChildFailedError as err:
+        raise worker_failure(err) from None
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+def worker_failure(err: ChildFailedError) -> TrainingStopped:
+    """The first failed worker's error as one message; with its traceback only when it is a bug, not a
+    reported condition (TrainingStopped, ValueError)."""
+    rank, failure = err.get_first_failure()
+    if not isinstance(failure.message, dict):  # no error file: the process died (killed, out of memory)
+        return TrainingStopped(f"rank {rank} exited with code {failure.exitcode} ({failure.message})")
+    error_type, _, text = failure.message.get("message", "").partition(": ")
+    if error_type not in ("TrainingStopped", "ValueError"):
+        text = f"{error_type}: {text}\n{failure.message.get('extraInfo', {}).get('py_callstack', '')}"
+    return TrainingStopped(f"rank {rank}: {text}")

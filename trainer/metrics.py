@@ -1,0 +1,93 @@
+"""What a run reports, on rank 0: a live display (or plain lines), OUT/metrics.jsonl, and TensorBoard.
+
+    metrics = Metrics(out, total_steps)
+    metrics.log(step, {"loss": 2.31, "lr": 1e-3, ...})
+    metrics.close()
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import resource
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    """Peak memory of this process so far, in MiB.
+
+    CUDA: the most memory PyTorch's allocator has held on the device. CPU: the process's peak
+    resident set size (ru_maxrss), which counts everything resident (libraries, data), not only tensors.
+    """
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def format_line(step: int, total_steps: int, values: dict[str, Any]) -> str:
+    """One human-readable line per logged step (the same in the live display and in plain logs)."""
+    line = (f"step {step:>{len(str(total_steps))}}/{total_steps}  loss {values['loss']:.4f}  lr {values['lr']:.2e}  "
+            f"grad norm {values['grad_norm']:.3f}  {values['tokens_per_s']:,.0f} tok/s  "
+            f"step {values['step_time_s']:.2f} s  mem {values['peak_mem_mib']:,.0f} MiB")
+    if values.get("skipped"):
+        line += "  [skipped: non-finite loss or gradient norm]"
+    return line
+
+
+class Metrics:
+    """Logs on rank 0: one JSON object per logged step in `out/metrics.jsonl`, TensorBoard when installed,
+    and a live progress display with ETA on a terminal (plain lines otherwise, e.g. in a job log)."""
+
+    def __init__(self, out: Path, total_steps: int, console: Console | None = None) -> None:
+        self.total_steps = total_steps
+        self.console = console or Console()
+        self._jsonl = open(out / "metrics.jsonl", "a")
+        self._tensorboard = None
+        try:
+            from torch.utils.tensorboard import SummaryWriter  # needs the optional `tensorboard` package
+
+            self._tensorboard = SummaryWriter(str(out / "tensorboard"))
+        except ImportError:
+            pass
+        self._progress = None
+        if self.console.is_terminal:
+            self._progress = Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(), TextColumn("ETA"),
+                                      TimeRemainingColumn(), TextColumn("elapsed"), TimeElapsedColumn(),
+                                      console=self.console)
+            self._task = self._progress.add_task("train", total=total_steps)
+            self._progress.start()
+        self._step_times: list[float] = []
+
+    def log(self, step: int, values: dict[str, Any]) -> None:
+        """Record the metrics of `step` (1-based): loss, lr, grad_norm, tokens_per_s, step_time_s, peak_mem_mib."""
+        record = {"step": step, **values}
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        if self._tensorboard is not None:
+            for name, value in values.items():
+                self._tensorboard.add_scalar(f"train/{name}", float(value), step)
+        line = format_line(step, self.total_steps, values)
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step)
+            self._progress.console.print(line)
+        else:
+            self._step_times.append(values["step_time_s"])
+            recent = self._step_times[-20:]
+            eta = datetime.timedelta(seconds=round(sum(recent) / len(recent) * (self.total_steps - step)))
+            print(f"{line}  eta {eta}", flush=True)
+
+    def message(self, text: str) -> None:
+        """A line that is not a step's metrics (a warning, the end of the run)."""
+        (self._progress.console if self._progress is not None else self.console).print(text)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+        self._jsonl.close()

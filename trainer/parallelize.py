@@ -1,0 +1,87 @@
+"""Parallelism applied to the model from outside, in one documented order (torchtitan's):
+
+1. sequence parallelism: every block's `attention.core_attention` becomes a `burst.BurstAttention`
+   over the mesh's "cp" dimension (when cp > 1); the model code never knows;
+2. activation checkpointing: each block is wrapped to recompute its activations in backward;
+   it wraps the blocks before FSDP so that FSDP's per-block units see the recomputation;
+3. FSDP2: `fully_shard` on every block, then on the root, over the flattened dp x cp mesh (when
+   world > 1). Parameters, gradients and optimizer state are sharded over all ranks: cp ranks hold
+   the same weights, so they share the sharding with the dp ranks.
+
+`build_model` goes meta -> parallelize -> materialise -> load the full initial weights, so the same
+seed (or checkpoint) gives the same weights whatever the cp x dp layout.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+
+import burst
+from models import ModelConfig, Transformer, load_model
+from trainer.config import TrainConfig
+
+
+def parallelize(model: Transformer, mesh: DeviceMesh | None, config: TrainConfig) -> Transformer:
+    """Apply BurstAttention, activation checkpointing and FSDP2 to `model` in place (see the module docstring).
+
+    mesh: the ("dp", "cp") DeviceMesh, or None for a single process (only checkpointing applies).
+    """
+    if mesh is not None and mesh["cp"].size() > 1:
+        cp_group = mesh["cp"].get_group()
+        for block in model.layers:
+            block.attention.core_attention = burst.BurstAttention(group=cp_group, backward=config.attention_backward)
+
+    if config.activation_checkpointing:
+        for index, block in enumerate(model.layers):
+            model.layers[index] = checkpoint_wrapper(block)  # non-reentrant torch.utils.checkpoint
+
+    if mesh is not None and mesh.size() > 1:
+        shard_mesh = mesh["dp", "cp"]._flatten("dp_cp")  # 1-D mesh of every rank (torchtitan does the same)
+        for block in model.layers:
+            fully_shard(block, mesh=shard_mesh)
+        fully_shard(model, mesh=shard_mesh)
+        # Training calls model.loss, not forward: FSDP must gather the root's weights around it too.
+        register_fsdp_forward_method(model, "loss")
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                # The loss is already divided by the global token count, so each rank's gradient is its
+                # share of the true gradient: sum the shares (FSDP would average them over the ranks).
+                # Forcing SUM reductions keeps it to ops gloo and NCCL both have (no PREMUL_SUM).
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def initial_state_dict(model_config: ModelConfig, seed: int, checkpoint: Path | None) -> dict[str, torch.Tensor]:
+    """Full float32 weights on the CPU: the checkpoint's, or `init_weights()` drawn from `seed`.
+
+    Every rank draws the same full tensors, so initialisation does not depend on how they are sharded.
+    """
+    if checkpoint is not None:
+        return load_model(checkpoint, dtype=torch.float32).state_dict()
+    with torch.device("meta"):
+        model = Transformer(model_config)
+    model.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    model.init_weights()
+    return model.state_dict()
+
+
+def build_model(model_config: ModelConfig, mesh: DeviceMesh | None, config: TrainConfig, device: torch.device,
+                checkpoint: Path | None = None) -> Transformer:
+    """The parallelized model on `device`, holding the initial weights (float32 master weights)."""
+    with torch.device("meta"):
+        model = Transformer(model_config)
+    parallelize(model, mesh, config)
+    model.to_empty(device=device)
+    # Takes full tensors and keeps each rank's shard; knows the activation checkpointing wrapper's names.
+    set_model_state_dict(model, initial_state_dict(model_config, config.seed, checkpoint),
+                         options=StateDictOptions(full_state_dict=True))
+    return model
+

@@ -1,0 +1,98 @@
+"""Checks that run before any process starts work: a bad setting fails here, in seconds, not after an hour.
+
+`plan_run` resolves what the config leaves open (the embedded corpus, the run directory, the model's
+vocabulary) and refuses anything that could not train. The launcher calls it before starting worker
+processes, and every worker calls it again before joining the process group, so a run under torchrun
+is checked the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from data import SequenceLoader, TokenStore, default_store
+from models import PRESETS, ModelConfig
+from models.checkpoint import is_native_checkpoint, read_config
+from trainer.config import TrainConfig
+
+TOKENIZER_FILE = "tokenizer.model"  # carried into native checkpoints by `burst convert-checkpoint`
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """A checked run: the config with data and out resolved, the model to build, the weights to start from."""
+
+    config: TrainConfig
+    model_config: ModelConfig
+    checkpoint: Path | None  # native checkpoint directory to load; None: fresh weights from config.seed
+
+
+def default_run_dir() -> str:
+    return str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+
+
+def check_world_size(config: TrainConfig, world_size: int) -> None:
+    if world_size != config.world_size:
+        raise ValueError(f"cp x dp = {config.cp} x {config.dp} = {config.world_size} ranks, but {world_size} processes "
+                         f"were started; start cp x dp processes (torchrun --nnodes N --nproc-per-node M with "
+                         f"N x M = {config.world_size}), or change --cp/--dp to multiply to {world_size}")
+
+
+def check_run_dir(out: Path) -> None:
+    """Refuse a run directory that already holds something: a new run never mixes into an old one."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        what = "another run" if (out / "config.toml").is_file() else "other files"
+        raise ValueError(f"run directory {out} already holds {what}; choose a new --out, or delete {out}")
+
+
+def model_and_store(config: TrainConfig, store: TokenStore) -> tuple[ModelConfig, Path | None]:
+    """The model config and starting checkpoint for `config.model`, checked against the store's tokenizer."""
+    if config.model in PRESETS:
+        preset = ModelConfig.from_name(config.model)
+        # A fresh model gets the store's vocabulary, so any tokenizer trains any preset.
+        return dataclasses.replace(preset, vocab_size=store.vocab_size,
+                                   max_seq_len=max(preset.max_seq_len, config.seq_len)), None
+    path = Path(config.model)
+    if not path.is_dir():
+        raise ValueError(f"--model {config.model!r} is neither a preset ({', '.join(PRESETS)}) nor a directory")
+    if not is_native_checkpoint(path):
+        raise ValueError(f"--model {path} is not a native checkpoint directory (config.json with the model's "
+                         f"fields and safetensors weights); convert a Hugging Face model first with "
+                         f"`burst convert-checkpoint {path} OUT --to burst`")
+    model_config = read_config(path)
+    store_tokenizer = store.metadata["tokenizer"]
+    model_tokenizer = path / TOKENIZER_FILE
+    if model_tokenizer.is_file():
+        from data.tokenizer import Tokenizer  # imports sentencepiece: only when there is a tokenizer to read
+
+        if Tokenizer(model_tokenizer).sha256 != store_tokenizer.get("sha256"):
+            raise ValueError(f"the token store {store.directory} was made with another tokenizer than the model "
+                             f"{path} ({model_tokenizer}); prepare the data with the model's tokenizer: "
+                             f"`burst prepare INPUT... --tokenizer {model_tokenizer} --out STORE`")
+    if store.vocab_size != model_config.vocab_size:
+        raise ValueError(f"the token store {store.directory} has a vocabulary of {store.vocab_size} tokens but the "
+                         f"model {path} has {model_config.vocab_size}; prepare the data with the model's tokenizer "
+                         f"(`burst prepare INPUT... --tokenizer TOKENIZER.model --out STORE`)")
+    return model_config, path
+
+
+def plan_run(config: TrainConfig, world_size: int) -> RunPlan:
+    """Check `config` for a run on `world_size` processes and resolve its defaults; raises ValueError.
+
+    Prepares the embedded corpus when no --data is given (once, in the calling process).
+    """
+    check_world_size(config, world_size)
+    out = config.out or default_run_dir()
+    check_run_dir(Path(out))
+    data = config.data or str(default_store())
+    try:
+        store = TokenStore(data)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"--data {data}: {err}") from None
+    model_config, checkpoint = model_and_store(config, store)
+    # The loader checks batch and sequence settings against the data; building one reads no tokens.
+    SequenceLoader(store.split("train"), config.seq_len, config.batch_size, dp_size=config.dp, cp_size=config.cp)
+    return RunPlan(dataclasses.replace(config, data=data, out=out), model_config, checkpoint)

@@ -1,0 +1,180 @@
+"""The training loop: train() -> train_step() -> forward_backward() for each micro-batch.
+
+The loss of a step is the mean over every scored token of the global batch (all dp and cp ranks,
+all micro-batches). Each rank divides its summed token loss by the global token count, so its
+gradient is its exact share of the true gradient, and FSDP sums the shares (see parallelize.py).
+Dividing by the local count instead, as some trainers do, weighs ranks wrongly and reports a loss
+cp times too small.
+
+The stateful pieces of a run, the model, the optimizer, the LR schedule, the data loader and the
+TrainState, each have state_dict()/load_state_dict(): a checkpoint is those five (plus RNG states).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+from rich.table import Table
+from torch.distributed.tensor import DTensor
+
+from data import Batch, SequenceLoader, TokenStore
+from models import Transformer
+from trainer.config import TrainConfig, save_config
+from trainer.distributed import Distributed, environment_world_size, init_distributed
+from trainer.metrics import Metrics, peak_memory_mib
+from trainer.optim import build_optimizer, build_schedule
+from trainer.parallelize import build_model
+from trainer.preflight import RunPlan, plan_run
+
+
+class TrainingStopped(RuntimeError):
+    """The run cannot go on (e.g. the loss keeps being non-finite); the message says why and what to try."""
+
+
+@dataclass
+class TrainState:
+    """The loop's own counters."""
+
+    step: int = 0  # optimizer steps done, applied or skipped
+    tokens: int = 0  # tokens trained on, over all ranks
+    bad_steps: int = 0  # non-finite steps in a row
+
+    def state_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name, value in state.items():
+            setattr(self, name, int(value))
+
+
+@dataclass
+class StepResult:
+    loss: float  # global mean token loss
+    grad_norm: float  # global gradient norm before clipping
+    applied: bool  # False: non-finite loss or gradient norm, the optimizer step was skipped
+
+
+def all_reduce(value: torch.Tensor, env: Distributed, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
+    """`value` reduced over every rank of the run (unchanged in a single process)."""
+    if env.mesh is not None:
+        dist.all_reduce(value, op=op)
+    return value
+
+
+def forward_backward(model: Transformer, batch: Batch, global_count: torch.Tensor, config: TrainConfig,
+                     device: torch.device) -> torch.Tensor:
+    """Backward of this micro-batch's share of the global mean loss; returns its summed token loss."""
+    tokens, labels, positions = (t.to(device, non_blocking=True) for t in (batch.tokens, batch.labels,
+                                                                           batch.positions))  # [b, seq / cp]
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.precision == "bf16"):
+        loss_sum, _ = model.loss(tokens, labels, positions)
+    (loss_sum / global_count).backward()
+    return loss_sum.detach()
+
+
+def train_step(model: Transformer, optimizer: torch.optim.Optimizer, micro_batches: list[Batch],
+               config: TrainConfig, env: Distributed) -> StepResult:
+    """One optimizer step over `micro_batches` (grad_accum of them), unless the loss or gradient is not finite."""
+    # Known before any backward, so every micro-batch is scaled by the step's global token count.
+    global_count = all_reduce(torch.tensor(float(sum(b.num_tokens for b in micro_batches)), device=env.device), env)
+    global_count.clamp_(min=1.0)
+    loss_sum = torch.zeros((), device=env.device)
+    for batch in micro_batches:
+        loss_sum += forward_backward(model, batch, global_count, config, env.device)
+    loss = all_reduce(loss_sum, env) / global_count
+    max_norm = config.max_grad_norm or math.inf  # 0: no clipping, but still measure the norm
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)  # over all shards
+    if isinstance(grad_norm, DTensor):
+        grad_norm = grad_norm.full_tensor()
+    # Every rank holds the same reduced loss and norm, so every rank takes the same decision.
+    applied = bool(torch.isfinite(loss) and torch.isfinite(grad_norm))
+    if applied:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(loss.item(), grad_norm.item(), applied)
+
+
+def print_config(plan: RunPlan, console: Console) -> None:
+    table = Table(title="burst train", show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    for name, value in dataclasses.asdict(plan.config).items():
+        table.add_row(name, str(value))
+    model = plan.model_config
+    table.add_row("model shape", f"dim {model.dim}, {model.n_layers} layers, {model.n_heads} heads "
+                                 f"({model.n_kv_heads} kv), vocabulary {model.vocab_size}")
+    table.add_row("tokens per step", f"{plan.config.tokens_per_step:,}")
+    console.print(table)
+
+
+def train(config: TrainConfig) -> None:
+    """Train with `config` as one rank of the process group the environment describes (or as a single process).
+
+    Raises ValueError on a bad config before any work, and TrainingStopped when the run cannot continue.
+    """
+    plan = plan_run(config, environment_world_size())  # every rank checks before joining the group
+    config = plan.config
+    env = init_distributed(config)
+    try:
+        run(plan, env)
+    finally:
+        if env.mesh is not None:
+            dist.destroy_process_group()
+
+
+def run(plan: RunPlan, env: Distributed) -> None:
+    config, out, console = plan.config, Path(plan.config.out), Console()
+    if env.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        save_config(config, out / "config.toml")
+        print_config(plan, console)
+
+    model = build_model(plan.model_config, env.mesh, config, env.device, plan.checkpoint)
+    optimizer = build_optimizer(model, config)
+    schedule = build_schedule(optimizer, config)
+    loader = SequenceLoader(TokenStore(config.data).split("train"), config.seq_len, config.batch_size,
+                            dp_rank=env.dp_rank, dp_size=config.dp, cp_rank=env.cp_rank, cp_size=config.cp,
+                            seed=config.seed)
+    state = TrainState()
+    metrics = Metrics(out, config.steps, console) if env.is_main else None
+    started, losses = time.perf_counter(), []
+    try:
+        while state.step < config.steps:
+            step_started = time.perf_counter()
+            lr = schedule.get_last_lr()[0]
+            result = train_step(model, optimizer, [next(loader) for _ in range(config.grad_accum)], config, env)
+            schedule.step()
+            state.step += 1
+            state.tokens += config.tokens_per_step
+            state.bad_steps = 0 if result.applied else state.bad_steps + 1
+            losses.append(result.loss)
+            step_time = time.perf_counter() - step_started
+            if state.step % config.log_every == 0 or state.step == config.steps or not result.applied:
+                peak = all_reduce(torch.tensor(peak_memory_mib(env.device)), env, dist.ReduceOp.MAX).item()
+                if metrics is not None:
+                    metrics.log(state.step, {"loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
+                                             "tokens_per_s": config.tokens_per_step / step_time,
+                                             "step_time_s": step_time, "peak_mem_mib": peak,
+                                             "skipped": not result.applied})
+            if state.bad_steps == config.max_bad_steps:
+                raise TrainingStopped(
+                    f"{state.bad_steps} steps in a row (up to step {state.step}) had a non-finite loss or gradient "
+                    f"norm (last: loss {result.loss}, gradient norm {result.grad_norm}); the run stops. Skipped "
+                    f"steps change no weights, so the model holds the last good state. Try a lower --lr or a longer "
+                    f"--warmup" + (", or --precision fp32" if config.precision == "bf16" else ""))
+        if metrics is not None:
+            metrics.message(f"done: {state.step} steps, {state.tokens:,} tokens in "
+                            f"{time.perf_counter() - started:.1f} s; loss {losses[0]:.4f} -> {losses[-1]:.4f}; "
+                            f"run directory {out}")
+    finally:
+        # The one place every run ends, finished or stopped: the final checkpoint is written here.
+        if metrics is not None:
+            metrics.close()
