@@ -84,13 +84,13 @@ def eval_command(
                                                help="Passkey sample lengths, e.g. 1024,2048 (seq-len/4, /2, 1)."),
     passkey_depths: str | None = typer.Option(None, "--passkey-depths", help="Needle depths (0,0.25,0.5,0.75,1)."),
     passkey_trials: int | None = typer.Option(None, "--passkey-trials", help="Samples per cell; 0 skips (5)."),
-    cp: int | None = typer.Option(None, "--cp", help="Context-parallel ranks; start them with torchrun (1)."),
+    cp: int | None = typer.Option(None, "--cp", help="Context-parallel ranks, started here or by torchrun (1)."),
     precision: str | None = typer.Option(None, "--precision", help="Weights dtype: fp32 or bf16 (fp32)."),
     json_path: Path | None = typer.Option(None, "--json", help="Write the results here, and a PNG plot beside."),
 ) -> None:
     """Perplexity, loss by position and passkey retrieval of a model checkpoint.
 
-    With --cp N, launch N processes: torchrun --nproc-per-node N $(which burst) eval ... --cp N
+    With --cp N it starts N local ranks; on several machines start them with torchrun instead.
     """
     from evaluation import EvalConfig, evaluate  # here, so `burst --help` does not import torch
 

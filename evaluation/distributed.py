@@ -5,7 +5,7 @@ block's `core_attention` for `burst.BurstAttention`, exactly as the trainer's pa
 does; inputs are cut with the zigzag layout; per-rank sums are added up with `all_reduce_sum`.
 `group=None` means one process alone, even when torch.distributed is initialised for something else.
 
-Processes are started by torchrun (RANK, WORLD_SIZE, LOCAL_RANK in the environment); one
+The ranks are started by `burst.launch.run_local` (or by torchrun, for several machines); one
 evaluation uses every rank of the world as its context-parallel group.
 """
 
@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 import burst
+from burst.launch import init_worker_process_group
 from models import Transformer
 
 
@@ -57,29 +58,25 @@ def eval_device() -> torch.device:
 
 
 @contextlib.contextmanager
-def context_parallel_group(cp: int, device: torch.device) -> Iterator[dist.ProcessGroup | None]:
-    """The process group of `cp` ranks to evaluate over (None for cp=1).
+def context_parallel_group(cp: int) -> Iterator[tuple[dist.ProcessGroup | None, torch.device]]:
+    """The process group of `cp` ranks to evaluate over (None for cp=1) and this rank's device.
 
-    Joins the group torchrun describes when torch.distributed is not initialised yet (and leaves
-    it afterwards); the world must have exactly `cp` ranks.
+    Joins the group torchrun or run_local describe when torch.distributed is not initialised yet
+    (and leaves it afterwards); the world must have exactly `cp` ranks.
     """
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
     if world_size != cp:
-        if cp == 1:
-            raise ValueError(f"{world_size} processes were started but --cp is 1; pass --cp {world_size} to "
-                             f"evaluate across them, or start a single process")
-        raise ValueError(f"--cp {cp} evaluates on {cp} processes but {world_size} were started; launch with "
-                         f"`torchrun --nproc-per-node {cp} $(which burst) eval ... --cp {cp}`")
+        raise ValueError(f"--cp {cp} evaluates on {cp} ranks but {world_size} processes were started; "
+                         f"start {cp} (`torchrun --nproc-per-node {cp} --no-python burst eval ... --cp {cp}`), "
+                         f"or start one and let `burst eval --cp {cp}` start the ranks itself")
     if cp == 1:
-        yield None
+        yield None, eval_device()
         return
-    joined = not dist.is_initialized()
-    if joined:
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if dist.is_initialized():
+        yield dist.group.WORLD, eval_device()
+        return
+    device = init_worker_process_group()
     try:
-        yield dist.group.WORLD
+        yield dist.group.WORLD, device
     finally:
-        if joined:
-            dist.destroy_process_group()
+        dist.destroy_process_group()

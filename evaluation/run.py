@@ -3,8 +3,8 @@
     result = evaluate(EvalConfig(checkpoint=Path("out/model"), seq_len=4096, cp=2))
 
 Every input is checked before the weights are read (style principle 8); the work itself lives
-in perplexity.py and passkey.py, the output in report.py. With cp > 1 the processes come from
-torchrun and rank 0 prints and writes.
+in perplexity.py and passkey.py, the output in report.py. With cp > 1 `evaluate` starts cp
+local ranks itself, unless torchrun started them already; rank 0 prints and writes.
 """
 
 from __future__ import annotations
@@ -14,12 +14,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from rich.console import Console
 
+from burst.launch import run_local, threads_per_process, under_torchrun
 from burst.layout import check_sequence_length
 from data import Tokenizer, TokenStore, default_store, passkey_sample
 from evaluation.checkpoint import EvalCheckpoint, check_tokenizer, load_for_eval
-from evaluation.distributed import context_parallel_group, eval_device, rank_and_size, use_burst_attention
+from evaluation.distributed import context_parallel_group, rank_and_size, use_burst_attention
 from evaluation.passkey import PasskeyResult, evaluate_passkey
 from evaluation.perplexity import PerplexityResult, available_sequences, evaluate_perplexity
 from evaluation.report import tables, write_files
@@ -40,7 +42,7 @@ class EvalConfig:
     passkey_lengths: list[int] | None = None
     passkey_depths: list[float] = field(default_factory=lambda: list(DEFAULT_DEPTHS))
     passkey_trials: int = 5  # samples (different passkeys) per cell; 0 skips passkey retrieval
-    cp: int = 1  # context-parallel ranks (processes started by torchrun)
+    cp: int = 1  # context-parallel ranks: started here, or by torchrun
     precision: str = "fp32"  # a key of PRECISIONS: the dtype the weights are cast to
     json_path: Path | None = None  # also write JSON here, and the loss-by-position PNG beside it
     seed: int = 0  # of the passkeys
@@ -132,10 +134,12 @@ def open_inputs(config: EvalConfig) -> EvalInputs:
 
 def evaluate(config: EvalConfig, console: Console | None = None) -> EvalResult:
     """Evaluate `config.checkpoint`; print tables on rank 0 and, with `json_path`, write the JSON and PNG there."""
+    if config.cp > 1 and not dist.is_initialized() and not under_torchrun():
+        open_inputs(config)  # bad input is refused here, once, rather than as a crash of every rank
+        return run_local(_evaluate_on_rank, nproc=config.cp, args=(config,))[0]
     started = time.perf_counter()
     console = console or Console(stderr=True)
-    device = eval_device()
-    with context_parallel_group(config.cp, device) as group:
+    with context_parallel_group(config.cp) as (group, device):
         is_main = rank_and_size(group)[0] == 0
         say = console.print if is_main else lambda *_: None
         inputs = open_inputs(config)
@@ -164,3 +168,9 @@ def evaluate(config: EvalConfig, console: Console | None = None) -> EvalResult:
                 say(f"[yellow]warning:[/] {result.warnings[-1]}")
             say(f"wrote {config.json_path}" + (f" and {plot}" if plot else ""))
     return result
+
+
+def _evaluate_on_rank(config: EvalConfig) -> EvalResult:
+    """One of the cp ranks `evaluate` starts on this machine."""
+    torch.set_num_threads(threads_per_process(config.cp))  # the ranks share the cores
+    return evaluate(config)

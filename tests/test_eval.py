@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 import random
+import sys
 
 import pytest
 import torch
@@ -62,7 +63,7 @@ def checkpoint(store, tmp_path_factory):
     config = ModelConfig.from_name("debug")
     model = build(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3)
-    loader = SequenceLoader(store.split("train"), SEQ_LEN, batch_size=4)
+    loader = SequenceLoader(store.split("train"), SEQ_LEN, batch_size=2)
     for _ in range(20):
         batch = next(loader)
         loss_sum, count = model.loss(batch.tokens, batch.labels, batch.positions)
@@ -206,7 +207,6 @@ def test_bad_input_is_refused_before_any_work(store, checkpoint, tmp_path):
     assert "multiple of 2 x world size = 4" in refused("--checkpoint", checkpoint, *data, "--seq-len", 130, "--cp", 2)
     assert "--passkey-lengths: sequence length 130" in refused("--checkpoint", checkpoint, *data, "--seq-len", 128,
                                                                 "--passkey-lengths", 130, "--cp", 2)
-    assert "launch with `torchrun --nproc-per-node 2" in refused("--checkpoint", checkpoint, *data, "--cp", 2)
     assert "needs at least" in refused("--checkpoint", checkpoint, *data, "--seq-len", 128, "--passkey-lengths", 16)
     assert "not enough for one sequence of 65,536" in refused("--checkpoint", checkpoint, *data, "--seq-len", 65536)
     assert "--precision 'fp8'" in refused("--checkpoint", checkpoint, *data, "--precision", "fp8")
@@ -255,3 +255,34 @@ def test_two_context_parallel_ranks_give_the_single_process_figures(store, check
                 "retrieved": [c.retrieved for c in single.passkey.cells],
                 "greedy": greedy_answer(load_for_eval(checkpoint).model(), sample)}
     run_on_ranks(_evaluate_on_ranks, world_size=2, args=(checkpoint, store.directory, expected))
+
+
+def test_cli_starts_the_context_parallel_ranks_itself(store, checkpoint, tmp_path):
+    out = tmp_path / "cp2.json"
+    result = invoke("--checkpoint", checkpoint, "--data", store.directory, "--seq-len", SEQ_LEN, "--batches", 2,
+                    "--passkey-trials", 0, "--cp", 2, "--json", out)
+    assert result.exit_code == 0, result.output
+    single = evaluate(EvalConfig(checkpoint=checkpoint, data=store.directory, seq_len=SEQ_LEN, batches=2,
+                                 passkey_trials=0))
+    report = json.loads(out.read_text())
+    assert report["cp"] == 2 and report["passkey"] is None and report["tokens"] == single.perplexity.tokens
+    assert abs(report["perplexity"] - single.perplexity.perplexity) < 1e-4
+
+
+def test_a_world_that_does_not_match_cp_is_refused(store, checkpoint, monkeypatch):
+    monkeypatch.setenv("RANK", "0")  # as torchrun would start us
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    for cp in (1, 2):
+        result = invoke("--checkpoint", checkpoint, "--data", store.directory, "--seq-len", SEQ_LEN, "--cp", cp)
+        assert result.exit_code == 2
+        assert f"--cp {cp} evaluates on {cp} ranks but 3 processes were started" in " ".join(result.output.split())
+
+
+def test_without_matplotlib_the_plot_is_skipped_and_the_json_says_how_to_get_it(store, checkpoint, tmp_path,
+                                                                                  monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # makes the import fail
+    out = tmp_path / "eval.json"
+    evaluate(EvalConfig(checkpoint=checkpoint, data=store.directory, seq_len=SEQ_LEN, batches=1, passkey_trials=0,
+                        json_path=out))
+    assert not out.with_suffix(".png").exists()
+    assert "pip install 'burst[plot]'" in json.loads(out.read_text())["warnings"][-1]
