@@ -1,0 +1,137 @@
+"""`burst train` through the real command line: cp and dp runs against one process, refusals before any work."""
+
+import json
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from cli import app
+from data import prepare, train_tokenizer
+from models import ModelConfig, Transformer, save_model
+
+WORDS = ["def", "return", "self", "import", "tensor", "rank", "shard", "ring", "(", ")", ":", "=", "+", "0", "1"]
+
+
+def make_text(rng: random.Random, lines: int) -> str:
+    """Code-like lines from a small vocabulary of words: structure a model learns within a few steps."""
+    return "\n".join(" " * rng.choice([0, 4, 8]) + " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 9)))
+                     for _ in range(lines)) + "\n"
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("corpus")
+    rng = random.Random(0)
+    for i in range(30):
+        (root / f"doc{i}.py").write_text(make_text(rng, rng.randint(20, 200)))
+    out = root.parent / "store"
+    prepare([root], out, vocab_size=320, val_fraction=0.05, progress=False)
+    return out
+
+
+def burst_train(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cli", "train", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, cwd=Path(__file__).parents[1])
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def relative_gap(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
+
+
+def test_cp2_gives_the_loss_curve_of_one_process_and_the_loss_falls(store, tmp_path):
+    settings = tmp_path / "run.toml"  # shared settings from a file, the parallel layout from flags
+    settings.write_text(f'model = "debug"\ndata = "{store}"\nseq_len = 512\nsteps = 10\nlr = 0.01\nwarmup = 2\n'
+                        f'precision = "fp32"\n')
+    curves = {}
+    for cp in (1, 2):
+        out = tmp_path / f"cp{cp}"
+        done = burst_train("--config", settings, "--cp", cp, "--out", out)
+        assert done.returncode == 0, done.stderr[-3000:]
+        rows = metrics(out)
+        assert [r["step"] for r in rows] == list(range(1, 11))
+        assert {"step", "loss", "lr", "tokens_per_s", "grad_norm", "peak_mem_mib", "step_time_s"} <= set(rows[0])
+        assert f"cp = {cp}" in (out / "config.toml").read_text()
+        curves[cp] = [r["loss"] for r in rows]
+    assert relative_gap(curves[2], curves[1]) <= 1e-3, curves
+    assert sum(curves[1][-3:]) / 3 < curves[1][0] - 0.5, curves[1]  # it learns
+
+
+def test_dp2_gives_the_loss_curve_of_one_process_with_the_same_global_batch(store, tmp_path):
+    common = ["--model", "debug", "--data", store, "--seq-len", 256, "--steps", 4, "--precision", "fp32"]
+    one = burst_train(*common, "--batch-size", 2, "--out", tmp_path / "dp1")
+    two = burst_train(*common, "--dp", 2, "--batch-size", 1, "--out", tmp_path / "dp2")
+    assert one.returncode == 0 and two.returncode == 0, one.stderr[-2000:] + two.stderr[-2000:]
+    losses = {name: [r["loss"] for r in metrics(tmp_path / name)] for name in ("dp1", "dp2")}
+    assert relative_gap(losses["dp2"], losses["dp1"]) <= 1e-4, losses
+
+
+def test_non_finite_steps_are_skipped_and_end_the_run_with_a_message(store, tmp_path):
+    out = tmp_path / "run"
+    done = burst_train("--model", "debug", "--data", store, "--seq-len", 256, "--steps", 20, "--lr", 1e12,
+                       "--warmup", 0, "--precision", "fp32", "--out", out)
+    assert done.returncode == 1
+    assert "3 steps in a row" in done.stderr and "non-finite" in done.stderr and "lower --lr" in done.stderr
+    assert "Traceback" not in done.stderr
+    rows = metrics(out)
+    assert [r["skipped"] for r in rows[-3:]] == [True, True, True] and len(rows) < 20
+
+
+def checkpoint_dir(path: Path, vocab_size: int, tokenizer: Path | None = None) -> Path:
+    config = ModelConfig(**{**ModelConfig.from_name("debug").to_dict(), "vocab_size": vocab_size})
+    save_model(Transformer(config), config, path)
+    if tokenizer is not None:
+        (path / "tokenizer.model").write_bytes(tokenizer.read_bytes())
+    return path
+
+
+def other_tokenizer(directory: Path) -> Path:
+    rng = random.Random(1)
+    texts = [make_text(rng, 50).replace("rank", "node") for _ in range(20)]
+    return train_tokenizer(texts, directory / "other.model", vocab_size=320).path
+
+
+@pytest.mark.parametrize("case", ["world", "seq_len", "preset", "tokenizer", "vocabulary", "occupied", "not a model"])
+def test_bad_configs_are_refused_before_any_work(store, tmp_path, monkeypatch, case):
+    out = tmp_path / "run"
+    args = ["train", "--model", "debug", "--data", str(store), "--seq-len", "256", "--out", str(out)]
+    expected = {
+        "world": "cp x dp = 2 x 1 = 2 ranks, but 3 processes were started",
+        "seq_len": "seq_len 250 does not split over cp = 2",
+        "preset": "'llama9' is neither a preset",
+        "tokenizer": "was made with another tokenizer than the model",
+        "vocabulary": "has a vocabulary of 320 tokens but the model",
+        "occupied": "already holds another run",
+        "not a model": "is not a native checkpoint directory",
+    }[case]
+    if case == "world":  # as under torchrun with 3 processes
+        monkeypatch.setenv("RANK", "0")
+        monkeypatch.setenv("WORLD_SIZE", "3")
+        args += ["--cp", "2"]
+    elif case == "seq_len":
+        args += ["--cp", "2", "--seq-len", "250"]
+    elif case == "preset":
+        args += ["--model", "llama9"]
+    elif case == "tokenizer":
+        args += ["--model", str(checkpoint_dir(tmp_path / "ckpt", 320, other_tokenizer(tmp_path)))]
+    elif case == "vocabulary":
+        args += ["--model", str(checkpoint_dir(tmp_path / "ckpt", 4096))]
+    elif case == "occupied":
+        out.mkdir()
+        (out / "config.toml").write_text('model = "debug"\n')
+    elif case == "not a model":
+        args += ["--model", str(tmp_path)]
+    started = time.perf_counter()
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert expected in " ".join(result.output.split()), result.output
+    assert time.perf_counter() - started < 10
+    assert not (out / "metrics.jsonl").exists()
