@@ -145,9 +145,9 @@ def run(plan: RunPlan, env: Distributed) -> None:
                             seed=config.seed)
     state = TrainState()
     metrics = Metrics(out, config.steps, console) if env.is_main else None
-    started, losses = time.perf_counter(), []
+    started, first_loss, stop_reason = time.perf_counter(), None, None
     try:
-        while state.step < config.steps:
+        while state.step < config.steps and stop_reason is None:
             step_started = time.perf_counter()
             lr = schedule.get_last_lr()[0]
             result = train_step(model, optimizer, [next(loader) for _ in range(config.grad_accum)], config, env)
@@ -155,26 +155,30 @@ def run(plan: RunPlan, env: Distributed) -> None:
             state.step += 1
             state.tokens += config.tokens_per_step
             state.bad_steps = 0 if result.applied else state.bad_steps + 1
-            losses.append(result.loss)
+            first_loss = result.loss if first_loss is None else first_loss
             step_time = time.perf_counter() - step_started
             if state.step % config.log_every == 0 or state.step == config.steps or not result.applied:
-                peak = all_reduce(torch.tensor(peak_memory_mib(env.device)), env, dist.ReduceOp.MAX).item()
+                peak = all_reduce(torch.tensor(peak_memory_mib(env.device), device=env.device), env,
+                                  dist.ReduceOp.MAX).item()
                 if metrics is not None:
                     metrics.log(state.step, {"loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
                                              "tokens_per_s": config.tokens_per_step / step_time,
                                              "step_time_s": step_time, "peak_mem_mib": peak,
                                              "skipped": not result.applied})
             if state.bad_steps == config.max_bad_steps:
-                raise TrainingStopped(
+                stop_reason = (
                     f"{state.bad_steps} steps in a row (up to step {state.step}) had a non-finite loss or gradient "
                     f"norm (last: loss {result.loss}, gradient norm {result.grad_norm}); the run stops. Skipped "
                     f"steps change no weights, so the model holds the last good state. Try a lower --lr or a longer "
                     f"--warmup" + (", or --precision fp32" if config.precision == "bf16" else ""))
+        # Every run that finishes or stops gets here, its model and optimizer holding the last good
+        # state: the one place for the run's final checkpoint.
+        if stop_reason is not None:
+            raise TrainingStopped(stop_reason)
         if metrics is not None:
             metrics.message(f"done: {state.step} steps, {state.tokens:,} tokens in "
-                            f"{time.perf_counter() - started:.1f} s; loss {losses[0]:.4f} -> {losses[-1]:.4f}; "
+                            f"{time.perf_counter() - started:.1f} s; loss {first_loss:.4f} -> {result.loss:.4f}; "
                             f"run directory {out}")
     finally:
-        # The one place every run ends, finished or stopped: the final checkpoint is written here.
         if metrics is not None:
             metrics.close()
