@@ -10,22 +10,15 @@ Every worker runs `train(config)`, which joins the process group (see distribute
 from __future__ import annotations
 
 import logging
-import os
-import uuid
 
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from burst.launch import run_local, under_torchrun
 from trainer.config import TrainConfig
 from trainer.distributed import environment_world_size
 from trainer.preflight import plan_run
 from trainer.train import TrainingStopped, train
-
-
-def under_torchrun() -> bool:
-    """True in a process that torchrun (or our own launcher) started as one rank of a group."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def launch(config: TrainConfig) -> None:
@@ -43,12 +36,9 @@ def launch(config: TrainConfig) -> None:
     if config.world_size == 1:
         train(config)
         return
-    # What `torchrun --standalone --nproc-per-node W` does: a c10d rendezvous on a free local port.
-    launch_config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=config.world_size, rdzv_backend="c10d",
-                                 rdzv_endpoint="localhost:0", run_id=str(uuid.uuid4()), max_restarts=0)
     logging.disable(logging.ERROR)  # the agent logs a worker's failure as pages of tracebacks; we report it once
     try:
-        elastic_launch(launch_config, train)(config)
+        run_local(train, config.world_size, (config,))  # torch's elastic launcher, as `torchrun --standalone`
     except ChildFailedError as err:
         raise worker_failure(err) from None
     finally:
