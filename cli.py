@@ -168,6 +168,8 @@ def train_command(
         None, "--activation-checkpointing/--no-activation-checkpointing", help="Recompute activations in backward."),
     attention_backward: AttentionBackward | None = typer.Option(None, "--attention-backward",
                                                                 help="BurstAttention backward communication."),
+    doc_mask: bool | None = typer.Option(None, "--doc-mask/--no-doc-mask",
+                                         help="Attend only within each packed document (positions restart)."),
     seed: int | None = typer.Option(None, "--seed", help="Seed of the initial weights and the data order."),
     out: Path | None = typer.Option(None, "--out", help="Run directory (must be new). [default: runs/DATE-TIME]"),
     log_every: int | None = typer.Option(None, "--log-every", help="Steps between logged metrics."),
@@ -178,7 +180,7 @@ def train_command(
     flags = {"model": model, "data": data, "seq_len": seq_len, "cp": cp, "dp": dp, "batch_size": batch_size,
              "grad_accum": grad_accum, "steps": steps, "lr": lr, "warmup": warmup, "precision": precision,
              "activation_checkpointing": activation_checkpointing, "attention_backward": attention_backward,
-             "seed": seed, "out": out, "log_every": log_every}
+             "doc_mask": doc_mask, "seed": seed, "out": out, "log_every": log_every}
     overrides = {name: value.value if isinstance(value, enum.Enum) else str(value) if isinstance(value, Path)
                  else value for name, value in flags.items() if value is not None}
     try:

@@ -46,6 +46,7 @@ class TrainConfig:
     precision: str = "bf16"  # "bf16": bf16 autocast over float32 master weights; "fp32": no autocast
     activation_checkpointing: bool = False  # recompute each block's activations in backward
     attention_backward: str = "auto"  # BurstAttention backward: "burst", "ring" or "auto" (fewer bytes)
+    doc_mask: bool = False  # attend only within each packed document; positions restart at every document
     seed: int = 0  # initial weights and the data order
     out: str | None = None  # run directory; None: runs/<date-time>
     log_every: int = 1  # steps between logged metrics

@@ -1,7 +1,7 @@
 """Parallelism applied to the model from outside, in one documented order (torchtitan's):
 
 1. sequence parallelism: every block's `attention.core_attention` becomes a `burst.BurstAttention`
-   over the mesh's "cp" dimension (when cp > 1); the model code never knows;
+   over the mesh's "cp" dimension (when cp > 1, or for document masking); the model code never knows;
 2. activation checkpointing: each block is wrapped to recompute its activations in backward;
    it wraps the blocks before FSDP so that FSDP's per-block units see the recomputation;
 3. FSDP2: `fully_shard` on every block, then on the root, over the flattened dp x cp mesh (when
@@ -32,8 +32,10 @@ def parallelize(model: Transformer, mesh: DeviceMesh | None, config: TrainConfig
 
     mesh: the ("dp", "cp") DeviceMesh, or None for a single process (only checkpointing applies).
     """
-    if mesh is not None and mesh["cp"].size() > 1:
-        cp_group = mesh["cp"].get_group()
+    if config.doc_mask or (mesh is not None and mesh["cp"].size() > 1):
+        # With document masking BurstAttention serves cp = 1 too: it skips masked blocks instead of
+        # building the dense [seq, seq] mask the single-process attention would need.
+        cp_group = mesh["cp"].get_group() if mesh is not None else None
         for block in model.layers:
             block.attention.core_attention = burst.BurstAttention(group=cp_group, backward=config.attention_backward)
 

@@ -74,8 +74,9 @@ def forward_backward(model: Transformer, batch: Batch, global_count: torch.Tenso
     """Backward of this micro-batch's share of the global mean loss; returns its summed token loss."""
     tokens, labels, positions = (t.to(device, non_blocking=True) for t in (batch.tokens, batch.labels,
                                                                            batch.positions))  # [b, seq / cp]
+    doc_boundaries = batch.doc_boundaries if config.doc_mask else None  # offsets over the full sequence
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.precision == "bf16"):
-        loss_sum, _ = model.loss(tokens, labels, positions)
+        loss_sum, _ = model.loss(tokens, labels, positions, doc_boundaries)
     (loss_sum / global_count).backward()
     return loss_sum.detach()
 
@@ -142,7 +143,7 @@ def run(plan: RunPlan, env: Distributed) -> None:
     schedule = build_schedule(optimizer, config)
     loader = SequenceLoader(TokenStore(config.data).split("train"), config.seq_len, config.batch_size,
                             dp_rank=env.dp_rank, dp_size=config.dp, cp_rank=env.cp_rank, cp_size=config.cp,
-                            seed=config.seed)
+                            seed=config.seed, reset_positions=config.doc_mask)
     state = TrainState()
     metrics = Metrics(out, config.steps, console) if env.is_main else None
     started, first_loss, stop_reason = time.perf_counter(), None, None
