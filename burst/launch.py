@@ -31,9 +31,14 @@ def run_local(fn: Callable[..., Any], nproc: int, args: tuple = ()) -> dict[int,
     return elastic_launch(config, fn)(*args)
 
 
+def available_cores() -> int:
+    """Cores this process may run on (fewer than os.cpu_count() under a CPU mask or container)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def threads_per_process(nproc: int) -> int:
     """Intra-op threads for one of `nproc` local processes, so they do not oversubscribe the cores."""
-    return max(1, (os.cpu_count() or 1) // nproc)
+    return max(1, available_cores() // nproc)
 
 
 def init_worker_process_group() -> torch.device:

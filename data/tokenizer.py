@@ -8,12 +8,13 @@ as it is, and training pieces that keep their newlines so the vocabulary learns 
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import sentencepiece as spm
+
+from burst.launch import available_cores
 
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2  # LLaMA's ids, so models and tokenizers agree on the specials
 
@@ -52,11 +53,6 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer({str(self.path)!r}, vocab_size={self.vocab_size})"
-
-
-def available_cores() -> int:
-    """Cores this process may run on (fewer than os.cpu_count() under a CPU mask or container)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def training_pieces(text: str, max_chars: int = MAX_PIECE_CHARS) -> Iterator[str]:

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from data.tokenizer import available_cores
+from burst.launch import threads_per_process
 from trainer.config import TrainConfig
 
 TIMEOUT = datetime.timedelta(minutes=30)  # a 1M-token step on a slow link can take minutes
@@ -59,7 +59,7 @@ def init_distributed(config: TrainConfig) -> Distributed:
         device = torch.device("cpu")
         # The ranks on one machine share its cores; more threads than cores only slows every rank down.
         local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        torch.set_num_threads(max(1, available_cores() // local_world_size))
+        torch.set_num_threads(threads_per_process(local_world_size))
     if world_size == 1:
         return Distributed(0, 1, device, None)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=TIMEOUT)
