@@ -128,7 +128,6 @@ def _measure(config: AttentionBenchConfig, variants: list[tuple[str, str, bool]]
 
 
 def _worker(config: AttentionBenchConfig) -> dict[str, dict]:
-    torch.set_num_threads(threads_per_process(config.nproc))
     device = init_worker_process_group()
     try:
         inputs = [shard_sequence(t) for t in _global_inputs(config, device)]

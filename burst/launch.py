@@ -8,12 +8,14 @@ environment, exactly as under torchrun, so worker code is the same either way.
 
 from __future__ import annotations
 
+import datetime
 import os
 import uuid
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 
@@ -41,18 +43,24 @@ def threads_per_process(nproc: int) -> int:
     return max(1, available_cores() // nproc)
 
 
-def init_worker_process_group() -> torch.device:
+def worker_device() -> torch.device:
+    """This rank's device: GPU LOCAL_RANK (made current) when CUDA is there, else the CPU, with
+    intra-op threads limited to this process's share of the cores (LOCAL_WORLD_SIZE ranks share them)."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        return device
+    torch.set_num_threads(threads_per_process(int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+    return torch.device("cpu")
+
+
+def init_worker_process_group(timeout: datetime.timedelta = datetime.timedelta(minutes=30)) -> torch.device:
     """Join the process group described by the environment; return this rank's device.
 
-    CUDA ranks use NCCL on GPU LOCAL_RANK, CPU ranks gloo."""
-    import torch.distributed as dist
-
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+    CUDA ranks use NCCL, CPU ranks gloo. The default timeout allows for a 1M-token step on a slow link."""
+    device = worker_device()
+    if device.type == "cuda":
+        dist.init_process_group("nccl", timeout=timeout, device_id=device)
     else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=timeout)
     return device

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from burst.launch import threads_per_process
+from burst.launch import init_worker_process_group, worker_device
 from trainer.config import TrainConfig
 
 TIMEOUT = datetime.timedelta(minutes=30)  # a 1M-token step on a slow link can take minutes
@@ -50,18 +50,8 @@ def environment_world_size() -> int:
 def init_distributed(config: TrainConfig) -> Distributed:
     """Join the process group the environment describes (none for a single process) and build the mesh."""
     world_size = environment_world_size()
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-        # The ranks on one machine share its cores; more threads than cores only slows every rank down.
-        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        torch.set_num_threads(threads_per_process(local_world_size))
     if world_size == 1:
-        return Distributed(0, 1, device, None)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=TIMEOUT)
+        return Distributed(0, 1, worker_device(), None)
+    device = init_worker_process_group(TIMEOUT)
     mesh = init_device_mesh(device.type, (config.dp, config.cp), mesh_dim_names=("dp", "cp"))
-    return Distributed(rank, world_size, device, mesh)
+    return Distributed(dist.get_rank(), world_size, device, mesh)
