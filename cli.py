@@ -23,7 +23,8 @@ class TargetFormat(str, enum.Enum):
 
 @app.command("convert-checkpoint")
 def convert_checkpoint_command(
-    src: Path = typer.Argument(..., help="Checkpoint directory to convert (format detected)."),
+    src: Path = typer.Argument(..., help="Checkpoint directory to convert (format detected): Hugging Face, native, "
+                                         "a training checkpoint, or a run directory (its newest checkpoint)."),
     dst: Path = typer.Argument(..., help="Directory to write; created only once complete."),
     to: TargetFormat = typer.Option(..., "--to", help="Format to write: burst (native) or hf (Hugging Face)."),
     force: bool = typer.Option(False, "--force", help="Replace DST if it exists."),
@@ -173,18 +174,30 @@ def train_command(
     seed: int | None = typer.Option(None, "--seed", help="Seed of the initial weights and the data order."),
     out: Path | None = typer.Option(None, "--out", help="Run directory (must be new). [default: runs/DATE-TIME]"),
     log_every: int | None = typer.Option(None, "--log-every", help="Steps between logged metrics."),
+    checkpoint_every: int | None = typer.Option(None, "--checkpoint-every",
+                                                help="Steps between checkpoints (0: only at the end or when stopped)."),
+    keep: int | None = typer.Option(None, "--keep", help="Newest complete checkpoints to keep. [default: 2]"),
+    resume: bool = typer.Option(False, "--resume", help="Continue the run in --out from its newest checkpoint, "
+                                                        "with its config.toml (cp/dp may change)."),
+    stop_after: int | None = typer.Option(None, "--stop-after", help="End this invocation after this step, with a "
+                                                                     "checkpoint; the schedule stays --steps."),
 ) -> None:
     """Train a LLaMA-style model with BurstAttention sequence parallelism (defaults: see TrainConfig)."""
     from trainer import TrainingStopped, launch, load_config  # here, so `burst --help` does not import torch
+    from trainer.config import load_run_config
 
     flags = {"model": model, "data": data, "seq_len": seq_len, "cp": cp, "dp": dp, "batch_size": batch_size,
              "grad_accum": grad_accum, "steps": steps, "lr": lr, "warmup": warmup, "precision": precision,
              "activation_checkpointing": activation_checkpointing, "attention_backward": attention_backward,
-             "doc_mask": doc_mask, "seed": seed, "out": out, "log_every": log_every}
+             "doc_mask": doc_mask, "seed": seed, "out": out, "log_every": log_every,
+             "checkpoint_every": checkpoint_every, "keep": keep, "stop_after": stop_after}
     overrides = {name: value.value if isinstance(value, enum.Enum) else str(value) if isinstance(value, Path)
                  else value for name, value in flags.items() if value is not None}
     try:
-        launch(load_config(config, overrides))
+        if resume and (out is None or config is not None):
+            raise ValueError("--resume continues the run in --out with its own config.toml: pass --out RUN_DIR "
+                             "and no --config")
+        launch(load_run_config(out, overrides) if resume else load_config(config, overrides))
     except (ValueError, TrainingStopped) as err:
         typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2 if isinstance(err, ValueError) else 1) from None

@@ -1,8 +1,8 @@
 """What `burst eval --checkpoint PATH` can read, and the check that the data's tokenizer fits the model.
 
-Formats are those of `models.convert.SOURCE_FORMATS` (a Hugging Face LLaMA or a native model
-directory), detected there. Run directories and training checkpoints of `burst train` are
-one more case in `load_for_eval` once their format exists.
+Formats are those of `models.convert.SOURCE_FORMATS`, detected there: a Hugging Face LLaMA or a
+native model directory, a training checkpoint of `burst train`, or a run directory (its newest
+complete checkpoint), whose weights are read in this process without the ranks that wrote them.
 """
 
 from __future__ import annotations
@@ -43,16 +43,13 @@ class EvalCheckpoint:
 def load_for_eval(path: str | Path) -> EvalCheckpoint:
     """Open the checkpoint at `path` for evaluation: detect its format and validate config and tensor shapes.
 
-    Reads file headers only; `EvalCheckpoint.model()` reads the weights.
+    Reads file headers (DCP metadata for a training checkpoint) only; `EvalCheckpoint.model()` reads the weights.
     """
     path = Path(path)
     if not path.exists():
-        raise ValueError(f"checkpoint {path} does not exist; pass a model directory (native or Hugging Face LLaMA)")
-    try:
-        format_name = detect_format(path)
-    except ValueError as err:
-        raise ValueError(f"{err}. Run directories and training checkpoints of `burst train` cannot be evaluated "
-                         f"yet: export a model directory first") from None
+        raise ValueError(f"checkpoint {path} does not exist; pass a model directory (native or Hugging Face "
+                         f"LLaMA), a training checkpoint or a run directory of `burst train`")
+    format_name = detect_format(path)
     tokenizer = path / CARRIED_TOKENIZER
     sha256 = hashlib.sha256(tokenizer.read_bytes()).hexdigest() if tokenizer.is_file() else None
     checkpoint = read_checkpoint(path)

@@ -1,9 +1,9 @@
 """Convert model checkpoints between Hugging Face LLaMA and the native format.
 
 Every source format is read into one `Checkpoint` (a ModelConfig plus a stream of tensors under
-native names) and every target format is written from one; a new source format (the trainer's
-checkpoints) is one detector and one reader in SOURCE_FORMATS. Tensor names translate through
-the single HF_TO_NATIVE table; the native model uses Hugging Face's rotary layout, so no q/k
+native names) and every target format is written from one; each source format (Hugging Face, native,
+the trainer's checkpoints and run directories) is one detector and one reader in SOURCE_FORMATS. Tensor names
+translate through the single HF_TO_NATIVE table; the native model uses Hugging Face's rotary layout, so no q/k
 permutation is needed. Everything is validated from file headers before any tensor is read.
 """
 
@@ -166,9 +166,26 @@ def write_native(checkpoint: Checkpoint, dst: Path, max_shard_bytes: int) -> Non
     write_tensors(checkpoint.tensors(), dst, max_shard_bytes)
 
 
+# ---- training checkpoints (burst train) ------------------------------------------------------------------------
+# trainer/ builds on models/, so its checkpoint code is imported when first used, not when models/ is.
+
+def is_training_checkpoint(path: Path) -> bool:
+    from trainer.checkpoint import is_run_or_checkpoint
+
+    return is_run_or_checkpoint(path)
+
+
+def read_training_checkpoint(path: Path) -> Checkpoint:
+    from trainer.checkpoint import read_model_checkpoint
+
+    return read_model_checkpoint(path)
+
+
 # ---- detection and conversion ----------------------------------------------------------------------------------
 
+# Training checkpoints first: they hold a native config.json too.
 SOURCE_FORMATS: dict[str, tuple[Callable[[Path], bool], Callable[[Path], Checkpoint]]] = {
+    "train": (is_training_checkpoint, read_training_checkpoint),
     "hf": (is_hf_checkpoint, read_hf),
     "burst": (is_native_checkpoint, read_native),
 }
@@ -183,7 +200,8 @@ def detect_format(path: Path) -> str:
         if is_format(path):
             return name
     raise ValueError(f"{path} is not a recognised checkpoint: expected a Hugging Face LLaMA directory "
-                     f"(config.json with model_type 'llama') or a burst checkpoint (config.json with dim, n_layers)")
+                     f"(config.json with model_type 'llama'), a burst checkpoint (config.json with dim, n_layers), "
+                     f"or a training checkpoint or run directory of `burst train`")
 
 
 def read_checkpoint(path: str | Path) -> Checkpoint:

@@ -51,12 +51,21 @@ class TrainConfig:
     out: str | None = None  # run directory; None: runs/<date-time>
     log_every: int = 1  # steps between logged metrics
     max_bad_steps: int = 3  # non-finite steps in a row that end the run
+    checkpoint_every: int = 0  # steps between training checkpoints (0: only at the end and when stopped)
+    keep: int = 2  # complete checkpoints to keep; older ones are deleted once a newer one is complete
+    # This invocation only (not written to config.toml):
+    resume: bool = False  # continue the run in `out` from its newest complete checkpoint
+    stop_after: int | None = None  # end this invocation after this step, with a checkpoint; the schedule is `steps`
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "cp", "dp", "batch_size", "grad_accum", "steps", "log_every", "max_bad_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} = {getattr(self, name)} must be at least 1")
-        for name in ("lr", "warmup", "weight_decay", "max_grad_norm"):
+        if self.keep < 1:
+            raise ValueError(f"keep = {self.keep} must be at least 1: a run keeps its newest checkpoint")
+        if self.stop_after is not None and self.stop_after < 1:
+            raise ValueError(f"stop_after = {self.stop_after} must be at least 1")
+        for name in ("lr", "warmup", "weight_decay", "max_grad_norm", "checkpoint_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} = {getattr(self, name)} must not be negative")
         if not 0 <= self.min_lr_ratio <= 1:
@@ -82,6 +91,11 @@ class TrainConfig:
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+INVOCATION_FIELDS = ("resume", "stop_after")
+# What --resume may change: the parallel layout (DCP reshards the state) and how the run reports and saves.
+# Sequences per step (batch_size x dp x grad_accum) must stay, so the loss and schedule do not change.
+RESUMABLE_CHANGES = ("cp", "dp", "batch_size", "grad_accum", "activation_checkpointing", "attention_backward",
+                     "log_every", "checkpoint_every", "keep", *INVOCATION_FIELDS)
 
 
 def _accepted_types(name: str) -> tuple[type, ...]:
@@ -117,10 +131,11 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
 
 
 def to_toml(config: TrainConfig) -> str:
-    """The config as TOML that `load_config` reads back to an equal config (None settings are left out)."""
+    """The config as TOML that `load_config` reads back to an equal config (None settings and this
+    invocation's --resume/--stop-after are left out)."""
     lines = []
     for name, value in dataclasses.asdict(config).items():
-        if value is None:
+        if value is None or name in INVOCATION_FIELDS:
             continue
         text = str(value).lower() if isinstance(value, bool) else repr(value) if isinstance(value, float) \
             else json.dumps(value) if isinstance(value, str) else str(value)  # a JSON string is a TOML string
@@ -130,3 +145,27 @@ def to_toml(config: TrainConfig) -> str:
 
 def save_config(config: TrainConfig, path: Path) -> None:
     path.write_text(to_toml(config))
+
+
+def load_run_config(out: str | Path, overrides: dict[str, Any]) -> TrainConfig:
+    """The config to continue the run in `out` with (--resume): its config.toml with `overrides` (flags),
+    which may change only RESUMABLE_CHANGES, and not the number of sequences per step."""
+    path = Path(out) / "config.toml"
+    if not path.is_file():
+        raise ValueError(f"--resume: {out} holds no run to continue ({path} does not exist); pass the --out of "
+                         f"an earlier run, or start a new run without --resume")
+    saved = load_config(path, {"out": str(out)})
+    config = load_config(path, {**overrides, "out": str(out), "resume": True})
+    changed = [name for name in FIELDS if name not in RESUMABLE_CHANGES and name != "out"
+               and getattr(config, name) != getattr(saved, name)]
+    if changed:
+        raise ValueError("--resume continues a run with its own settings, but "
+                         + ", ".join(f"--{n.replace('_', '-')} {getattr(config, n)} differs from the run's "
+                                     f"{getattr(saved, n)}" for n in changed)
+                         + f"; drop these flags (only {', '.join(RESUMABLE_CHANGES)} may change), "
+                           f"or start a new run")
+    if config.tokens_per_step != saved.tokens_per_step:
+        raise ValueError(f"--resume: batch_size x dp x grad_accum = {config.batch_size} x {config.dp} x "
+                         f"{config.grad_accum} changes the run's {saved.batch_size * saved.dp * saved.grad_accum} "
+                         f"sequences per step, which changes the loss and the data order; keep the product")
+    return config

@@ -16,6 +16,7 @@ from pathlib import Path
 from data import SequenceLoader, TokenStore, default_store
 from models import PRESETS, ModelConfig
 from models.checkpoint import is_native_checkpoint, read_config
+from trainer.checkpoint import check_model_config, resolve_checkpoint, step_of
 from trainer.config import TrainConfig
 
 TOKENIZER_FILE = "tokenizer.model"  # carried into native checkpoints by `burst convert-checkpoint`
@@ -28,6 +29,7 @@ class RunPlan:
     config: TrainConfig
     model_config: ModelConfig
     checkpoint: Path | None  # native checkpoint directory to load; None: fresh weights from config.seed
+    resume_from: Path | None = None  # training checkpoint to continue from (--resume), checked
 
 
 def default_run_dir() -> str:
@@ -86,7 +88,8 @@ def plan_run(config: TrainConfig, world_size: int) -> RunPlan:
     """
     check_world_size(config, world_size)
     out = config.out or default_run_dir()
-    check_run_dir(Path(out))
+    if not config.resume:
+        check_run_dir(Path(out))
     data = config.data or str(default_store())
     try:
         store = TokenStore(data)
@@ -95,4 +98,19 @@ def plan_run(config: TrainConfig, world_size: int) -> RunPlan:
     model_config, checkpoint = model_and_store(config, store)
     # The loader checks batch and sequence settings against the data; building one reads no tokens.
     SequenceLoader(store.split("train"), config.seq_len, config.batch_size, dp_size=config.dp, cp_size=config.cp)
-    return RunPlan(dataclasses.replace(config, data=data, out=out), model_config, checkpoint)
+    resume_from = check_resume(config, Path(out), model_config) if config.resume else None
+    return RunPlan(dataclasses.replace(config, data=data, out=out), model_config, checkpoint, resume_from)
+
+
+def check_resume(config: TrainConfig, out: Path, model_config: ModelConfig) -> Path:
+    """The newest complete checkpoint of the run in `out`, checked whole and against the run's model."""
+    path = resolve_checkpoint(out)
+    check_model_config(path, model_config)
+    step = step_of(path)
+    if step >= config.steps:
+        raise ValueError(f"the run in {out} is finished: its newest checkpoint {path.name} is at step {step} of "
+                         f"{config.steps}; there is nothing to resume")
+    if config.stop_after is not None and config.stop_after <= step:
+        raise ValueError(f"--stop-after {config.stop_after} is not after the checkpoint to resume from "
+                         f"({path.name}, step {step}); pass a later step")
+    return path

@@ -7,7 +7,9 @@ Dividing by the local count instead, as some trainers do, weighs ranks wrongly a
 cp times too small.
 
 The stateful pieces of a run, the model, the optimizer, the LR schedule, the data loader and the
-TrainState, each have state_dict()/load_state_dict(): a checkpoint is those five (plus RNG states).
+TrainState, each have state_dict()/load_state_dict(): a checkpoint is those five plus RNG states
+(trainer/checkpoint.py). One is saved every --checkpoint-every steps and always when the loop ends:
+finished, --stop-after, SIGTERM/Ctrl-C (trainer/signals.py) or repeated non-finite steps.
 """
 
 from __future__ import annotations
@@ -27,12 +29,14 @@ from torch.distributed.tensor import DTensor
 
 from data import Batch, SequenceLoader, TokenStore
 from models import Transformer
+from trainer.checkpoint import forget_metrics_after, load_checkpoint, remove_interrupted_saves, save_checkpoint
 from trainer.config import TrainConfig, save_config
 from trainer.distributed import Distributed, environment_world_size, init_distributed
 from trainer.metrics import Metrics, peak_memory_mib
 from trainer.optim import build_optimizer, build_schedule
 from trainer.parallelize import build_model
 from trainer.preflight import RunPlan, plan_run
+from trainer.signals import StopRequest
 
 
 class TrainingStopped(RuntimeError):
@@ -135,7 +139,7 @@ def run(plan: RunPlan, env: Distributed) -> None:
     config, out, console = plan.config, Path(plan.config.out), Console()
     if env.is_main:
         out.mkdir(parents=True, exist_ok=True)
-        save_config(config, out / "config.toml")
+        save_config(config, out / "config.toml")  # on --resume: the layout this invocation runs with
         print_config(plan, console)
 
     model = build_model(plan.model_config, env.mesh, config, env.device, plan.checkpoint)
@@ -145,41 +149,71 @@ def run(plan: RunPlan, env: Distributed) -> None:
                             dp_rank=env.dp_rank, dp_size=config.dp, cp_rank=env.cp_rank, cp_size=config.cp,
                             seed=config.seed, reset_positions=config.doc_mask)
     state = TrainState()
+    if plan.resume_from is not None:
+        saved = load_checkpoint(plan.resume_from, model, optimizer, env.device)
+        schedule.load_state_dict(saved["schedule"])
+        loader.load_state_dict(saved["loader"])
+        state.load_state_dict(saved["train"])
+        if env.is_main:
+            remove_interrupted_saves(out)
+            forget_metrics_after(out, state.step)  # steps past the checkpoint are trained again
+
+    def save() -> Path:
+        train_state = {"train": state.state_dict(), "schedule": schedule.state_dict(), "loader": loader.state_dict()}
+        return save_checkpoint(out, state.step, model, optimizer, train_state, plan.model_config, env.device,
+                               config.keep)
+
     metrics = Metrics(out, config.steps, console) if env.is_main else None
-    started, first_loss, stop_reason = time.perf_counter(), None, None
+    if metrics is not None and plan.resume_from is not None:
+        metrics.message(f"resumed from {plan.resume_from} (step {state.step})")
+    last_step = min(config.steps, config.stop_after or config.steps)
+    started, first_loss, stop_reason, signalled = time.perf_counter(), None, None, None
     try:
-        while state.step < config.steps and stop_reason is None:
-            step_started = time.perf_counter()
-            lr = schedule.get_last_lr()[0]
-            result = train_step(model, optimizer, [next(loader) for _ in range(config.grad_accum)], config, env)
-            schedule.step()
-            state.step += 1
-            state.tokens += config.tokens_per_step
-            state.bad_steps = 0 if result.applied else state.bad_steps + 1
-            first_loss = result.loss if first_loss is None else first_loss
-            step_time = time.perf_counter() - step_started
-            if state.step % config.log_every == 0 or state.step == config.steps or not result.applied:
-                peak = all_reduce(torch.tensor(peak_memory_mib(env.device), device=env.device), env,
-                                  dist.ReduceOp.MAX).item()
-                if metrics is not None:
-                    metrics.log(state.step, {"loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
-                                             "tokens_per_s": config.tokens_per_step / step_time,
-                                             "step_time_s": step_time, "peak_mem_mib": peak,
-                                             "skipped": not result.applied})
-            if state.bad_steps == config.max_bad_steps:
-                stop_reason = (
-                    f"{state.bad_steps} steps in a row (up to step {state.step}) had a non-finite loss or gradient "
-                    f"norm (last: loss {result.loss}, gradient norm {result.grad_norm}); the run stops. Skipped "
-                    f"steps change no weights, so the model holds the last good state. Try a lower --lr or a longer "
-                    f"--warmup" + (", or --precision fp32" if config.precision == "bf16" else ""))
-        # Every run that finishes or stops gets here, its model and optimizer holding the last good
-        # state: the one place for the run's final checkpoint.
+        with StopRequest() as stop_request:
+            while state.step < last_step and stop_reason is None and signalled is None:
+                step_started = time.perf_counter()
+                lr = schedule.get_last_lr()[0]
+                result = train_step(model, optimizer, [next(loader) for _ in range(config.grad_accum)], config, env)
+                schedule.step()
+                state.step += 1
+                state.tokens += config.tokens_per_step
+                state.bad_steps = 0 if result.applied else state.bad_steps + 1
+                first_loss = result.loss if first_loss is None else first_loss
+                step_time = time.perf_counter() - step_started
+                if state.step % config.log_every == 0 or state.step == last_step or not result.applied:
+                    peak = all_reduce(torch.tensor(peak_memory_mib(env.device), device=env.device), env,
+                                      dist.ReduceOp.MAX).item()
+                    if metrics is not None:
+                        metrics.log(state.step, {"loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
+                                                 "tokens_per_s": config.tokens_per_step / step_time,
+                                                 "step_time_s": step_time, "peak_mem_mib": peak,
+                                                 "skipped": not result.applied})
+                if state.bad_steps == config.max_bad_steps:
+                    stop_reason = (
+                        f"{state.bad_steps} steps in a row (up to step {state.step}) had a non-finite loss or "
+                        f"gradient norm (last: loss {result.loss}, gradient norm {result.grad_norm}); the run stops. "
+                        f"Skipped steps change no weights, so the model holds the last good state. Try a lower "
+                        f"--lr or a longer --warmup" + (", or --precision fp32" if config.precision == "bf16" else ""))
+                # A signal may reach some ranks only: every rank stops after the same step if any was signalled.
+                if all_reduce(torch.tensor(float(stop_request.signal_name is not None), device=env.device), env,
+                              dist.ReduceOp.MAX).item() > 0:
+                    signalled = stop_request.signal_name or "a signal to another rank"
+                elif config.checkpoint_every and state.step % config.checkpoint_every == 0 \
+                        and state.step < last_step and stop_reason is None:
+                    save()
+            # Every run that finishes or stops gets here, its model and optimizer holding the last good
+            # state: the one place for the run's final checkpoint (signals still only set the flag).
+            path = save()
         if stop_reason is not None:
-            raise TrainingStopped(stop_reason)
+            raise TrainingStopped(f"{stop_reason}. The last good state is saved in {path}")
         if metrics is not None:
-            metrics.message(f"done: {state.step} steps, {state.tokens:,} tokens in "
-                            f"{time.perf_counter() - started:.1f} s; loss {first_loss:.4f} -> {result.loss:.4f}; "
-                            f"run directory {out}")
+            what = f"stopped by {signalled} after step {state.step}" if signalled else \
+                f"stopped after step {state.step} (--stop-after)" if state.step < config.steps else "done"
+            metrics.message(f"{what}: {state.step} steps, {state.tokens:,} tokens; this invocation "
+                            f"{time.perf_counter() - started:.1f} s, loss {first_loss:.4f} -> {result.loss:.4f}; "
+                            f"checkpoint {path}")
+            if state.step < config.steps:
+                metrics.message(f"continue with: burst train --resume --out {out}")
     finally:
         if metrics is not None:
             metrics.close()

@@ -1,0 +1,34 @@
+"""A graceful stop on SIGTERM (preemption, a job's time limit) and SIGINT (Ctrl-C).
+
+The handler only records the request; the training loop reads it between steps, agrees on it with
+every rank (one may have been signalled, another not yet), finishes the step, saves a checkpoint
+and returns. Further signals are recorded too: the save must not be cut short by a second Ctrl-C
+(a kill during the save is safe anyway: the previous checkpoint stays intact).
+"""
+
+from __future__ import annotations
+
+import signal
+from types import FrameType
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class StopRequest:
+    """Context manager: while inside, SIGTERM and SIGINT set `signal_name` instead of ending the process."""
+
+    def __init__(self) -> None:
+        self.signal_name: str | None = None
+        self._previous: dict[int, object] = {}
+
+    def _record(self, signum: int, frame: FrameType | None) -> None:
+        self.signal_name = signal.Signals(signum).name
+
+    def __enter__(self) -> StopRequest:
+        for signum in STOP_SIGNALS:
+            self._previous[signum] = signal.signal(signum, self._record)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
