@@ -25,6 +25,15 @@ from burst.kernels import AttentionKernel
 from burst.plan import AttentionPlan
 
 
+def as_result(accumulator: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A float32 accumulator as a contiguous [b, s, h, d] result in `dtype`, converted in one pass.
+
+    Contiguous, whatever the accumulator's memory layout: autograd would otherwise copy a
+    gradient whose strides differ from its input's, and the model reshapes the output.
+    """
+    return accumulator.to(dtype, memory_format=torch.contiguous_format)
+
+
 def merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
     """Fold one block's (out, lse) into the running float32 (out, lse), in place.
 
@@ -34,7 +43,9 @@ def merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, b
     (lse_blk = -inf) leaves it unchanged.
     """
     weight = torch.sigmoid(block_lse - lse).nan_to_num_(0.0)  # [b, h, s]; nan only when both are -inf
-    out.sub_(weight.transpose(1, 2).unsqueeze(-1) * (out - block_out.float()))
+    step = block_out.to(torch.float32, copy=True)  # the only temporary; a copy, never the kernel's buffer
+    step.sub_(out).mul_(weight.transpose(1, 2).unsqueeze(-1))
+    out.add_(step)
     lse.copy_(torch.logaddexp(lse, block_lse))
 
 
@@ -53,7 +64,7 @@ def ring_forward(ring: Ring, kernel: AttentionKernel, plan: AttentionPlan, q: to
                                                   kv[1][seg.batch, seg.kv_rows], seg.causal, scale)
             merge_block(out[seg.batch, seg.q_rows], lse[seg.batch, :, seg.q_rows], block_out, block_lse)
         kv = pending.wait() or kv
-    return out.to(q.dtype), lse
+    return as_result(out, q.dtype), lse
 
 
 # step(visitor, owner) -> [(batch rows, sequence rows, gradients of the visitor there), ...];
@@ -107,15 +118,14 @@ def output_with_delta(dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     rowsum(dout^2): the products dout * O' share one sign, so the kernel's float32 row sum
     has no cancellation. Rows with dout = 0 have delta = 0 and get O' = 0.
     """
-    d32 = dout.float()
-    norm = (d32 * d32).sum(-1)  # [b, s, h]
+    norm = torch.linalg.vector_norm(dout, dim=-1, dtype=torch.float32).square_()  # [b, s, h]
     factor = torch.where(norm > 0, delta.transpose(1, 2) / norm, torch.zeros_like(norm))
-    return (d32 * factor.unsqueeze(-1)).to(dout.dtype)
+    return dout.to(torch.float32, copy=True).mul_(factor.unsqueeze(-1)).to(dout.dtype)  # copy: never alias dout
 
 
 def burst_backward(ring: Ring, kernel: AttentionKernel, plan: AttentionPlan, dout, q, k, v, out, lse, scale: float):
     """The paper's backward: K, V and their gradients stay home; Q, dO, lse, delta travel."""
-    delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()  # [b, h, s]
+    delta = dout.to(torch.float32, copy=True).mul_(out).sum(-1).transpose(1, 2).contiguous()  # [b, h, s]
     dk = torch.zeros_like(k, dtype=torch.float32)
     dv = torch.zeros_like(v, dtype=torch.float32)
 
@@ -133,7 +143,7 @@ def burst_backward(ring: Ring, kernel: AttentionKernel, plan: AttentionPlan, dou
         return pieces
 
     (dq,) = circulate(ring, [q, dout, lse, delta], 1, step)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return as_result(dq, q.dtype), as_result(dk, k.dtype), as_result(dv, v.dtype)
 
 
 def ring_backward(ring: Ring, kernel: AttentionKernel, plan: AttentionPlan, dout, q, k, v, out, lse, scale: float):
@@ -152,4 +162,4 @@ def ring_backward(ring: Ring, kernel: AttentionKernel, plan: AttentionPlan, dout
         return pieces
 
     dk, dv = circulate(ring, [k, v], 2, step)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return as_result(dq, q.dtype), as_result(dk, k.dtype), as_result(dv, v.dtype)
