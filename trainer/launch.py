@@ -10,11 +10,14 @@ Every worker runs `train(config)`, which joins the process group (see distribute
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from burst.launch import run_local, under_torchrun
+from trainer.checkpoint import complete_checkpoints
 from trainer.config import TrainConfig
 from trainer.distributed import environment_world_size
 from trainer.preflight import plan_run
@@ -41,6 +44,12 @@ def launch(config: TrainConfig) -> None:
         run_local(train, config.world_size, (config,))  # torch's elastic launcher, as `torchrun --standalone`
     except ChildFailedError as err:
         raise worker_failure(err) from None
+    except SignalException as err:
+        # The launcher passed SIGTERM/SIGINT on to the workers, which finished their step and saved
+        # (a worker still saving after the launcher's grace period is killed: its previous checkpoint stays).
+        newest = complete_checkpoints(Path(config.out))
+        print(f"stopped by {err.sigval.name}; newest checkpoint: {newest[-1] if newest else 'none'}; "
+              f"continue with: burst train --resume --out {config.out}", flush=True)
     finally:
         logging.disable(logging.NOTSET)
 
