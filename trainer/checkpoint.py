@@ -28,6 +28,7 @@ import re
 import shutil
 import signal
 import uuid
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,8 @@ MODEL_PREFIX = "model."  # DCP flattens {"model": {...}, "optimizer": {...}} int
 # Test hook: SIGKILL this process during the save of step N, after the shards are written, before the rename.
 KILL_DURING_SAVE_ENV = "BURST_TEST_KILL_DURING_SAVE"
 _COMPLETE_NAME = re.compile(r"step-(\d+)")
+# DCP warns on every call without a process group, even when asked for exactly that (no_dist=True).
+warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
 
 
 def checkpoint_dir(out: Path, step: int) -> Path:

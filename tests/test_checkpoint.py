@@ -1,0 +1,189 @@
+"""Training checkpoints through the real command line: exact resume, resharding, kills during a save,
+SIGTERM, conversion and evaluation of a run, and refusals of partial, damaged or mismatched checkpoints."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from typer.testing import CliRunner
+
+from cli import app
+from models import ModelConfig, Transformer, load_model
+from models.convert import read_checkpoint
+from tests.test_train import burst_train, metrics, relative_gap
+from tests.test_train import store as store  # noqa: F401  (the module-scoped token store fixture)
+from trainer.checkpoint import KILL_DURING_SAVE_ENV, MARKER, complete_checkpoints
+
+COMMON = ["--model", "debug", "--seq-len", 256, "--lr", 0.01, "--warmup", 2, "--precision", "fp32"]
+REPO = Path(__file__).parents[1]
+
+
+def train_command(*args) -> list[str]:
+    return [sys.executable, "-m", "cli", "train", *map(str, args)]
+
+
+def losses(out: Path) -> dict[int, float]:
+    rows = metrics(out)
+    assert len({r["step"] for r in rows}) == len(rows), rows  # a resumed run logs each step once
+    return {r["step"]: r["loss"] for r in rows}
+
+
+def steps_of(out: Path) -> list[int]:
+    return [int(p.name.removeprefix("step-")) for p in complete_checkpoints(out)]
+
+
+def test_stop_after_and_resume_reproduce_the_uninterrupted_run_also_on_another_layout(store, tmp_path):
+    common = [*COMMON, "--data", store, "--steps", 12]
+    whole = burst_train(*common, "--cp", 2, "--out", tmp_path / "whole")
+    stopped = burst_train(*common, "--cp", 2, "--stop-after", 6, "--checkpoint-every", 2, "--out", tmp_path / "run")
+    assert whole.returncode == 0 and stopped.returncode == 0, whole.stderr[-2000:] + stopped.stderr[-2000:]
+    assert steps_of(tmp_path / "run") == [4, 6]  # --keep 2
+    assert sorted(losses(tmp_path / "run")) == list(range(1, 7))
+    shutil.copytree(tmp_path / "run", tmp_path / "resharded")
+
+    same = burst_train("--resume", "--out", tmp_path / "run")
+    other = burst_train("--resume", "--cp", 1, "--out", tmp_path / "resharded")
+    assert same.returncode == 0 and other.returncode == 0, same.stderr[-2000:] + other.stderr[-2000:]
+    reference = losses(tmp_path / "whole")
+    resumed = losses(tmp_path / "run")
+    assert [resumed[s] for s in range(7, 13)] == [reference[s] for s in range(7, 13)]  # bit for bit
+    assert relative_gap([losses(tmp_path / "resharded")[s] for s in range(7, 13)],
+                        [reference[s] for s in range(7, 13)]) <= 1e-3
+    assert steps_of(tmp_path / "run") == [10, 12]
+    assert "cp = 1" in (tmp_path / "resharded" / "config.toml").read_text()  # the layout it last ran with
+    assert "stop_after =" not in (tmp_path / "run" / "config.toml").read_text()
+
+
+def test_a_kill_during_a_save_keeps_the_previous_checkpoint_which_resumes(store, tmp_path):
+    out = tmp_path / "run"
+    env = {**os.environ, KILL_DURING_SAVE_ENV: "4"}
+    killed = subprocess.run(train_command(*COMMON, "--data", store, "--steps", 6, "--checkpoint-every", 2,
+                                          "--out", out), capture_output=True, text=True, timeout=240, cwd=REPO, env=env)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert steps_of(out) == [2]
+    interrupted = list((out / "checkpoints").glob("step-000004.tmp-*"))
+    assert len(interrupted) == 1 and not (interrupted[0] / MARKER).exists()
+    assert read_checkpoint(out).config.dim == ModelConfig.from_name("debug").dim  # loads in one process
+
+    resumed = burst_train("--resume", "--out", out)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed from" in resumed.stdout and "(step 2)" in " ".join(resumed.stdout.split())
+    assert sorted(losses(out)) == list(range(1, 7))  # steps 3-4, logged before the kill, trained and logged anew
+    assert steps_of(out) == [4, 6] and not list((out / "checkpoints").glob("*.tmp-*"))
+
+
+def test_sigterm_finishes_the_step_saves_and_exits_cleanly(store, tmp_path):
+    out = tmp_path / "run"
+    process = subprocess.Popen(train_command(*COMMON, "--data", store, "--steps", 1000, "--out", out),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    deadline = time.monotonic() + 120
+    while not ((out / "metrics.jsonl").is_file() and len(metrics(out)) >= 2) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    process.send_signal(signal.SIGTERM)
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == 0, stderr[-2000:]
+    last = max(losses(out))
+    assert 2 <= last < 1000 and steps_of(out) == [last]
+    assert "stopped by SIGTERM" in stdout and "--resume" in stdout
+
+    resumed = burst_train("--resume", "--stop-after", last + 2, "--out", out)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert sorted(losses(out)) == list(range(1, last + 3)) and steps_of(out) == [last, last + 2]
+
+
+@pytest.fixture(scope="module")
+def run(store, tmp_path_factory) -> Path:
+    """A run of 4 steps, stopped after step 3: checkpoints at steps 2 and 3."""
+    out = tmp_path_factory.mktemp("trained") / "run"
+    done = burst_train(*COMMON, "--data", store, "--steps", 4, "--stop-after", 3, "--checkpoint-every", 2,
+                       "--out", out)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return out
+
+
+def reference_model(checkpoint: Path) -> Transformer:
+    """The trained weights read straight from the DCP files into a fresh model (not through burst's reader)."""
+    model = Transformer(ModelConfig.from_dict(json.loads((checkpoint / "config.json").read_text())))
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
+    model.load_state_dict(state["model"])
+    return model.eval()
+
+
+def test_convert_a_run_to_native_and_hugging_face_and_evaluate_it(run, store, tmp_path):
+    native, hf, back = tmp_path / "native", tmp_path / "hf", tmp_path / "back"
+    for src, dst, to in ((run, native, "burst"), (run / "checkpoints" / "step-000002", hf, "hf"),
+                         (hf, back, "burst")):
+        result = CliRunner().invoke(app, ["convert-checkpoint", str(src), str(dst), "--to", to])
+        assert result.exit_code == 0, result.output
+    tokens = torch.randint(0, 320, (1, 64))
+    with torch.no_grad():
+        assert torch.equal(load_model(native)(tokens), reference_model(run / "checkpoints" / "step-000003")(tokens))
+        assert torch.equal(load_model(back)(tokens), reference_model(run / "checkpoints" / "step-000002")(tokens))
+    assert json.loads((hf / "config.json").read_text())["model_type"] == "llama"
+
+    report = tmp_path / "eval.json"
+    result = CliRunner().invoke(app, ["eval", "--checkpoint", str(run), "--data", str(store), "--seq-len", "128",
+                                      "--batches", "2", "--buckets", "2", "--passkey-trials", "0",
+                                      "--json", str(report)])
+    assert result.exit_code == 0, result.output
+    figures = json.loads(report.read_text())
+    assert figures["perplexity"] > 1 and len(figures["loss_by_position"]) == 2 and "passkey" in figures
+
+
+def damage(run: Path, tmp_path: Path, case: str) -> tuple[Path, list[str]]:
+    """A copy of `run` damaged as `case`, and the `burst train` arguments that try to resume it."""
+    out = tmp_path / "run"
+    shutil.copytree(run, out)
+    newest = out / "checkpoints" / "step-000003"
+    args = ["train", "--resume", "--out", str(out)]
+    if case == "no checkpoint":
+        shutil.rmtree(out / "checkpoints")
+    elif case == "missing shard":
+        (newest / "__0_0.distcp").unlink()
+    elif case == "truncated shard":
+        with open(newest / "__0_0.distcp", "r+b") as f:
+            f.truncate(1000)
+    elif case == "other model":
+        config = json.loads((newest / "config.json").read_text())
+        (newest / "config.json").write_text(json.dumps({**config, "dim": 128}))
+    elif case == "other schedule":
+        args += ["--steps", "8"]
+    elif case == "other batch":
+        args += ["--batch-size", "2"]
+    return out, args
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("no checkpoint", "holds no complete checkpoint"),
+    ("missing shard", "the shard file __0_0.distcp is missing"),
+    ("truncated shard", "the shard file __0_0.distcp has 1000 bytes"),
+    ("other model", "holds another model than this run's: dim 128 in the checkpoint, 64 in the run"),
+    ("other schedule", "--steps 8 differs from the run's 4"),
+    ("other batch", "changes the run's 1 sequences per step"),
+])
+def test_resume_refuses_what_it_cannot_continue_exactly_and_changes_nothing(run, tmp_path, case, expected):
+    out, args = damage(run, tmp_path, case)
+    before = sorted((p.relative_to(out), p.stat().st_mtime_ns) for p in out.rglob("*"))
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert expected in " ".join(result.output.split()), result.output
+    assert sorted((p.relative_to(out), p.stat().st_mtime_ns) for p in out.rglob("*")) == before
+
+
+def test_a_checkpoint_without_its_marker_is_refused_and_a_run_falls_back_to_the_previous_one(run, tmp_path):
+    out, _ = damage(run, tmp_path, "none")
+    (out / "checkpoints" / "step-000003" / MARKER).unlink()
+    result = CliRunner().invoke(app, ["convert-checkpoint", str(out / "checkpoints" / "step-000003"),
+                                      str(tmp_path / "x"), "--to", "burst"])
+    assert result.exit_code == 2 and "no COMPLETE marker: its save did not finish" in " ".join(result.output.split())
+    assert not (tmp_path / "x").exists()
+    assert steps_of(out) == [2] and read_checkpoint(out).config.dim == 64
