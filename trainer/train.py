@@ -148,7 +148,7 @@ def run(plan: RunPlan, env: Distributed) -> None:
     loader = SequenceLoader(TokenStore(config.data).split("train"), config.seq_len, config.batch_size,
                             dp_rank=env.dp_rank, dp_size=config.dp, cp_rank=env.cp_rank, cp_size=config.cp,
                             seed=config.seed, reset_positions=config.doc_mask)
-    state = TrainState()
+    state, load_started = TrainState(), time.perf_counter()
     if plan.resume_from is not None:
         saved = load_checkpoint(plan.resume_from, model, optimizer, env.device)
         schedule.load_state_dict(saved["schedule"])
@@ -159,13 +159,19 @@ def run(plan: RunPlan, env: Distributed) -> None:
             forget_metrics_after(out, state.step)  # steps past the checkpoint are trained again
 
     def save() -> Path:
+        save_started = time.perf_counter()
         train_state = {"train": state.state_dict(), "schedule": schedule.state_dict(), "loader": loader.state_dict()}
-        return save_checkpoint(out, state.step, model, optimizer, train_state, plan.model_config, env.device,
+        path = save_checkpoint(out, state.step, model, optimizer, train_state, plan.model_config, env.device,
                                config.keep)
+        if metrics is not None:
+            size = sum(f.stat().st_size for f in path.iterdir())
+            metrics.message(f"saved {path.name}: {size / 2**20:,.1f} MiB in {time.perf_counter() - save_started:.2f} s")
+        return path
 
     metrics = Metrics(out, config.steps, console) if env.is_main else None
     if metrics is not None and plan.resume_from is not None:
-        metrics.message(f"resumed from {plan.resume_from} (step {state.step})")
+        metrics.message(f"resumed from {plan.resume_from} (step {state.step}) in "
+                        f"{time.perf_counter() - load_started:.2f} s")
     last_step = min(config.steps, config.stop_after or config.steps)
     started, first_loss, stop_reason, signalled = time.perf_counter(), None, None, None
     try:
