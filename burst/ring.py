@@ -43,9 +43,8 @@ def merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, b
     (lse_blk = -inf) leaves it unchanged.
     """
     weight = torch.sigmoid(block_lse - lse).nan_to_num_(0.0)  # [b, h, s]; nan only when both are -inf
-    step = block_out.to(torch.float32, copy=True)  # the only temporary; a copy, never the kernel's buffer
-    step.sub_(out).mul_(weight.transpose(1, 2).unsqueeze(-1))
-    out.add_(step)
+    for h in range(out.shape[2]):  # a head at a time: the float32 copy of the block is 1/heads the size
+        out[:, :, h].lerp_(block_out[:, :, h].float(), weight[:, h].unsqueeze(-1))
     lse.copy_(torch.logaddexp(lse, block_lse))
 
 
@@ -120,12 +119,20 @@ def output_with_delta(dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     """
     norm = torch.linalg.vector_norm(dout, dim=-1, dtype=torch.float32).square_()  # [b, s, h]
     factor = torch.where(norm > 0, delta.transpose(1, 2) / norm, torch.zeros_like(norm))
-    return dout.to(torch.float32, copy=True).mul_(factor.unsqueeze(-1)).to(dout.dtype)  # copy: never alias dout
+    # multiplied in float32 element by element and stored in dout's dtype: no float32 copy of dout
+    return torch.mul(dout, factor.unsqueeze(-1), out=torch.empty_like(dout))
+
+
+def row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """rowsum(a * b) in float32: [b, s, h, d] x2 -> [b, h, s], one head at a time so that the
+    float32 temporaries stay 1/heads of the inputs' size."""
+    heads = [(a[:, :, h].float() * b[:, :, h].float()).sum(-1) for h in range(a.shape[2])]  # [b, s] each
+    return torch.stack(heads, dim=1)
 
 
 def burst_backward(ring: Ring, kernel: AttentionKernel, plan: AttentionPlan, dout, q, k, v, out, lse, scale: float):
     """The paper's backward: K, V and their gradients stay home; Q, dO, lse, delta travel."""
-    delta = dout.to(torch.float32, copy=True).mul_(out).sum(-1).transpose(1, 2).contiguous()  # [b, h, s]
+    delta = row_dot(dout, out)  # [b, h, s]
     dk = torch.zeros_like(k, dtype=torch.float32)
     dv = torch.zeros_like(v, dtype=torch.float32)
 
