@@ -4,7 +4,7 @@ from models.attention import LocalAttention
 from models.checkpoint import load_model, save_model
 from models.config import PRESETS, ModelConfig, RopeScaling
 from models.convert import convert_checkpoint
-from models.llama import Transformer
+from models.llama import Transformer, init_model
 from models.loss import chunked_cross_entropy
 
 __all__ = [
@@ -15,6 +15,7 @@ __all__ = [
     "Transformer",
     "chunked_cross_entropy",
     "convert_checkpoint",
+    "init_model",
     "load_model",
     "save_model",
 ]

@@ -190,3 +190,13 @@ class Transformer(nn.Module):
         """
         hidden = self.hidden_states(tokens, positions, doc_boundaries)
         return chunked_cross_entropy(hidden.flatten(0, 1), self.output_weight, labels.flatten(), chunk_size)
+
+
+def init_model(config: ModelConfig, seed: int = 0, device: torch.device | str = "cpu") -> Transformer:
+    """A full model on `device` with `init_weights()` drawn from `seed`: built on meta, then materialised."""
+    with torch.device("meta"):
+        model = Transformer(config)
+    model.to_empty(device=device)
+    torch.manual_seed(seed)
+    model.init_weights()
+    return model

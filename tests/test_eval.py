@@ -22,7 +22,15 @@ from data.passkey import FILLER, INTRO, NEEDLE, QUESTION
 from evaluation import EvalConfig, evaluate, evaluate_passkey, greedy_answer, load_for_eval, token_losses
 from evaluation.distributed import use_burst_attention
 from evaluation.perplexity import available_sequences, bucket_starts
-from models import ModelConfig, Transformer, chunked_cross_entropy, convert_checkpoint, load_model, save_model
+from models import (
+    ModelConfig,
+    Transformer,
+    chunked_cross_entropy,
+    convert_checkpoint,
+    init_model,
+    load_model,
+    save_model,
+)
 from tests.distributed import run_on_ranks
 
 SEQ_LEN = 128
@@ -48,20 +56,11 @@ def store(tmp_path_factory) -> TokenStore:
     return TokenStore(out)
 
 
-def build(config: ModelConfig, seed: int = 0) -> Transformer:
-    torch.manual_seed(seed)
-    with torch.device("meta"):
-        model = Transformer(config)
-    model.to_empty(device="cpu")
-    model.init_weights()
-    return model
-
-
 @pytest.fixture(scope="module")
 def checkpoint(store, tmp_path_factory):
     """A `debug` model after a few optimisation steps on the store, saved as a native model directory."""
     config = ModelConfig.from_name("debug")
-    model = build(config)
+    model = init_model(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3)
     loader = SequenceLoader(store.split("train"), SEQ_LEN, batch_size=2)
     for _ in range(20):
@@ -219,7 +218,7 @@ def test_bad_input_is_refused_before_any_work(store, checkpoint, tmp_path):
     assert "validation split" in refused("--checkpoint", checkpoint, "--data", no_val, "--seq-len", 64)
 
     small_vocab = tmp_path / "small-vocab"
-    save_model(build(dataclasses.replace(ModelConfig.from_name("debug"), vocab_size=300)),
+    save_model(init_model(dataclasses.replace(ModelConfig.from_name("debug"), vocab_size=300)),
                dataclasses.replace(ModelConfig.from_name("debug"), vocab_size=300), small_vocab)
     assert "has a vocabulary of 300" in refused("--checkpoint", small_vocab, *data)
     other_tokenizer = tmp_path / "other-tokenizer"

@@ -12,17 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from burst import shard_for_rank, zigzag_positions
-from models import PRESETS, LocalAttention, ModelConfig, Transformer, load_model, save_model
+from models import PRESETS, LocalAttention, ModelConfig, init_model, load_model, save_model
 from models.checkpoint import expected_shapes
-
-
-def build(config: ModelConfig, seed: int = 0) -> Transformer:
-    torch.manual_seed(seed)
-    with torch.device("meta"):
-        model = Transformer(config)
-    model.to_empty(device="cpu")
-    model.init_weights()
-    return model
 
 
 def count_params(config: ModelConfig) -> int:
@@ -58,7 +49,7 @@ def test_config_errors_and_round_trip():
 
 def test_meta_build_and_documented_init():
     config = dataclasses.replace(ModelConfig.from_name("tiny"), n_layers=2, init_std=0.05)
-    model = build(config)
+    model = init_model(config)
     assert all(not p.is_meta for p in model.parameters())
     assert model.tok_embeddings.weight.std().item() == pytest.approx(0.05, rel=0.02)
     assert model.layers[0].attention.wq.weight.std().item() == pytest.approx(0.05, rel=0.02)
@@ -69,7 +60,7 @@ def test_meta_build_and_documented_init():
 
 
 def test_tied_embeddings_share_one_matrix():
-    model = build(dataclasses.replace(ModelConfig.from_name("debug"), tie_embeddings=True))
+    model = init_model(dataclasses.replace(ModelConfig.from_name("debug"), tie_embeddings=True))
     assert model.output is None and model.output_weight is model.tok_embeddings.weight
     assert "output.weight" not in model.state_dict()
 
@@ -87,7 +78,7 @@ class RecordingAttention(nn.Module):
 
 
 def test_zigzag_shard_gets_the_rotation_of_its_global_positions():
-    model = build(dataclasses.replace(ModelConfig.from_name("debug"), rope_theta=500.0))
+    model = init_model(dataclasses.replace(ModelConfig.from_name("debug"), rope_theta=500.0))
     model.layers[0].attention.core_attention = recorder = RecordingAttention()
     seq_len, world_size = 32, 4
     tokens = torch.randint(0, 4096, (2, seq_len))
@@ -122,7 +113,7 @@ def test_document_mask_equals_running_each_document_alone():
 
 
 def test_loss_is_cross_entropy_of_the_logits():
-    model = build(ModelConfig.from_name("debug"))
+    model = init_model(ModelConfig.from_name("debug"))
     tokens = torch.randint(0, 4096, (2, 20))
     labels = torch.randint(0, 4096, (2, 20))
     labels[0, :7] = -100
@@ -139,7 +130,7 @@ def test_loss_is_cross_entropy_of_the_logits():
 @pytest.mark.parametrize("max_shard_bytes", [2**30, 100_000])
 def test_native_checkpoint_round_trip(tmp_path, max_shard_bytes):
     config = ModelConfig.from_name("debug")
-    model = build(config)
+    model = init_model(config)
     save_model(model, config, tmp_path / "ckpt", max_shard_bytes=max_shard_bytes)
     sharded = (tmp_path / "ckpt" / "model.safetensors.index.json").exists()
     assert sharded == (max_shard_bytes < 2**30)
@@ -154,7 +145,7 @@ def test_native_checkpoint_round_trip(tmp_path, max_shard_bytes):
 
 def test_native_checkpoint_errors(tmp_path):
     config = ModelConfig.from_name("debug")
-    state_dict = build(config).state_dict()
+    state_dict = init_model(config).state_dict()
     with pytest.raises(ValueError, match=r"missing tensors \['norm.weight'\]"):
         save_model({k: v for k, v in state_dict.items() if k != "norm.weight"}, config, tmp_path / "a")
     with pytest.raises(ValueError, match=r"unexpected tensors \['extra.weight'\]"):

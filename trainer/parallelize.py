@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 
 import burst
-from models import ModelConfig, Transformer, load_model
+from models import ModelConfig, Transformer, init_model, load_model
 from trainer.config import TrainConfig
 
 
@@ -67,12 +67,7 @@ def initial_state_dict(model_config: ModelConfig, seed: int, checkpoint: Path | 
     """
     if checkpoint is not None:
         return load_model(checkpoint, dtype=torch.float32).state_dict()
-    with torch.device("meta"):
-        model = Transformer(model_config)
-    model.to_empty(device="cpu")
-    torch.manual_seed(seed)
-    model.init_weights()
-    return model.state_dict()
+    return init_model(model_config, seed).state_dict()
 
 
 def build_model(model_config: ModelConfig, mesh: DeviceMesh | None, config: TrainConfig, device: torch.device,
