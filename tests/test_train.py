@@ -29,7 +29,7 @@ def store(tmp_path_factory) -> Path:
     rng = random.Random(0)
     for i in range(30):
         (root / f"doc{i}.py").write_text(make_text(rng, rng.randint(20, 200)))
-    out = root.parent / "store"
+    out = tmp_path_factory.mktemp("store")  # unique: test_checkpoint builds this fixture again
     prepare([root], out, vocab_size=320, val_fraction=0.05, progress=False)
     return out
 
