@@ -76,7 +76,8 @@ def _number_list(text: str | None, kind: type, flag: str) -> list | None:
 
 @app.command("eval")
 def eval_command(
-    checkpoint: Path = typer.Option(..., "--checkpoint", help="Model directory: native (burst) or Hugging Face LLaMA."),
+    checkpoint: Path = typer.Option(..., "--checkpoint", help="Run directory, training checkpoint, or native / "
+                                                              "Hugging Face model directory."),
     data: Path | None = typer.Option(None, "--data", help="Token store (default: the embedded stdlib corpus)."),
     seq_len: int | None = typer.Option(None, "--seq-len", help="Tokens per validation sequence (4096)."),
     batches: int | None = typer.Option(None, "--batches", help="Validation sequences to score (16)."),
