@@ -137,3 +137,29 @@ def test_autocast_does_not_lower_the_reference_kernel_precision():
     assert out.dtype == torch.float32
     assert (out.double() - expected[0]).abs().max() < TOLERANCE[torch.float32]
     assert (q.grad.double() - expected[2]).abs().max() < TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+@pytest.mark.parametrize("causal", [True, False])
+def test_cpu_kernel_folding_is_bit_identical_to_the_plain_op_call(kv_heads, causal):
+    """The CPU kernel folds kv heads into the batch for speed; on the chunk views the ring
+    passes (rows of heads-first memory, batch 2) it must give exactly the plain op's results."""
+    from burst.attention import heads_first
+    from burst.kernels import TorchCPUKernel
+
+    ops = torch.ops.aten
+    torch.manual_seed(0)
+    q, dout = (heads_first(torch.randn(2, 512, 4, 32, dtype=torch.bfloat16))[:, 256:] for _ in range(2))
+    k, v = (heads_first(torch.randn(2, 512, kv_heads, 32, dtype=torch.bfloat16))[:, 256:] for _ in range(2))
+    seq_major_to_op = lambda *ts: [t.transpose(1, 2) for t in ts]  # noqa: E731
+    out, lse = ops._scaled_dot_product_flash_attention_for_cpu(*seq_major_to_op(q, k, v), 0.0, causal, scale=0.2)
+    grads = ops._scaled_dot_product_flash_attention_for_cpu_backward(
+        *seq_major_to_op(dout, q, k, v), out, lse, 0.0, causal, scale=0.2)
+
+    kernel = TorchCPUKernel()
+    got_out, got_lse = kernel.forward(q, k, v, causal, 0.2)
+    got_grads = kernel.backward(dout, q, k, v, out.transpose(1, 2), lse, causal, 0.2)
+    assert torch.equal(got_out, out.transpose(1, 2)) and torch.equal(got_lse, lse)
+    for got, expected in zip(got_grads, grads, strict=True):
+        assert got.shape == expected.transpose(1, 2).shape
+        assert torch.equal(got, expected.transpose(1, 2))
