@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 import torch.distributed as dist
 
 from burst.comm import SENT, Ring
-from burst.groups import group_rank_and_size
 from burst.kernels import KERNEL_NAMES, default_scale, select_kernel
 from burst.plan import AttentionPlan, normalize_boundaries
 from burst.ring import burst_backward, ring_backward, ring_forward
@@ -37,8 +38,8 @@ def validate_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, world_siz
                     kernel: str) -> None:
     """Raise a ValueError naming the problem; called before any communication.
 
-    Every rank holds shards of the same shapes, so a bad input fails on every rank at once
-    and none is left waiting in a send.
+    The ranks hold shards of the same shapes (`check_ranks_agree` makes sure of it), so a bad
+    input fails on every rank at once and none is left waiting in a send.
     """
     if backward not in BACKWARD_MODES:
         raise ValueError(f"unknown backward mode {backward!r}; choose one of {', '.join(BACKWARD_MODES)}")
@@ -66,6 +67,67 @@ def validate_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, world_siz
             f"{2 * world_size} chunks); pad the sequence or change its length, and shard it with burst.shard_sequence")
 
 
+_DTYPE_CODES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _code(options: tuple, value) -> int:
+    return options.index(value) if value in options else -1
+
+
+def _shape(t: torch.Tensor) -> list[int]:
+    """[ndim, four sizes padded with -1]: a fixed width whatever the tensor's rank."""
+    return [t.dim(), *(list(t.shape) + [-1] * 4)[:4]]
+
+
+# (name, number of ints, how to show them) for each part of `input_signature`
+_SIGNATURE_FIELDS = (
+    ("q shape", 5, lambda x: str(x[1:1 + x[0]])),
+    ("k shape", 5, lambda x: str(x[1:1 + x[0]])),
+    ("v shape", 5, lambda x: str(x[1:1 + x[0]])),
+    ("dtypes", 3, lambda x: "/".join(str(_DTYPE_CODES[c]).removeprefix("torch.") if c >= 0 else "other" for c in x)),
+    ("causal", 1, lambda x: str(bool(x[0]))),
+    ("backward", 1, lambda x: BACKWARD_MODES[x[0]] if x[0] >= 0 else "unknown"),
+    ("kernel", 1, lambda x: KERNEL_NAMES[x[0]] if x[0] >= 0 else "unknown"),
+    ("doc_boundaries", 1, lambda x: "none" if x[0] == 0 else f"fingerprint {x[0] & 0xFFFFFF:06x}"),
+)
+
+
+def input_signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, backward: str, kernel: str,
+                    doc_boundaries) -> list[int]:
+    """What every rank of the group must agree on, as ints (see `_SIGNATURE_FIELDS`).
+
+    Ranks that disagree would post ring messages of different sizes (a gloo error or an NCCL
+    hang), or one rank would raise while the others wait for it; comparing these first turns
+    all of that into the same ValueError on every rank. Works on invalid inputs too.
+    """
+    if doc_boundaries is None:
+        docs = 0
+    else:
+        rows = doc_boundaries.tolist() if isinstance(doc_boundaries, torch.Tensor) else \
+            [r.tolist() if isinstance(r, torch.Tensor) else list(r) for r in doc_boundaries]
+        # a digest, not hash(): str hashes differ between processes; 7 bytes fit an int64, + 1 keeps it non-zero
+        docs = int.from_bytes(hashlib.blake2b(repr(rows).encode(), digest_size=7).digest(), "little") + 1
+    return [*_shape(q), *_shape(k), *_shape(v), *(_code(_DTYPE_CODES, t.dtype) for t in (q, k, v)), int(causal),
+            _code(BACKWARD_MODES, backward), _code(KERNEL_NAMES, kernel), docs]
+
+
+def check_ranks_agree(ring: Ring, signature: list[int], device: torch.device) -> None:
+    """Raise the same ValueError on every rank when the ranks' inputs disagree: one small
+    all-gather before any ring traffic, so no rank is left waiting."""
+    every = ring.gather_from_every_rank(signature, device)
+    if all(theirs == every[0] for theirs in every):
+        return
+    differences, start = [], 0
+    for name, width, show in _SIGNATURE_FIELDS:
+        values = [sig[start:start + width] for sig in every]
+        if any(x != values[0] for x in values):
+            differences.append(f"{name}: " + ", ".join(f"rank {r} {show(x)}" for r, x in enumerate(values)))
+        start += width
+    raise ValueError(f"burst_attn got different inputs on the ranks of its group ({'; '.join(differences)}). "
+                     "Every rank must pass its shard of the same global sequence (see burst.shard_sequence) with "
+                     "the same shapes, dtypes, causal flag, backward mode, kernel and doc_boundaries")
+
+
 def heads_first(x: torch.Tensor) -> torch.Tensor:
     """[b, s, h, d] with heads-first memory ([b, h, s, d] contiguous), seen sequence-major.
 
@@ -77,8 +139,7 @@ def heads_first(x: torch.Tensor) -> torch.Tensor:
 
 class BurstAttnFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, plan, scale, group, backward, kernel_name):
-        ring = Ring(group)
+    def forward(ctx, q, k, v, plan, scale, ring, backward, kernel_name):
         if q.device.type == "cpu":
             q, k, v = heads_first(q), heads_first(k), heads_first(v)
         kernel = select_kernel(q.device, q.dtype, kernel_name)
@@ -124,12 +185,16 @@ def burst_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
     over the global sequence (a list of 1-D tensors, e.g. [0, 100, 350, seq_len], as the
     loader returns them; or a 2-D tensor). A query then sees only keys of its own document
     (causally when `causal`), and fully masked blocks are skipped, not computed.
+
+    Raises ValueError, on every rank of the group, for bad inputs and for ranks whose inputs
+    disagree (compared in one small all-gather before any ring traffic).
     """
-    _, world_size = group_rank_and_size(group)
-    validate_inputs(q, k, v, world_size, backward, kernel)
+    ring = Ring(group)
+    check_ranks_agree(ring, input_signature(q, k, v, causal, backward, kernel, doc_boundaries), q.device)
+    validate_inputs(q, k, v, ring.world_size, backward, kernel)  # the same verdict on every rank now
     boundaries = None if doc_boundaries is None else \
-        normalize_boundaries(doc_boundaries, q.shape[0], q.shape[1] * world_size)
-    plan = AttentionPlan(q.shape[1], world_size, causal, boundaries)
+        normalize_boundaries(doc_boundaries, q.shape[0], q.shape[1] * ring.world_size)
+    plan = AttentionPlan(q.shape[1], ring.world_size, causal, boundaries)
     scale = default_scale(q.shape[-1]) if softmax_scale is None else softmax_scale
-    out, lse = BurstAttnFunction.apply(q, k, v, plan, scale, group, backward, kernel)
+    out, lse = BurstAttnFunction.apply(q, k, v, plan, scale, ring, backward, kernel)
     return (out, lse) if return_lse else out

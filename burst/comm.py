@@ -87,3 +87,19 @@ class Ring:
         self.bytes_sent += sent
         SENT.total += sent
         return Pending(dist.batch_isend_irecv(ops), received, sending)
+
+    def gather_from_every_rank(self, values: list[int], device: torch.device) -> list[list[int]]:
+        """Every rank's `values` (int64s, the same count on each), in rank order, on every rank.
+
+        One small all-gather, blocking: used to check that the ranks agree before ring traffic
+        whose message sizes depend on what each rank was given.
+        """
+        if self.world_size == 1:
+            return [list(values)]
+        mine = torch.tensor(values, dtype=torch.int64, device=device)
+        every = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(every, mine, group=self.group)
+        sent = (self.world_size - 1) * mine.numel() * mine.element_size()  # what a ring all-gather sends
+        self.bytes_sent += sent
+        SENT.total += sent
+        return torch.stack(every).tolist()

@@ -1,7 +1,9 @@
 import json
 
+import torch
 from typer.testing import CliRunner
 
+from burst.attention import input_signature
 from cli import app
 
 
@@ -17,7 +19,8 @@ def test_bench_attention_writes_figures_for_each_mode(tmp_path):
     assert runs["single process"]["sent_forward_mib"] == 0
     mib = 2**20
     kv_bytes = 128 * 2 * 16 * 2  # local k: 128 tokens x 2 heads x 16 dims x 2 bytes (bf16)
-    assert runs["burst x2"]["sent_forward_mib"] * mib == 2 * kv_bytes  # k and v, one hop
+    agreement = len(input_signature(*[torch.empty(1, 128, 2, 16)] * 3, True, "auto", "auto", None)) * 8
+    assert runs["burst x2"]["sent_forward_mib"] * mib == 2 * kv_bytes + agreement  # k and v, one hop
     assert runs["ring x2"]["sent_backward_mib"] * mib == 2 * kv_bytes + 2 * 2 * kv_bytes  # k, v + float32 dk, dv
     assert runs["ring docs x2"]["sent_backward_mib"] == runs["ring x2"]["sent_backward_mib"]  # the ring still turns
     assert all(r["forward_s"] > 0 and r["backward_s"] > 0 and r["peak_memory_mib"] > 0 for r in runs.values())

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 import burst
-from burst.attention import backward_bytes_per_hop
+from burst.attention import backward_bytes_per_hop, input_signature
 from tests.distributed import run_on_ranks
 
 # max |error| allowed against float64, for inputs ~ N(0, 1)
@@ -63,7 +63,8 @@ def check_against_reference(world_size, causal, heads, dtype, mode, kernel="auto
 
 def check_bytes(world_size, q, k, mode):
     hops = world_size - 1
-    assert burst.SENT.last_forward == hops * 2 * k.numel() * k.element_size()
+    agreement = hops * len(input_signature(q, k, k, True, mode, "auto", None)) * 8  # the int64 all-gather
+    assert burst.SENT.last_forward == hops * 2 * k.numel() * k.element_size() + agreement
     assert burst.SENT.last_backward == hops * backward_bytes_per_hop(q, k, mode)
 
 
@@ -125,6 +126,34 @@ def _bad_inputs_raise(rank, world_size):
 
 def test_bad_inputs_raise_on_every_rank():
     run_on_ranks(_bad_inputs_raise, 2, timeout_s=30)
+
+
+def disagreeing_inputs(rank):
+    """(args, kwargs, expected message) where the ranks' inputs differ."""
+    x, shorter = torch.zeros(1, 8, 4, 16), torch.zeros(1, 4, 4, 16)
+    odd = torch.zeros(1, 7, 4, 16)  # invalid on rank 1 only: it must not raise alone and leave rank 0 waiting
+    return [
+        ((x,) * 3 if rank == 0 else (shorter,) * 3, {}, r"q shape: rank 0 \[1, 8, 4, 16\], rank 1 \[1, 4"),
+        ((x,) * 3 if rank == 0 else (odd,) * 3, {}, "q shape"),
+        ((x,) * 3, {"causal": rank == 0}, "causal: rank 0 True, rank 1 False"),
+        ((x.double(),) * 3 if rank else (x,) * 3, {}, "dtypes: rank 0 float32/float32/float32, rank 1 float64"),
+        ((x,) * 3, {"backward": "burst" if rank else "ring"}, "backward: rank 0 ring, rank 1 burst"),
+        ((x,) * 3, {"doc_boundaries": [[0, 5 + rank, 16]]}, "doc_boundaries: rank 0 fingerprint"),
+    ]
+
+
+def _disagreement_raises(rank, world_size):
+    for args, kwargs, message in disagreeing_inputs(rank):
+        with pytest.raises(ValueError, match="different inputs on the ranks") as raised:
+            burst.burst_attn(*args, **kwargs)
+        assert raised.match(message)
+    same = torch.randn(1, 8, 4, 16)
+    burst.burst_attn(same, same, same, doc_boundaries=[torch.tensor([0, 5, 16])])  # agreeing ranks still run
+    dist.barrier()
+
+
+def test_ranks_that_disagree_get_the_same_error_not_a_hang():
+    run_on_ranks(_disagreement_raises, 2, timeout_s=60)
 
 
 def test_autocast_does_not_lower_the_reference_kernel_precision():
