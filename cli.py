@@ -82,6 +82,10 @@ def eval_command(
     seq_len: int | None = typer.Option(None, "--seq-len", help="Tokens per validation sequence (4096)."),
     batches: int | None = typer.Option(None, "--batches", help="Validation sequences to score (16)."),
     buckets: int | None = typer.Option(None, "--buckets", help="Position buckets for loss by position (8)."),
+    positions: str | None = typer.Option(None, "--positions",
+                                         help="packed: the training stream's sequences; document: the start of "
+                                              "validation documents of at least --seq-len tokens, so position = "
+                                              "depth into the document (packed)."),
     passkey_lengths: str | None = typer.Option(None, "--passkey-lengths",
                                                help="Passkey sample lengths, e.g. 1024,2048 (seq-len/4, /2, 1)."),
     passkey_depths: str | None = typer.Option(None, "--passkey-depths", help="Needle depths (0,0.25,0.5,0.75,1)."),
@@ -96,7 +100,8 @@ def eval_command(
     """
     from evaluation import EvalConfig, evaluate  # here, so `burst --help` does not import torch
 
-    flags = dict(data=data, seq_len=seq_len, batches=batches, buckets=buckets, passkey_trials=passkey_trials,
+    flags = dict(data=data, seq_len=seq_len, batches=batches, buckets=buckets, positions=positions,
+                 passkey_trials=passkey_trials,
                  passkey_lengths=_number_list(passkey_lengths, int, "--passkey-lengths"),
                  passkey_depths=_number_list(passkey_depths, float, "--passkey-depths"),
                  cp=cp, precision=precision, json_path=json_path)

@@ -1,11 +1,17 @@
-"""Perplexity and loss by position on the validation split.
+"""Perplexity and loss by position on the validation split, in one of two POSITION_MODES.
 
-Sequences are read exactly as training reads them (`data.SequenceLoader`: documents packed
-between BOS and EOS, causal attention over the whole sequence, global positions, no label
-where the next token is a BOS), one sequence at a time, from the start of the split's packing
-stream and never past its end, so no token is scored twice. Loss by position splits the
-context into equal buckets of global position: a model that uses its context has lower loss
-in later buckets.
+"packed": sequences are read exactly as training reads them (`data.SequenceLoader`: documents
+packed between BOS and EOS, causal attention over the whole sequence, global positions, no
+label where the next token is a BOS), one sequence at a time, from the start of the split's
+packing stream and never past its end, so no token is scored twice. A position there mixes
+depths into unrelated documents, so loss by position says little about long-context use.
+
+"document": each sequence is the start of one validation document of at least seq_len tokens,
+[BOS] + document, so position p is depth p into the document: a model that uses its context
+has lower loss in later buckets.
+
+Both modes cut every sequence into the rank's zigzag shard and share one scoring loop; loss by
+position splits the context into equal buckets of position.
 
 Per-token losses are computed from the hidden states `chunk_size` rows at a time: the
 [seq, vocab] logits never exist in full.
@@ -14,11 +20,14 @@ Per-token losses are computed from the hidden states `chunk_size` rows at a time
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
+from burst.layout import shard_for_rank
 from data import SequenceLoader, TokenStore
 from data.loader import IGNORE_INDEX
 from evaluation.distributed import all_reduce_sum, rank_and_size
@@ -40,13 +49,23 @@ class PerplexityResult:
     tokens: int  # scored tokens
     sequences: int
     seq_len: int
+    positions: str  # a key of POSITION_MODES: what a position is
     loss_by_position: list[PositionBucket]
+
+
+# (tokens, labels, positions) of one sequence's zigzag shard, each int64 [1, seq_len // cp]
+Shard = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def available_sequences(split: TokenStore, seq_len: int) -> int:
     """How many whole sequences of `seq_len` the split's packing stream holds (BOS + document + EOS each)."""
     stream_tokens = int(split.document_lengths.sum()) + 2 * split.num_documents
     return max(stream_tokens - 1, 0) // seq_len  # each sequence also needs the next token as its last label
+
+
+def long_documents(split: TokenStore, seq_len: int) -> np.ndarray:
+    """Indices, in split order, of the split's documents with at least `seq_len` tokens."""
+    return np.flatnonzero(split.document_lengths >= seq_len)
 
 
 def bucket_starts(seq_len: int, buckets: int) -> list[int]:
@@ -69,35 +88,77 @@ def token_losses(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tenso
     return losses * valid
 
 
-@torch.no_grad()
-def evaluate_perplexity(model: Transformer, split: TokenStore, seq_len: int, num_sequences: int, buckets: int,
-                        group: dist.ProcessGroup | None = None, chunk_size: int = 1024) -> PerplexityResult:
-    """Perplexity and loss by position over the first `num_sequences` sequences of `split`.
-
-    With a process group each rank scores its zigzag shard of every sequence (the model's
-    attention must already be BurstAttention over `group`) and the sums are added across ranks.
-    """
-    rank, cp_size = rank_and_size(group)
-    device = model.output_weight.device
-    loader = SequenceLoader(split, seq_len, batch_size=1, cp_rank=rank, cp_size=cp_size)
-    boundaries = torch.tensor(bucket_starts(seq_len, buckets)[1:], device=device)
-    loss_sums = torch.zeros(buckets, dtype=torch.float64, device=device)  # [buckets]
-    counts = torch.zeros(buckets, dtype=torch.int64, device=device)  # [buckets]
-    for _ in range(num_sequences):
+def packed_sequences(split: TokenStore, seq_len: int, count: int, cp_rank: int, cp_size: int) -> Iterator[Shard]:
+    """This rank's shards of the first `count` sequences of the split's packing stream, as training reads them."""
+    loader = SequenceLoader(split, seq_len, batch_size=1, cp_rank=cp_rank, cp_size=cp_size)
+    for _ in range(count):
         batch = next(loader)
-        tokens, labels, positions = (t.to(device) for t in (batch.tokens, batch.labels, batch.positions))
+        yield batch.tokens, batch.labels, batch.positions
+
+
+def document_sequences(split: TokenStore, seq_len: int, count: int, cp_rank: int, cp_size: int) -> Iterator[Shard]:
+    """This rank's shards of the starts of the first `count` documents of at least `seq_len` tokens.
+
+    Tokens are [BOS] + document[:seq_len - 1] and every label is a document token, so position p
+    predicts document token p from the p tokens before it.
+    """
+    for index in long_documents(split, seq_len)[:count]:
+        document = torch.from_numpy(split.document(int(index))[:seq_len].astype(np.int64))  # [seq_len]
+        full = torch.stack([torch.cat([torch.tensor([split.bos_id]), document[:-1]]),  # tokens
+                            document,  # labels
+                            torch.arange(seq_len)])  # positions; [3, seq_len]
+        tokens, labels, positions = shard_for_rank(full[:, None], cp_rank, cp_size, dim=2)  # each [1, seq // cp]
+        yield tokens, labels, positions
+
+
+POSITION_MODES = {"packed": packed_sequences, "document": document_sequences}
+
+
+def bucket_losses(model: Transformer, shards: Iterable[Shard], boundaries: torch.Tensor,
+                  chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Summed loss and scored tokens per position bucket over `shards`, and how many shards there were.
+
+    boundaries: the start of every bucket but the first. Returns float64 [buckets] and
+    int64 [buckets] sums of this rank only.
+    """
+    device = model.output_weight.device
+    loss_sums = torch.zeros(len(boundaries) + 1, dtype=torch.float64, device=device)  # [buckets]
+    counts = torch.zeros(len(boundaries) + 1, dtype=torch.int64, device=device)  # [buckets]
+    sequences = 0
+    for shard in shards:
+        tokens, labels, positions = (t.to(device) for t in shard)
         hidden = model.hidden_states(tokens, positions)  # [1, seq // cp, dim]
         losses = token_losses(hidden.flatten(0, 1), model.output_weight, labels.flatten(), chunk_size)
         bucket = torch.bucketize(positions.flatten(), boundaries, right=True)  # [seq // cp]
         loss_sums.index_add_(0, bucket, losses.double())
         counts.index_add_(0, bucket, (labels.flatten() != IGNORE_INDEX).long())
+        sequences += 1
+    return loss_sums, counts, sequences
+
+
+@torch.no_grad()
+def evaluate_perplexity(model: Transformer, split: TokenStore, seq_len: int, num_sequences: int, buckets: int,
+                        group: dist.ProcessGroup | None = None, chunk_size: int = 1024,
+                        positions: str = "packed") -> PerplexityResult:
+    """Perplexity and loss by position over the first `num_sequences` sequences of `split` in mode `positions`.
+
+    In "document" mode fewer are scored when fewer documents are long enough; the result counts
+    those scored. With a process group each rank scores its zigzag shard of every sequence (the
+    model's attention must already be BurstAttention over `group`) and the sums are added across ranks.
+    """
+    if positions not in POSITION_MODES:
+        raise ValueError(f"positions {positions!r} is not one of {', '.join(POSITION_MODES)}")
+    rank, cp_size = rank_and_size(group)
+    shards = POSITION_MODES[positions](split, seq_len, num_sequences, rank, cp_size)
+    starts = bucket_starts(seq_len, buckets) + [seq_len]
+    boundaries = torch.tensor(starts[1:-1], device=model.output_weight.device)
+    loss_sums, counts, sequences = bucket_losses(model, shards, boundaries, chunk_size)
     all_reduce_sum(loss_sums, group)
     all_reduce_sum(counts, group)
-    starts = bucket_starts(seq_len, buckets) + [seq_len]
     by_position = [PositionBucket(start=starts[i], end=starts[i + 1], tokens=int(counts[i]),
                                   mean_loss=float(loss_sums[i] / counts[i]) if counts[i] else math.nan)
                    for i in range(buckets)]
     total = int(counts.sum())
     loss = float(loss_sums.sum() / total) if total else math.nan
-    return PerplexityResult(perplexity=math.exp(loss), loss=loss, tokens=total, sequences=num_sequences,
-                            seq_len=seq_len, loss_by_position=by_position)
+    return PerplexityResult(perplexity=math.exp(loss), loss=loss, tokens=total, sequences=sequences,
+                            seq_len=seq_len, positions=positions, loss_by_position=by_position)

@@ -13,6 +13,7 @@ if TYPE_CHECKING:  # run.py imports this module; the annotation alone needs Eval
     from evaluation.run import EvalResult
 
 PLOT_HINT = "pip install 'burst[plot]'"
+POSITION_AXES = {"packed": "position in packed sequence", "document": "depth into document (tokens)"}  # by mode
 
 
 def _finite(x: float) -> float | None:
@@ -21,7 +22,7 @@ def _finite(x: float) -> float | None:
 
 
 def to_json(result: EvalResult) -> dict[str, Any]:
-    """The JSON document of `--json`: perplexity, loss_by_position (buckets), passkey (grid and accuracy)."""
+    """The JSON document of `--json`: perplexity, loss_by_position (buckets) and what a position is, passkey."""
     ppl = result.perplexity
     passkey = None
     if result.passkey is not None:
@@ -35,8 +36,9 @@ def to_json(result: EvalResult) -> dict[str, Any]:
         }
     return {
         "checkpoint": str(result.checkpoint), "format": result.format, "data": str(result.data),
-        "cp": result.cp, "precision": result.precision, "seq_len": ppl.seq_len, "sequences": ppl.sequences,
-        "tokens": ppl.tokens, "perplexity": _finite(ppl.perplexity), "loss": _finite(ppl.loss),
+        "cp": result.cp, "precision": result.precision, "positions": ppl.positions, "seq_len": ppl.seq_len,
+        "sequences": ppl.sequences, "tokens": ppl.tokens, "perplexity": _finite(ppl.perplexity),
+        "loss": _finite(ppl.loss),
         "loss_by_position": [{"start": b.start, "end": b.end, "mean_loss": _finite(b.mean_loss), "tokens": b.tokens}
                              for b in ppl.loss_by_position],
         "passkey": passkey, "warnings": result.warnings, "seconds": result.seconds,
@@ -67,7 +69,7 @@ def plot_loss_by_position(result: EvalResult, path: Path) -> bool:
     figure = Figure(figsize=(7, 4), dpi=120)
     axes = figure.add_subplot()
     axes.plot([(b.start + b.end) / 2 for b in buckets], [b.mean_loss for b in buckets], marker="o")
-    axes.set_xlabel("position in the context (bucket centre)")
+    axes.set_xlabel(f"{POSITION_AXES[result.perplexity.positions]}, bucket centre")
     axes.set_ylabel("mean cross-entropy (nats)")
     axes.set_title(f"{Path(result.checkpoint).name}: loss by position, seq_len {result.perplexity.seq_len:,}, "
                    f"perplexity {result.perplexity.perplexity:.3f}", fontsize=9)
@@ -87,13 +89,15 @@ def tables(result: EvalResult) -> list[Table]:
     summary.add_row("perplexity", f"{ppl.perplexity:.4f}")
     summary.add_row("loss (nats/token)", f"{ppl.loss:.4f}")
     summary.add_row("scored tokens", f"{ppl.tokens:,} in {ppl.sequences} x {ppl.seq_len:,}-token sequences")
+    summary.add_row("positions", ppl.positions)
     summary.add_row("data", str(result.data))
     summary.add_row("cp ranks / precision", f"{result.cp} / {result.precision}")
     if result.passkey is not None:
         summary.add_row("passkey accuracy", f"{result.passkey.accuracy:.3f}")
     summary.add_row("time", f"{result.seconds:.1f} s")
 
-    positions = Table(title="loss by position", title_justify="left")
+    title = f"loss by {POSITION_AXES[ppl.positions]}"
+    positions = Table(title=title, title_justify="left", min_width=len(title))  # the title on one line
     for name in ("positions", "mean loss", "tokens"):
         positions.add_column(name, justify="right")
     for b in ppl.loss_by_position:

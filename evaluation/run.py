@@ -23,7 +23,13 @@ from data import Tokenizer, TokenStore, default_store, passkey_sample
 from evaluation.checkpoint import EvalCheckpoint, check_tokenizer, load_for_eval
 from evaluation.distributed import context_parallel_group, rank_and_size, use_burst_attention
 from evaluation.passkey import PasskeyResult, evaluate_passkey
-from evaluation.perplexity import PerplexityResult, available_sequences, evaluate_perplexity
+from evaluation.perplexity import (
+    POSITION_MODES,
+    PerplexityResult,
+    available_sequences,
+    evaluate_perplexity,
+    long_documents,
+)
 from evaluation.report import tables, write_files
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -39,6 +45,7 @@ class EvalConfig:
     seq_len: int = 4096
     batches: int = 16  # validation sequences to score, one per batch; fewer if the split holds fewer
     buckets: int = 8  # equal position buckets for loss by position
+    positions: str = "packed"  # a key of POSITION_MODES: packed training sequences, or document starts
     passkey_lengths: list[int] | None = None
     passkey_depths: list[float] = field(default_factory=lambda: list(DEFAULT_DEPTHS))
     passkey_trials: int = 5  # samples (different passkeys) per cell; 0 skips passkey retrieval
@@ -56,6 +63,8 @@ class EvalConfig:
             raise ValueError(f"--batches {self.batches} must be at least 1")
         if not 1 <= self.buckets <= self.seq_len:
             raise ValueError(f"--buckets {self.buckets} must be between 1 and --seq-len {self.seq_len}")
+        if self.positions not in POSITION_MODES:
+            raise ValueError(f"--positions {self.positions!r} is not one of {', '.join(POSITION_MODES)}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"--precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
         if self.passkey_trials < 0:
@@ -101,17 +110,35 @@ class EvalInputs:
     warnings: list[str]
 
 
-def open_inputs(config: EvalConfig) -> EvalInputs:
-    """Open checkpoint and data and check that they fit each other and the config."""
-    checkpoint = load_for_eval(config.checkpoint)
-    store = TokenStore(config.data if config.data is not None else default_store())
-    check_tokenizer(checkpoint, store)
+def available_val_sequences(config: EvalConfig, store: TokenStore) -> int:
+    """How many sequences of `config.seq_len` the validation split offers in mode `config.positions`.
+
+    Refuses a split that offers none, saying how to get one.
+    """
     val = store.split("val")
+    if config.positions == "document":
+        available = len(long_documents(val, config.seq_len))
+        if available == 0:
+            longest = int(val.document_lengths.max(initial=0))
+            raise ValueError(f"--positions document scores validation documents of at least --seq-len "
+                             f"{config.seq_len:,} tokens, but the validation split of {store.directory} holds "
+                             f"{val.num_documents} documents, the longest of {longest:,} tokens; lower --seq-len, "
+                             f"or prepare a store with longer documents or a larger --val-fraction")
+        return available
     available = available_sequences(val, config.seq_len)
     if available == 0:
         raise ValueError(f"the validation split of {store.directory} has {val.num_tokens:,} tokens in "
                          f"{val.num_documents} documents, not enough for one sequence of {config.seq_len:,}; "
                          f"lower --seq-len, or prepare the store with a larger --val-fraction")
+    return available
+
+
+def open_inputs(config: EvalConfig) -> EvalInputs:
+    """Open checkpoint and data and check that they fit each other and the config."""
+    checkpoint = load_for_eval(config.checkpoint)
+    store = TokenStore(config.data if config.data is not None else default_store())
+    check_tokenizer(checkpoint, store)
+    available = available_val_sequences(config, store)
     tokenizer = Tokenizer(store.tokenizer_path)
     if config.passkey_trials:
         for trial in range(config.passkey_trials):  # the passkey's digits may tokenize to different lengths
@@ -121,7 +148,8 @@ def open_inputs(config: EvalConfig) -> EvalInputs:
                 raise ValueError(f"--passkey-lengths: {err}; use longer lengths") from None
     warnings = []
     if available < config.batches:
-        warnings.append(f"the validation split holds {available} sequences of {config.seq_len:,} tokens; "
+        held = "documents of at least" if config.positions == "document" else "sequences of"
+        warnings.append(f"the validation split holds {available} {held} {config.seq_len:,} tokens; "
                         f"scoring {available}, not --batches {config.batches}")
     max_seq_len = checkpoint.config.max_seq_len
     longest = max([config.seq_len] + (config.passkey_lengths if config.passkey_trials else []))
@@ -147,9 +175,10 @@ def evaluate(config: EvalConfig, console: Console | None = None) -> EvalResult:
             say(f"[yellow]warning:[/] {warning}")
         model = inputs.checkpoint.model(device, PRECISIONS[config.precision])
         use_burst_attention(model, group)
-        say(f"perplexity: {inputs.sequences} x {config.seq_len:,} tokens of {inputs.store.directory} (val)")
+        say(f"perplexity: {inputs.sequences} x {config.seq_len:,} tokens of {inputs.store.directory} (val), "
+            f"positions {config.positions}")
         perplexity = evaluate_perplexity(model, inputs.store.split("val"), config.seq_len, inputs.sequences,
-                                         config.buckets, group)
+                                         config.buckets, group, positions=config.positions)
         passkey = None
         if config.passkey_trials:
             say(f"passkey: lengths {config.passkey_lengths}, depths {config.passkey_depths}, "

@@ -19,7 +19,15 @@ from cli import app
 from data import SequenceLoader, Tokenizer, TokenStore, passkey_sample, prepare
 from data.loader import IGNORE_INDEX
 from data.passkey import FILLER, INTRO, NEEDLE, QUESTION
-from evaluation import EvalConfig, evaluate, evaluate_passkey, greedy_answer, load_for_eval, token_losses
+from evaluation import (
+    EvalCheckpoint,
+    EvalConfig,
+    evaluate,
+    evaluate_passkey,
+    greedy_answer,
+    load_for_eval,
+    token_losses,
+)
 from evaluation.distributed import use_burst_attention
 from evaluation.perplexity import available_sequences, bucket_starts
 from models import (
@@ -34,6 +42,7 @@ from models import (
 from tests.distributed import run_on_ranks
 
 SEQ_LEN = 128
+DOCUMENT_SEQ_LEN = 512  # about half of the fixture's validation documents (422 to 722 tokens) are this long
 NOUNS = ["cat", "dog", "ring", "rank", "shard", "tensor", "model", "token", "grass", "sky"]
 VERBS = ["sees", "sends", "holds", "keeps", "finds", "splits"]
 
@@ -97,11 +106,11 @@ def test_cli_writes_json_and_plot_with_consistent_figures(store, checkpoint, tmp
                     "--buckets", 4, "--passkey-lengths", "128,256", "--passkey-depths", "0,0.5,1",
                     "--passkey-trials", 2, "--json", out)
     assert result.exit_code == 0, result.output
-    assert "loss by position" in result.output and "passkey retrieval accuracy" in result.output
+    assert "loss by position in packed sequence" in result.output and "passkey retrieval accuracy" in result.output
     report = json.loads(out.read_text())
 
     loss, count = reference_loss(load_model(checkpoint), store.split("val"), sequences=3)
-    assert report["sequences"] == 3 and report["tokens"] == count
+    assert report["positions"] == "packed" and report["sequences"] == 3 and report["tokens"] == count
     assert report["loss"] == pytest.approx(loss, rel=1e-5)
     assert report["perplexity"] == pytest.approx(math.exp(loss), rel=1e-5)
     assert 1.5 < report["loss"] < math.log(400)  # trained: well below uniform over the tokenizer's vocabulary
@@ -208,6 +217,8 @@ def test_bad_input_is_refused_before_any_work(store, checkpoint, tmp_path):
                                                                 "--passkey-lengths", 130, "--cp", 2)
     assert "needs at least" in refused("--checkpoint", checkpoint, *data, "--seq-len", 128, "--passkey-lengths", 16)
     assert "not enough for one sequence of 65,536" in refused("--checkpoint", checkpoint, *data, "--seq-len", 65536)
+    assert "--positions 'depth' is not one of packed, document" in refused("--checkpoint", checkpoint, *data,
+                                                                            "--positions", "depth")
     assert "--precision 'fp8'" in refused("--checkpoint", checkpoint, *data, "--precision", "fp8")
     assert "--buckets 0" in refused("--checkpoint", checkpoint, *data, "--buckets", 0)
     assert "depth 2.0 must be in [0, 1]" in refused("--checkpoint", checkpoint, *data, "--passkey-depths", "0,2")
@@ -225,6 +236,70 @@ def test_bad_input_is_refused_before_any_work(store, checkpoint, tmp_path):
     convert_checkpoint(checkpoint, other_tokenizer, to="burst")
     (other_tokenizer / "tokenizer.model").write_bytes(b"not the store's tokenizer")
     assert "is not the tokenizer the token store" in refused("--checkpoint", other_tokenizer, *data)
+
+
+def long_validation_documents(store: TokenStore) -> list[int]:
+    """Indices of the validation documents document mode may score, found independently of evaluation/."""
+    return [i for i, length in enumerate(store.split("val").document_lengths.tolist()) if length >= DOCUMENT_SEQ_LEN]
+
+
+def test_document_mode_scores_the_starts_of_long_enough_documents(store, checkpoint, tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
+    long_enough = long_validation_documents(store)
+    assert long_enough[:3] != [0, 1, 2]  # short documents come first and must be skipped
+    x_labels, savefig = [], Figure.savefig
+
+    def savefig_noting_the_x_label(figure, *args, **kwargs):
+        x_labels.append(figure.axes[0].get_xlabel())
+        savefig(figure, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", savefig_noting_the_x_label)
+    out = tmp_path / "document.json"
+    result = invoke("--checkpoint", checkpoint, "--data", store.directory, "--seq-len", DOCUMENT_SEQ_LEN,
+                    "--batches", 3, "--buckets", 4, "--positions", "document", "--passkey-trials", 0, "--json", out)
+    assert result.exit_code == 0, result.output
+    assert "loss by depth into document (tokens)" in result.output
+    assert x_labels == ["depth into document (tokens), bucket centre"]
+    report = json.loads(out.read_text())
+    assert report["positions"] == "document" and report["warnings"] == []
+    assert report["sequences"] == 3 and report["tokens"] == 3 * DOCUMENT_SEQ_LEN
+    assert [b["tokens"] for b in report["loss_by_position"]] == [3 * DOCUMENT_SEQ_LEN // 4] * 4
+
+    val, model = store.split("val"), load_model(checkpoint)
+    losses = []
+    with torch.no_grad():
+        for index in long_enough[:3]:
+            document = torch.from_numpy(val.document(index)[:DOCUMENT_SEQ_LEN].astype("int64"))  # [seq]
+            inputs = torch.cat([torch.tensor([store.bos_id]), document[:-1]])[None]  # [1, seq]
+            losses.append(F.cross_entropy(model(inputs)[0], document, reduction="none"))  # [seq]
+    by_depth = torch.stack(losses).view(3, 4, DOCUMENT_SEQ_LEN // 4)  # [documents, buckets, bucket tokens]
+    assert report["loss"] == pytest.approx(by_depth.mean().item(), rel=1e-5)
+    assert [b["mean_loss"] for b in report["loss_by_position"]] == pytest.approx(
+        by_depth.mean(dim=(0, 2)).tolist(), rel=1e-5)
+
+
+def test_document_mode_needs_a_long_enough_document_and_warns_when_there_are_few(store, checkpoint, monkeypatch):
+    val = store.split("val")
+    longest = int(val.document_lengths.max())
+
+    def no_weights(*_):
+        raise AssertionError("weights were read before the input was checked")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(EvalCheckpoint, "model", no_weights)
+        with pytest.raises(ValueError, match=rf"holds {val.num_documents} documents, the longest of {longest} "
+                                             r"tokens; lower --seq-len, or prepare a store with longer documents"):
+            evaluate(EvalConfig(checkpoint=checkpoint, data=store.directory, seq_len=longest + 2 - longest % 2,
+                                positions="document", passkey_trials=0))
+
+    long_enough = long_validation_documents(store)
+    result = evaluate(EvalConfig(checkpoint=checkpoint, data=store.directory, seq_len=DOCUMENT_SEQ_LEN, batches=100,
+                                 positions="document", passkey_trials=0))
+    assert result.warnings == [f"the validation split holds {len(long_enough)} documents of at least "
+                               f"{DOCUMENT_SEQ_LEN} tokens; scoring {len(long_enough)}, not --batches 100"]
+    assert result.perplexity.sequences == len(long_enough)
+    assert result.perplexity.tokens == len(long_enough) * DOCUMENT_SEQ_LEN
 
 
 def cp_config(checkpoint, store: TokenStore, cp: int) -> EvalConfig:
@@ -254,6 +329,27 @@ def test_two_context_parallel_ranks_give_the_single_process_figures(store, check
                 "retrieved": [c.retrieved for c in single.passkey.cells],
                 "greedy": greedy_answer(load_for_eval(checkpoint).model(), sample)}
     run_on_ranks(_evaluate_on_ranks, world_size=2, args=(checkpoint, store.directory, expected))
+
+
+def document_config(checkpoint, store_dir, cp: int) -> EvalConfig:
+    return EvalConfig(checkpoint=checkpoint, data=store_dir, seq_len=DOCUMENT_SEQ_LEN, batches=2, buckets=4,
+                      positions="document", passkey_trials=0, cp=cp)
+
+
+def _evaluate_documents_on_ranks(rank: int, world_size: int, checkpoint, store_dir, expected: dict) -> None:
+    result = evaluate(document_config(checkpoint, store_dir, cp=world_size)).perplexity
+    assert result.tokens == expected["tokens"] and result.positions == "document"
+    assert abs(result.perplexity - expected["perplexity"]) < 1e-4
+    for bucket, loss in zip(result.loss_by_position, expected["bucket_losses"], strict=True):
+        assert abs(bucket.mean_loss - loss) < 1e-4
+
+
+def test_two_context_parallel_ranks_give_the_single_process_figures_by_document_depth(store, checkpoint):
+    single = evaluate(document_config(checkpoint, store.directory, cp=1)).perplexity
+    assert single.tokens == 2 * DOCUMENT_SEQ_LEN
+    expected = {"perplexity": single.perplexity, "tokens": single.tokens,
+                "bucket_losses": [b.mean_loss for b in single.loss_by_position]}
+    run_on_ranks(_evaluate_documents_on_ranks, world_size=2, args=(checkpoint, store.directory, expected))
 
 
 def test_cli_starts_the_context_parallel_ranks_itself(store, checkpoint, tmp_path):
