@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from burst.attention import BACKWARD_MODES, burst_attn
 from burst.comm import SENT
-from burst.launch import init_worker_process_group, run_local, threads_per_process
+from burst.launch import init_worker_process_group, leaving_process_group, run_local, threads_per_process
 from burst.layout import check_sequence_length, shard_sequence
 from burst.memory import peak_memory_mib, reset_peak_memory
 
@@ -129,11 +129,9 @@ def _measure(config: AttentionBenchConfig, variants: list[tuple[str, str, bool]]
 
 def _worker(config: AttentionBenchConfig) -> dict[str, dict]:
     device = init_worker_process_group()
-    try:
+    with leaving_process_group():
         inputs = [shard_sequence(t) for t in _global_inputs(config, device)]
         return _measure(config, config.variants(), inputs, device)
-    finally:
-        dist.destroy_process_group()
 
 
 def _rows(name: str, ranks: int, per_rank: list[dict]) -> BenchRow:

@@ -8,10 +8,11 @@ environment, exactly as under torchrun, so worker code is the same either way.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -64,3 +65,24 @@ def init_worker_process_group(timeout: datetime.timedelta = datetime.timedelta(m
     else:
         dist.init_process_group("gloo", timeout=timeout)
     return device
+
+
+@contextlib.contextmanager
+def leaving_process_group() -> Iterator[None]:
+    """Destroy the default process group when the block ends; after a clean end, all ranks together.
+
+    A rank that destroys its group and exits while another rank still holds its gloo
+    connections open (say, rank 0 still printing a report) can be aborted at exit with
+    "terminate called without an active exception", which turns a finished run into a failed
+    one. A barrier first makes the ranks tear down together. After an error there is no
+    barrier: the other ranks may be gone, and waiting for them would hang.
+    """
+    try:
+        yield
+    except BaseException:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import burst
-from burst.launch import init_worker_process_group
+from burst.launch import init_worker_process_group, leaving_process_group
 from models import Transformer
 
 
@@ -76,7 +76,5 @@ def context_parallel_group(cp: int) -> Iterator[tuple[dist.ProcessGroup | None, 
         yield dist.group.WORLD, eval_device()
         return
     device = init_worker_process_group()
-    try:
+    with leaving_process_group():
         yield dist.group.WORLD, device
-    finally:
-        dist.destroy_process_group()

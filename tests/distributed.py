@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from burst.launch import leaving_process_group
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -30,10 +32,8 @@ def _worker(rank: int, world_size: int, port: int, fn, args: tuple, timeout_s: f
     torch.set_num_threads(1)  # world_size processes share 2 cores
     dist.init_process_group("gloo", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
-    try:
+    with leaving_process_group():
         fn(rank, world_size, *args)
-    finally:
-        dist.destroy_process_group()
 
 
 def run_on_ranks(fn, world_size: int, args: tuple = (), timeout_s: float = 120.0) -> None:

@@ -27,6 +27,7 @@ from rich.console import Console
 from rich.table import Table
 from torch.distributed.tensor import DTensor
 
+from burst.launch import leaving_process_group
 from data import Batch, SequenceLoader, TokenStore
 from models import Transformer
 from trainer.checkpoint import forget_metrics_after, load_checkpoint, remove_interrupted_saves, save_checkpoint
@@ -128,11 +129,11 @@ def train(config: TrainConfig) -> None:
     plan = plan_run(config, environment_world_size())  # every rank checks before joining the group
     config = plan.config
     env = init_distributed(config)
-    try:
+    if env.mesh is None:
         run(plan, env)
-    finally:
-        if env.mesh is not None:
-            dist.destroy_process_group()
+        return
+    with leaving_process_group():
+        run(plan, env)
 
 
 def run(plan: RunPlan, env: Distributed) -> None:

@@ -1,0 +1,45 @@
+"""burst.launch.leaving_process_group: ranks tear down together after a clean end, at once after an error."""
+
+import datetime
+import os
+import time
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from burst.launch import leaving_process_group
+from tests.distributed import free_port
+
+
+def _leave(rank: int, port: int, fail: bool, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=30))
+    started = time.perf_counter()
+    try:
+        with leaving_process_group():
+            if rank == 0:
+                time.sleep(1.0)  # rank 0 still busy (say, printing a report) when rank 1 is done
+            if fail:
+                raise RuntimeError("boom")
+    except RuntimeError:
+        pass
+    results[rank] = (time.perf_counter() - started, dist.is_initialized())
+
+
+def _leave_times(fail: bool) -> dict:
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_leave, args=(free_port(), fail, results), nprocs=2, join=True)
+        return dict(results)
+
+
+def test_a_clean_end_waits_for_every_rank_before_tearing_down():
+    results = _leave_times(fail=False)
+    assert results[1][0] >= 0.9, "rank 1 tore its group down while rank 0 was still using it"
+    assert not results[0][1] and not results[1][1]  # both left the group
+
+
+def test_an_error_tears_down_at_once_without_waiting_for_the_others():
+    results = _leave_times(fail=True)
+    assert results[1][0] < 0.9, "after an error a rank must not wait for ranks that may be gone"
+    assert not results[0][1] and not results[1][1]
