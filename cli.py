@@ -129,7 +129,7 @@ def bench_attention_command(
     json_path: Path | None = typer.Option(None, "--json", help="Also write the figures to this JSON file."),
 ) -> None:
     """Time burst_attn forward and backward on local ranks against a single process."""
-    from burst.bench import AttentionBenchConfig, print_table, run_attention_bench, write_json
+    from bench.attention import AttentionBenchConfig, print_table, run_attention_bench, write_json
 
     try:
         config = AttentionBenchConfig(nproc=nproc, seq_len=seq_len, heads=heads, kv_heads=kv_heads,

@@ -1,4 +1,9 @@
-"""Process-group helpers: a single process without torch.distributed is a world of one."""
+"""Process-group helpers: a single process without torch.distributed is a world of one.
+
+`group=None` means what it means in torch.distributed: the default group (every rank), or, when
+torch.distributed is not initialised, this process alone. The attention library, the trainer and
+evaluation all use this one meaning.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,8 @@ import torch.distributed as dist
 
 
 def group_rank_and_size(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
-    """(rank, world_size) inside `group`; (0, 1) when torch.distributed is not initialised."""
+    """(rank, world_size) inside `group` (None: the default group); (0, 1) when torch.distributed is
+    not initialised."""
     if not (dist.is_available() and dist.is_initialized()):
         if group is not None:
             raise ValueError("a process group was passed but torch.distributed is not initialised; "

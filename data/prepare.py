@@ -19,10 +19,10 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from burst.launch import available_cores
 from data.sources import DocumentReader, InputReport, find_input_files
 from data.store import TOKENIZER_FILE, StoreWriter, TokenStore, token_dtype
 from data.tokenizer import Tokenizer, train_tokenizer
+from runtime.launch import available_cores
 
 DEFAULT_VOCAB_SIZE = 32_000
 LONG_DOCUMENT_TOKENS = (8_192, 16_384, 32_768, 65_536, 131_072)  # common sequence lengths

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import sentencepiece as spm
 
-from burst.launch import available_cores
+from runtime.launch import available_cores
 
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2  # LLaMA's ids, so models and tokenizers agree on the specials
 

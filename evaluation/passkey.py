@@ -14,8 +14,9 @@ import torch
 import torch.distributed as dist
 
 from data import PasskeySample, Tokenizer, passkey_sample
-from evaluation.distributed import all_reduce_sum, shard_tokens
+from evaluation.distributed import shard_tokens
 from models import Transformer
+from runtime.process import all_reduce
 
 
 @dataclass
@@ -62,7 +63,7 @@ def greedy_answer(model: Transformer, sample: PasskeySample, group: dist.Process
     held = (answer_offset >= 0) & (answer_offset < len(sample.answer_ids))
     predicted = torch.zeros(len(sample.answer_ids), dtype=torch.int64, device=device)  # [answer]
     predicted[answer_offset[held]] = (hidden[held].float() @ model.output_weight.float().t()).argmax(-1)
-    return all_reduce_sum(predicted, group).tolist()  # every answer position is held by exactly one rank
+    return all_reduce(predicted, group).tolist()  # every answer position is held by exactly one rank
 
 
 def evaluate_passkey(model: Transformer, tokenizer: Tokenizer, lengths: list[int], depths: list[float], trials: int,

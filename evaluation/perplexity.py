@@ -27,11 +27,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from burst.groups import group_rank_and_size
 from burst.layout import shard_for_rank
 from data import SequenceLoader, TokenStore
 from data.loader import IGNORE_INDEX
-from evaluation.distributed import all_reduce_sum, rank_and_size
 from models import Transformer
+from runtime.process import all_reduce
 
 
 @dataclass
@@ -148,13 +149,13 @@ def evaluate_perplexity(model: Transformer, split: TokenStore, seq_len: int, num
     """
     if positions not in POSITION_MODES:
         raise ValueError(f"positions {positions!r} is not one of {', '.join(POSITION_MODES)}")
-    rank, cp_size = rank_and_size(group)
+    rank, cp_size = group_rank_and_size(group)
     shards = POSITION_MODES[positions](split, seq_len, num_sequences, rank, cp_size)
     starts = bucket_starts(seq_len, buckets) + [seq_len]
     boundaries = torch.tensor(starts[1:-1], device=model.output_weight.device)
     loss_sums, counts, sequences = bucket_losses(model, shards, boundaries, chunk_size)
-    all_reduce_sum(loss_sums, group)
-    all_reduce_sum(counts, group)
+    all_reduce(loss_sums, group)
+    all_reduce(counts, group)
     by_position = [PositionBucket(start=starts[i], end=starts[i + 1], tokens=int(counts[i]),
                                   mean_loss=float(loss_sums[i] / counts[i]) if counts[i] else math.nan)
                    for i in range(buckets)]

@@ -17,11 +17,11 @@ import torch
 import torch.distributed as dist
 from rich.console import Console
 
-from burst.launch import run_local, threads_per_process, under_torchrun
+from burst.groups import group_rank_and_size
 from burst.layout import check_sequence_length
 from data import Tokenizer, TokenStore, default_store, passkey_sample
 from evaluation.checkpoint import EvalCheckpoint, check_tokenizer, load_for_eval
-from evaluation.distributed import context_parallel_group, rank_and_size, use_burst_attention
+from evaluation.distributed import context_parallel_group, use_burst_attention
 from evaluation.passkey import PasskeyResult, evaluate_passkey
 from evaluation.perplexity import (
     POSITION_MODES,
@@ -31,6 +31,7 @@ from evaluation.perplexity import (
     long_documents,
 )
 from evaluation.report import tables, write_files
+from runtime.launch import run_local, under_torchrun
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -164,11 +165,11 @@ def evaluate(config: EvalConfig, console: Console | None = None) -> EvalResult:
     """Evaluate `config.checkpoint`; print tables on rank 0 and, with `json_path`, write the JSON and PNG there."""
     if config.cp > 1 and not dist.is_initialized() and not under_torchrun():
         open_inputs(config)  # bad input is refused here, once, rather than as a crash of every rank
-        return run_local(_evaluate_on_rank, nproc=config.cp, args=(config,))[0]
+        return run_local(evaluate, nproc=config.cp, args=(config,))[0]  # each rank's device and threads: worker_device
     started = time.perf_counter()
     console = console or Console(stderr=True)
     with context_parallel_group(config.cp) as (group, device):
-        is_main = rank_and_size(group)[0] == 0
+        is_main = group_rank_and_size(group)[0] == 0
         say = console.print if is_main else lambda *_: None
         inputs = open_inputs(config)
         for warning in inputs.warnings:
@@ -198,8 +199,3 @@ def evaluate(config: EvalConfig, console: Console | None = None) -> EvalResult:
             say(f"wrote {config.json_path}" + (f" and {plot}" if plot else ""))
     return result
 
-
-def _evaluate_on_rank(config: EvalConfig) -> EvalResult:
-    """One of the cp ranks `evaluate` starts on this machine."""
-    torch.set_num_threads(threads_per_process(config.cp))  # the ranks share the cores
-    return evaluate(config)

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from burst.launch import leaving_process_group
+from runtime.process import leaving_process_group
 
 
 def free_port() -> int:

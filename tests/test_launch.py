@@ -1,4 +1,4 @@
-"""burst.launch.leaving_process_group: ranks tear down together after a clean end, at once after an error."""
+"""runtime.process.leaving_process_group: ranks tear down together after a clean end, at once after an error."""
 
 import datetime
 import os
@@ -7,7 +7,7 @@ import time
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from burst.launch import leaving_process_group
+from runtime.process import leaving_process_group
 from tests.distributed import free_port
 
 

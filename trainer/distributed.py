@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from burst.launch import init_worker_process_group, worker_device
+from runtime.process import init_worker_process_group, worker_device
 from trainer.config import TrainConfig
 
 TIMEOUT = datetime.timedelta(minutes=30)  # a 1M-token step on a slow link can take minutes

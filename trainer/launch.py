@@ -16,7 +16,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from burst.launch import run_local, under_torchrun
+from runtime.launch import run_local, under_torchrun
 from trainer.checkpoint import complete_checkpoints
 from trainer.config import TrainConfig
 from trainer.distributed import environment_world_size

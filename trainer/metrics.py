@@ -9,24 +9,11 @@ from __future__ import annotations
 
 import datetime
 import json
-import resource
 from pathlib import Path
 from typing import Any
 
-import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-
-def peak_memory_mib(device: torch.device) -> float:
-    """Peak memory of this process so far, in MiB.
-
-    CUDA: the most memory PyTorch's allocator has held on the device. CPU: the process's peak
-    resident set size (ru_maxrss), which counts everything resident (libraries, data), not only tensors.
-    """
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
 def format_line(step: int, total_steps: int, values: dict[str, Any]) -> str:

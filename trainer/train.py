@@ -27,13 +27,14 @@ from rich.console import Console
 from rich.table import Table
 from torch.distributed.tensor import DTensor
 
-from burst.launch import leaving_process_group
 from data import Batch, SequenceLoader, TokenStore
 from models import Transformer
+from runtime.memory import peak_memory_mib
+from runtime.process import all_reduce, leaving_process_group
 from trainer.checkpoint import forget_metrics_after, load_checkpoint, remove_interrupted_saves, save_checkpoint
 from trainer.config import TrainConfig, save_config
 from trainer.distributed import Distributed, environment_world_size, init_distributed
-from trainer.metrics import Metrics, peak_memory_mib
+from trainer.metrics import Metrics
 from trainer.optim import build_optimizer, build_schedule
 from trainer.parallelize import build_model
 from trainer.preflight import RunPlan, plan_run
@@ -67,13 +68,6 @@ class StepResult:
     applied: bool  # False: non-finite loss or gradient norm, the optimizer step was skipped
 
 
-def all_reduce(value: torch.Tensor, env: Distributed, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
-    """`value` reduced over every rank of the run (unchanged in a single process)."""
-    if env.mesh is not None:
-        dist.all_reduce(value, op=op)
-    return value
-
-
 def forward_backward(model: Transformer, batch: Batch, global_count: torch.Tensor, config: TrainConfig,
                      device: torch.device) -> torch.Tensor:
     """Backward of this micro-batch's share of the global mean loss; returns its summed token loss."""
@@ -90,12 +84,12 @@ def train_step(model: Transformer, optimizer: torch.optim.Optimizer, micro_batch
                config: TrainConfig, env: Distributed) -> StepResult:
     """One optimizer step over `micro_batches` (grad_accum of them), unless the loss or gradient is not finite."""
     # Known before any backward, so every micro-batch is scaled by the step's global token count.
-    global_count = all_reduce(torch.tensor(float(sum(b.num_tokens for b in micro_batches)), device=env.device), env)
+    global_count = all_reduce(torch.tensor(float(sum(b.num_tokens for b in micro_batches)), device=env.device))
     global_count.clamp_(min=1.0)
     loss_sum = torch.zeros((), device=env.device)
     for batch in micro_batches:
         loss_sum += forward_backward(model, batch, global_count, config, env.device)
-    loss = all_reduce(loss_sum, env) / global_count
+    loss = all_reduce(loss_sum) / global_count
     max_norm = config.max_grad_norm or math.inf  # 0: no clipping, but still measure the norm
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)  # over all shards
     if isinstance(grad_norm, DTensor):
@@ -188,8 +182,8 @@ def run(plan: RunPlan, env: Distributed) -> None:
                 first_loss = result.loss if first_loss is None else first_loss
                 step_time = time.perf_counter() - step_started
                 if state.step % config.log_every == 0 or state.step == last_step or not result.applied:
-                    peak = all_reduce(torch.tensor(peak_memory_mib(env.device), device=env.device), env,
-                                      dist.ReduceOp.MAX).item()
+                    peak = all_reduce(torch.tensor(peak_memory_mib(env.device), device=env.device),
+                                      op=dist.ReduceOp.MAX).item()
                     if metrics is not None:
                         metrics.log(state.step, {"loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
                                                  "tokens_per_s": config.tokens_per_step / step_time,
@@ -202,8 +196,8 @@ def run(plan: RunPlan, env: Distributed) -> None:
                         f"Skipped steps change no weights, so the model holds the last good state. Try a lower "
                         f"--lr or a longer --warmup" + (", or --precision fp32" if config.precision == "bf16" else ""))
                 # A signal may reach some ranks only: every rank stops after the same step if any was signalled.
-                if all_reduce(torch.tensor(float(stop_request.signal_name is not None), device=env.device), env,
-                              dist.ReduceOp.MAX).item() > 0:
+                if all_reduce(torch.tensor(float(stop_request.signal_name is not None), device=env.device),
+                              op=dist.ReduceOp.MAX).item() > 0:
                     signalled = stop_request.signal_name or "a signal to another rank"
                 elif config.checkpoint_every and state.step % config.checkpoint_every == 0 \
                         and state.step < last_step and stop_reason is None:

@@ -1,4 +1,9 @@
-"""Peak memory of this process: CUDA allocator peak on GPU, peak resident set size on CPU."""
+"""Peak memory of this process, in MiB, with one meaning for train and bench.
+
+CUDA: the most memory PyTorch's allocator has held on the device. CPU: the process's peak resident
+set size (Linux's VmHWM), which counts everything resident (libraries, data), not only tensors.
+Both are "since the last `reset_peak_memory`", or since the process started when there was none.
+"""
 
 from __future__ import annotations
 

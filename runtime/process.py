@@ -1,9 +1,7 @@
-"""Start N local worker processes with PyTorch's elastic launcher (what torchrun uses).
+"""This process as a rank: its device, joining and leaving the process group, and sums across ranks.
 
-    results = run_local(worker_fn, nproc=2, args=(config,))   # {rank: worker_fn's return value}
-
-Each worker finds RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT in its
-environment, exactly as under torchrun, so worker code is the same either way.
+Train, eval and bench workers all start here: `init_worker_process_group()` reads the group torchrun
+(or `runtime.launch.run_local`) describes in the environment, `leaving_process_group()` tears it down.
 """
 
 from __future__ import annotations
@@ -11,37 +9,13 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-import uuid
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
-from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-
-def under_torchrun() -> bool:
-    """True when this process was started by torchrun (or another elastic agent)."""
-    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
-
-
-def run_local(fn: Callable[..., Any], nproc: int, args: tuple = ()) -> dict[int, Any]:
-    """Run fn(*args) on `nproc` local processes; return {rank: result}. A failure on any
-    rank raises torch's ChildFailedError naming the rank, with its traceback."""
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"burst-{uuid.uuid4().hex[:8]}",
-                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, start_method="spawn",
-                          monitor_interval=0.1)
-    return elastic_launch(config, fn)(*args)
-
-
-def available_cores() -> int:
-    """Cores this process may run on (fewer than os.cpu_count() under a CPU mask or container)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def threads_per_process(nproc: int) -> int:
-    """Intra-op threads for one of `nproc` local processes, so they do not oversubscribe the cores."""
-    return max(1, available_cores() // nproc)
+from burst.groups import group_rank_and_size
+from runtime.launch import threads_per_process
 
 
 def worker_device() -> torch.device:
@@ -86,3 +60,12 @@ def leaving_process_group() -> Iterator[None]:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
+               op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
+    """Reduce `tensor` over the ranks of `group` (None: the default group) in place and return it;
+    a no-op in a world of one, with or without torch.distributed."""
+    if group_rank_and_size(group)[1] > 1:
+        dist.all_reduce(tensor, op=op, group=group)
+    return tensor

@@ -18,9 +18,10 @@ import torch.distributed as dist
 
 from burst.attention import BACKWARD_MODES, burst_attn
 from burst.comm import SENT
-from burst.launch import init_worker_process_group, leaving_process_group, run_local, threads_per_process
 from burst.layout import check_sequence_length, shard_sequence
-from burst.memory import peak_memory_mib, reset_peak_memory
+from runtime.launch import run_local, threads_per_process
+from runtime.memory import peak_memory_mib, reset_peak_memory
+from runtime.process import init_worker_process_group, leaving_process_group
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

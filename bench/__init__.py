@@ -1,0 +1,1 @@
+"""bench: the `burst bench` measurements (attention.py: `burst bench attention`)."""

@@ -1,0 +1,40 @@
+"""Start N local worker processes with PyTorch's elastic launcher (what torchrun uses).
+
+    results = run_local(worker_fn, nproc=2, args=(config,))   # {rank: worker_fn's return value}
+
+Each worker finds RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT in its
+environment, exactly as under torchrun, so worker code is the same either way.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+
+def under_torchrun() -> bool:
+    """True when this process was started by torchrun (or another elastic agent)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def run_local(fn: Callable[..., Any], nproc: int, args: tuple = ()) -> dict[int, Any]:
+    """Run fn(*args) on `nproc` local processes; return {rank: result}. A failure on any
+    rank raises torch's ChildFailedError naming the rank, with its traceback."""
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"burst-{uuid.uuid4().hex[:8]}",
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, start_method="spawn",
+                          monitor_interval=0.1)
+    return elastic_launch(config, fn)(*args)
+
+
+def available_cores() -> int:
+    """Cores this process may run on (fewer than os.cpu_count() under a CPU mask or container)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def threads_per_process(nproc: int) -> int:
+    """Intra-op threads for one of `nproc` local processes, so they do not oversubscribe the cores."""
+    return max(1, available_cores() // nproc)
