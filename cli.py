@@ -30,7 +30,7 @@ def convert_checkpoint_command(
     force: bool = typer.Option(False, "--force", help="Replace DST if it exists."),
 ) -> None:
     """Convert a model checkpoint between the Hugging Face LLaMA and native formats."""
-    from models.convert import convert_checkpoint  # here, so `burst --help` does not import torch
+    from checkpoints import convert_checkpoint  # here, so `burst --help` does not import torch
 
     try:
         convert_checkpoint(src, dst, to=to.value, force=force)

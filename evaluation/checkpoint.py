@@ -1,6 +1,6 @@
 """What `burst eval --checkpoint PATH` can read, and the check that the data's tokenizer fits the model.
 
-Formats are those of `models.convert.SOURCE_FORMATS`, detected there: a Hugging Face LLaMA or a
+Formats are those of `checkpoints.SOURCE_FORMATS`, detected there: a Hugging Face LLaMA or a
 native model directory, a training checkpoint of `burst train`, or a run directory (its newest
 complete checkpoint), whose weights are read in this process without the ranks that wrote them.
 """
@@ -13,9 +13,10 @@ from pathlib import Path
 
 import torch
 
+from checkpoints import detect_format, read_checkpoint
 from data import TokenStore
 from models import ModelConfig, Transformer
-from models.convert import Checkpoint, detect_format, read_checkpoint
+from models.convert import Checkpoint
 
 CARRIED_TOKENIZER = "tokenizer.model"  # copied along by `burst convert-checkpoint`
 
@@ -25,7 +26,7 @@ class EvalCheckpoint:
     """A validated checkpoint whose tensors have not been read yet."""
 
     path: Path
-    format: str  # a key of models.convert.SOURCE_FORMATS
+    format: str  # a key of checkpoints.SOURCE_FORMATS
     config: ModelConfig
     tokenizer_sha256: str | None  # of the tokenizer.model stored beside the weights, if there is one
     checkpoint: Checkpoint

@@ -1,8 +1,9 @@
 """Convert model checkpoints between Hugging Face LLaMA and the native format.
 
 Every source format is read into one `Checkpoint` (a ModelConfig plus a stream of tensors under
-native names) and every target format is written from one; each source format (Hugging Face, native,
-the trainer's checkpoints and run directories) is one detector and one reader in SOURCE_FORMATS. Tensor names
+native names) and every target format is written from one; each source format (Hugging Face, native)
+is one detector and one reader in SOURCE_FORMATS. Callers that know more formats pass a larger table
+(checkpoints/sources.py adds the trainer's checkpoints and run directories). Tensor names
 translate through the single HF_TO_NATIVE table; the native model uses Hugging Face's rotary layout, so no q/k
 permutation is needed. Everything is validated from file headers before any tensor is read.
 """
@@ -14,6 +15,7 @@ import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -166,53 +168,42 @@ def write_native(checkpoint: Checkpoint, dst: Path, max_shard_bytes: int) -> Non
     write_tensors(checkpoint.tensors(), dst, max_shard_bytes)
 
 
-# ---- training checkpoints (burst train) ------------------------------------------------------------------------
-# trainer/ builds on models/, so its checkpoint code is imported when first used, not when models/ is.
-
-def is_training_checkpoint(path: Path) -> bool:
-    from trainer.checkpoint import is_run_or_checkpoint
-
-    return is_run_or_checkpoint(path)
-
-
-def read_training_checkpoint(path: Path) -> Checkpoint:
-    from trainer.checkpoint import read_model_checkpoint
-
-    return read_model_checkpoint(path)
-
-
 # ---- detection and conversion ----------------------------------------------------------------------------------
 
-# Training checkpoints first: they hold a native config.json too.
-SOURCE_FORMATS: dict[str, tuple[Callable[[Path], bool], Callable[[Path], Checkpoint]]] = {
-    "train": (is_training_checkpoint, read_training_checkpoint),
-    "hf": (is_hf_checkpoint, read_hf),
-    "burst": (is_native_checkpoint, read_native),
+class SourceFormat(NamedTuple):
+    description: str  # what the user should pass, for the error that finds none
+    detect: Callable[[Path], bool]
+    read: Callable[[Path], Checkpoint]
+
+
+SourceFormats = dict[str, SourceFormat]  # name -> format, tried in order
+SOURCE_FORMATS: SourceFormats = {
+    "hf": SourceFormat("a Hugging Face LLaMA directory (config.json with model_type 'llama')", is_hf_checkpoint,
+                       read_hf),
+    "burst": SourceFormat("a burst checkpoint (config.json with dim, n_layers)", is_native_checkpoint, read_native),
 }
 TARGET_FORMATS: dict[str, Callable[[Checkpoint, Path, int], None]] = {"hf": write_hf, "burst": write_native}
 
 
-def detect_format(path: Path) -> str:
-    """The name of the source format of the checkpoint directory `path` (a key of SOURCE_FORMATS)."""
+def detect_format(path: Path, formats: SourceFormats = SOURCE_FORMATS) -> str:
+    """The name of the source format of the checkpoint directory `path` (a key of `formats`)."""
     if not path.is_dir():
         raise ValueError(f"{path} is not a directory; pass a checkpoint directory")
-    for name, (is_format, _) in SOURCE_FORMATS.items():
-        if is_format(path):
+    for name, source in formats.items():
+        if source.detect(path):
             return name
-    raise ValueError(f"{path} is not a recognised checkpoint: expected a Hugging Face LLaMA directory "
-                     f"(config.json with model_type 'llama'), a burst checkpoint (config.json with dim, n_layers), "
-                     f"or a training checkpoint or run directory of `burst train`")
+    raise ValueError(f"{path} is not a recognised checkpoint: expected "
+                     + ", or ".join(source.description for source in formats.values()))
 
 
-def read_checkpoint(path: str | Path) -> Checkpoint:
+def read_checkpoint(path: str | Path, formats: SourceFormats = SOURCE_FORMATS) -> Checkpoint:
     """The checkpoint directory `path`, format detected, validated from file headers; tensors are read lazily."""
     path = Path(path)
-    _, read = SOURCE_FORMATS[detect_format(path)]
-    return read(path)
+    return formats[detect_format(path, formats)].read(path)
 
 
 def convert_checkpoint(src: str | Path, dst: str | Path, to: str, force: bool = False,
-                       max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
+                       max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, formats: SourceFormats = SOURCE_FORMATS) -> Path:
     """Convert the checkpoint directory `src` (format detected) into `dst` in format `to` ("burst" or "hf").
 
     Tensors are streamed one at a time; `dst` appears only when complete, and an existing
@@ -223,7 +214,7 @@ def convert_checkpoint(src: str | Path, dst: str | Path, to: str, force: bool = 
     src, dst = Path(src), Path(dst)
     if dst.resolve() == src.resolve():
         raise ValueError(f"source and destination are the same directory ({src}); choose another destination")
-    checkpoint = read_checkpoint(src)
+    checkpoint = read_checkpoint(src, formats)
     with atomic_directory(dst, force) as tmp:
         TARGET_FORMATS[to](checkpoint, tmp, max_shard_bytes)
         for name in CARRIED_FILES:

@@ -2,7 +2,6 @@
 SIGTERM, conversion and evaluation of a run, and refusals of partial, damaged or mismatched checkpoints."""
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -15,12 +14,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from typer.testing import CliRunner
 
+from checkpoints import read_checkpoint
+from checkpoints.training import MARKER, complete_checkpoints
 from cli import app
 from models import ModelConfig, Transformer, load_model
-from models.convert import read_checkpoint
 from tests.test_train import burst_train, metrics, relative_gap
 from tests.test_train import store as store  # noqa: F401  (the module-scoped token store fixture)
-from trainer.checkpoint import KILL_DURING_SAVE_ENV, MARKER, complete_checkpoints
 
 COMMON = ["--model", "debug", "--seq-len", 256, "--lr", 0.01, "--warmup", 2, "--precision", "fp32"]
 REPO = Path(__file__).parents[1]
@@ -62,12 +61,37 @@ def test_stop_after_and_resume_reproduce_the_uninterrupted_run_also_on_another_l
     assert "stop_after =" not in (tmp_path / "run" / "config.toml").read_text()
 
 
+def kill_during_save(command: list[str], out: Path, step: int) -> int:
+    """Run `command` and SIGKILL it while the save of `step` is under way (its tmp directory there, no marker yet).
+
+    The process is stopped (SIGSTOP) the moment the tmp directory appears, so the check and the kill see the
+    same state; a save that finished before it could be caught lets the run go on to its end (the caller retries).
+    Returns the exit status (-SIGKILL when caught); the output is in out.log, beside out.
+    """
+    with open(out.with_suffix(".log"), "w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        deadline = time.monotonic() + 240
+        while process.poll() is None and time.monotonic() < deadline:
+            saving = list((out / "checkpoints").glob(f"step-{step:06d}.tmp-*"))
+            if saving:
+                process.send_signal(signal.SIGSTOP)
+                if saving[0].is_dir() and not (saving[0] / MARKER).exists():
+                    process.kill()
+                    return process.wait()
+                process.send_signal(signal.SIGCONT)
+                break
+            time.sleep(0.001)
+        return process.wait(timeout=240)
+
+
 def test_a_kill_during_a_save_keeps_the_previous_checkpoint_which_resumes(store, tmp_path):
-    out = tmp_path / "run"
-    env = {**os.environ, KILL_DURING_SAVE_ENV: "4"}
-    killed = subprocess.run(train_command(*COMMON, "--data", store, "--steps", 6, "--checkpoint-every", 2,
-                                          "--out", out), capture_output=True, text=True, timeout=240, cwd=REPO, env=env)
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    for attempt in range(5):  # a save that ends between two looks is not caught: run again
+        out = tmp_path / f"run{attempt}"
+        killed = kill_during_save(train_command(*COMMON, "--data", store, "--steps", 6, "--checkpoint-every", 2,
+                                                "--out", out), out, step=4)
+        if killed == -signal.SIGKILL:
+            break
+    assert killed == -signal.SIGKILL, out.with_suffix(".log").read_text()[-2000:]
     assert steps_of(out) == [2]
     interrupted = list((out / "checkpoints").glob("step-000004.tmp-*"))
     assert len(interrupted) == 1 and not (interrupted[0] / MARKER).exists()

@@ -1,11 +1,6 @@
-"""Training checkpoints: sharded with torch.distributed.checkpoint (DCP), written atomically, resumable on any layout.
-
-    OUT/checkpoints/step-000012/
-        .metadata, __0_0.distcp, ...   DCP: model and optimizer, each rank writing its own shards
-        config.json                    the model's ModelConfig: the checkpoint describes itself
-        train_state.json               step, token count, LR schedule, data-loader position
-        rng-00000.json, ...            each rank's RNG states (torch CPU and CUDA, Python's random)
-        COMPLETE                       written last, by rank 0, once every rank's files are there
+"""Saving and resuming training checkpoints: sharded with torch.distributed.checkpoint (DCP), written
+atomically, resumable on any layout. Their layout (OUT/checkpoints/step-N/...), listing and checks live in
+checkpoints/training.py, which `burst eval` and `burst convert-checkpoint` read them through.
 
 Every rank writes into `step-N.tmp-<id>`; after a barrier rank 0 writes COMPLETE and renames the
 directory to `step-N`. A kill during the save leaves a tmp directory that readers ignore and
@@ -24,91 +19,20 @@ import base64
 import json
 import os
 import random
-import re
 import shutil
-import signal
 import uuid
-import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from models.checkpoint import CONFIG_NAME, check_tensor_shapes, expected_shapes, read_config
+from checkpoints.training import MARKER, STATE_NAME, checkpoint_dir, complete_checkpoints
+from models.checkpoint import CONFIG_NAME, read_config
 from models.config import ModelConfig
-from models.convert import Checkpoint
 from models.storage import read_json, write_json
-
-CHECKPOINTS_DIR = "checkpoints"
-MARKER = "COMPLETE"
-STATE_NAME = "train_state.json"
-DCP_METADATA = ".metadata"
-MODEL_PREFIX = "model."  # DCP flattens {"model": {...}, "optimizer": {...}} into dotted keys
-# Test hook: SIGKILL this process during the save of step N, after the shards are written, before the rename.
-KILL_DURING_SAVE_ENV = "BURST_TEST_KILL_DURING_SAVE"
-_COMPLETE_NAME = re.compile(r"step-(\d+)")
-# DCP warns on every call without a process group, even when asked for exactly that (no_dist=True).
-warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-
-
-def checkpoint_dir(out: Path, step: int) -> Path:
-    return out / CHECKPOINTS_DIR / f"step-{step:06d}"
-
-
-def complete_checkpoints(out: Path) -> list[Path]:
-    """The complete checkpoints of the run in `out`, oldest first (tmp directories of interrupted saves are not)."""
-    root = out / CHECKPOINTS_DIR
-    found = [p for p in root.iterdir() if _COMPLETE_NAME.fullmatch(p.name) and (p / MARKER).is_file()] \
-        if root.is_dir() else []
-    return sorted(found, key=lambda p: int(p.name.removeprefix("step-")))
-
-
-def is_run_or_checkpoint(path: Path) -> bool:
-    """Whether `path` is a training checkpoint or a run directory holding checkpoints (possibly none complete)."""
-    return (path / DCP_METADATA).is_file() or (path / MARKER).is_file() or (path / CHECKPOINTS_DIR).is_dir()
-
-
-def resolve_checkpoint(path: Path) -> Path:
-    """The checkpoint `path` names: itself, or for a run directory its newest complete checkpoint; checked."""
-    path = Path(path)
-    if (path / CHECKPOINTS_DIR).is_dir() or (path / "config.toml").is_file():
-        complete = complete_checkpoints(path)
-        if not complete:
-            raise ValueError(f"the run directory {path} holds no complete checkpoint (a save that was interrupted "
-                             f"leaves only a .tmp directory); train with --checkpoint-every N, or start a new run")
-        path = complete[-1]
-    check_checkpoint(path)
-    return path
-
-
-def check_checkpoint(path: Path) -> None:
-    """Refuse a checkpoint that is partial or damaged, naming what is wrong; reads metadata only."""
-    if not (path / MARKER).is_file():
-        raise ValueError(f"checkpoint {path} has no {MARKER} marker: its save did not finish (the process was "
-                         f"stopped during it); resume from an earlier checkpoint or delete {path}")
-    for name in (DCP_METADATA, CONFIG_NAME, STATE_NAME):
-        if not (path / name).is_file():
-            raise ValueError(f"checkpoint {path} lacks {name}: it is damaged (files were deleted or not copied); "
-                             f"resume from an earlier checkpoint")
-    try:
-        metadata = dcp.FileSystemReader(str(path)).read_metadata()
-    except Exception as err:  # a truncated pickle raises whatever unpickling hits
-        raise ValueError(f"checkpoint {path}: {DCP_METADATA} cannot be read ({err}); the checkpoint is damaged, "
-                         f"resume from an earlier one") from None
-    needed: dict[str, int] = {}
-    for info in metadata.storage_data.values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    for name, size in sorted(needed.items()):
-        file = path / name
-        if not file.is_file() or file.stat().st_size < size:
-            what = "is missing" if not file.is_file() else f"has {file.stat().st_size} bytes, {size} are needed"
-            raise ValueError(f"checkpoint {path}: the shard file {name} {what}; the checkpoint is damaged, "
-                             f"resume from an earlier one")
 
 
 def check_model_config(path: Path, model_config: ModelConfig) -> None:
@@ -166,8 +90,6 @@ def save_checkpoint(out: Path, step: int, model: torch.nn.Module, optimizer: tor
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(tmp),
              no_dist=not dist.is_initialized())
     write_json(_rng_state(device), tmp / f"rng-{rank:05d}.json")
-    if os.environ.get(KILL_DURING_SAVE_ENV) == str(step):
-        os.kill(os.getpid(), signal.SIGKILL)
     _barrier()  # every rank's files are written
     if rank == 0:
         write_json(model_config.to_dict(), tmp / CONFIG_NAME)
@@ -180,13 +102,6 @@ def save_checkpoint(out: Path, step: int, model: torch.nn.Module, optimizer: tor
             shutil.rmtree(old)
     _barrier()  # no rank goes on (or exits) before the checkpoint is complete
     return final
-
-
-def remove_interrupted_saves(out: Path) -> None:
-    """Delete the tmp directories that saves killed midway left behind (rank 0, before the run saves again)."""
-    root = out / CHECKPOINTS_DIR
-    for tmp in root.glob("step-*.tmp-*") if root.is_dir() else []:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def forget_metrics_after(out: Path, step: int) -> None:
@@ -213,25 +128,3 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     return read_json(path / STATE_NAME)
 
 
-def read_model_checkpoint(path: Path) -> Checkpoint:
-    """The model weights of a training checkpoint (or of a run directory's newest), read in this one process
-    without the ranks that wrote them; validated from metadata, tensors read one at a time."""
-    path = resolve_checkpoint(Path(path))
-    config = read_config(path)
-    items = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    tensors = {key.removeprefix(MODEL_PREFIX): meta for key, meta in items.items()
-               if key.startswith(MODEL_PREFIX) and isinstance(meta, TensorStorageMetadata)}
-    check_tensor_shapes({name: tuple(meta.size) for name, meta in tensors.items()}, expected_shapes(config),
-                        str(path))
-
-    def read() -> Iterator[tuple[str, torch.Tensor]]:
-        for name, meta in tensors.items():
-            state = {"model": {name: torch.empty(meta.size, dtype=meta.properties.dtype)}}
-            dcp.load(state, checkpoint_id=str(path), no_dist=True)
-            yield name, state["model"][name]
-
-    return Checkpoint(config, read)
-
-
-def step_of(path: Path) -> int:
-    return int(json.loads((path / MARKER).read_text())["step"])

@@ -16,8 +16,8 @@ import torch
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+from checkpoints.training import complete_checkpoints
 from runtime.launch import run_local, under_torchrun
-from trainer.checkpoint import complete_checkpoints
 from trainer.config import TrainConfig
 from trainer.distributed import environment_world_size
 from trainer.preflight import plan_run

@@ -13,10 +13,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from checkpoints.training import resolve_checkpoint, step_of
 from data import SequenceLoader, TokenStore, default_store
 from models import PRESETS, ModelConfig
 from models.checkpoint import is_native_checkpoint, read_config
-from trainer.checkpoint import check_model_config, resolve_checkpoint, step_of
+from trainer.checkpoint import check_model_config
 from trainer.config import TrainConfig
 
 TOKENIZER_FILE = "tokenizer.model"  # carried into native checkpoints by `burst convert-checkpoint`

@@ -27,11 +27,12 @@ from rich.console import Console
 from rich.table import Table
 from torch.distributed.tensor import DTensor
 
+from checkpoints.training import remove_interrupted_saves
 from data import Batch, SequenceLoader, TokenStore
 from models import Transformer
 from runtime.memory import peak_memory_mib
 from runtime.process import all_reduce, leaving_process_group
-from trainer.checkpoint import forget_metrics_after, load_checkpoint, remove_interrupted_saves, save_checkpoint
+from trainer.checkpoint import forget_metrics_after, load_checkpoint, save_checkpoint
 from trainer.config import TrainConfig, save_config
 from trainer.distributed import Distributed, environment_world_size, init_distributed
 from trainer.metrics import Metrics

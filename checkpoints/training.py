@@ -1,0 +1,129 @@
+"""The training checkpoint's format, shared by `burst train`, `burst eval` and `burst convert-checkpoint`.
+
+    OUT/checkpoints/step-000012/
+        .metadata, __0_0.distcp, ...   DCP: model and optimizer, each rank writing its own shards
+        config.json                    the model's ModelConfig: the checkpoint describes itself
+        train_state.json               step, token count, LR schedule, data-loader position
+        rng-00000.json, ...            each rank's RNG states (torch CPU and CUDA, Python's random)
+        COMPLETE                       written last, by rank 0, once every rank's files are there
+
+A save writes into `step-N.tmp-<id>` and renames it to `step-N` once COMPLETE is there
+(trainer/checkpoint.py); readers ignore tmp directories. This module is the layout, the listing of
+complete checkpoints, their checks, and reading the model weights out of one in a single process.
+It lives below trainer/ and evaluation/ (which must not import each other) and outside models/
+(which knows native and Hugging Face model directories only).
+
+DCP stores each tensor with its global shape, whatever the sharding it was saved from, so one
+process without a process group reads the weights the ranks wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from models.checkpoint import CONFIG_NAME, check_tensor_shapes, expected_shapes, read_config
+from models.convert import Checkpoint
+
+CHECKPOINTS_DIR = "checkpoints"
+MARKER = "COMPLETE"
+STATE_NAME = "train_state.json"
+DCP_METADATA = ".metadata"
+MODEL_PREFIX = "model."  # DCP flattens {"model": {...}, "optimizer": {...}} into dotted keys
+_COMPLETE_NAME = re.compile(r"step-(\d+)")
+# DCP warns on every call without a process group, even when asked for exactly that (no_dist=True).
+warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+
+
+def checkpoint_dir(out: Path, step: int) -> Path:
+    return out / CHECKPOINTS_DIR / f"step-{step:06d}"
+
+
+def complete_checkpoints(out: Path) -> list[Path]:
+    """The complete checkpoints of the run in `out`, oldest first (tmp directories of interrupted saves are not)."""
+    root = out / CHECKPOINTS_DIR
+    found = [p for p in root.iterdir() if _COMPLETE_NAME.fullmatch(p.name) and (p / MARKER).is_file()] \
+        if root.is_dir() else []
+    return sorted(found, key=lambda p: int(p.name.removeprefix("step-")))
+
+
+def is_run_or_checkpoint(path: Path) -> bool:
+    """Whether `path` is a training checkpoint or a run directory holding checkpoints (possibly none complete)."""
+    return (path / DCP_METADATA).is_file() or (path / MARKER).is_file() or (path / CHECKPOINTS_DIR).is_dir()
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """The checkpoint `path` names: itself, or for a run directory its newest complete checkpoint; checked."""
+    path = Path(path)
+    if (path / CHECKPOINTS_DIR).is_dir() or (path / "config.toml").is_file():
+        complete = complete_checkpoints(path)
+        if not complete:
+            raise ValueError(f"the run directory {path} holds no complete checkpoint (a save that was interrupted "
+                             f"leaves only a .tmp directory); train with --checkpoint-every N, or start a new run")
+        path = complete[-1]
+    check_checkpoint(path)
+    return path
+
+
+def check_checkpoint(path: Path) -> None:
+    """Refuse a checkpoint that is partial or damaged, naming what is wrong; reads metadata only."""
+    if not (path / MARKER).is_file():
+        raise ValueError(f"checkpoint {path} has no {MARKER} marker: its save did not finish (the process was "
+                         f"stopped during it); resume from an earlier checkpoint or delete {path}")
+    for name in (DCP_METADATA, CONFIG_NAME, STATE_NAME):
+        if not (path / name).is_file():
+            raise ValueError(f"checkpoint {path} lacks {name}: it is damaged (files were deleted or not copied); "
+                             f"resume from an earlier checkpoint")
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as err:  # a truncated pickle raises whatever unpickling hits
+        raise ValueError(f"checkpoint {path}: {DCP_METADATA} cannot be read ({err}); the checkpoint is damaged, "
+                         f"resume from an earlier one") from None
+    needed: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = path / name
+        if not file.is_file() or file.stat().st_size < size:
+            what = "is missing" if not file.is_file() else f"has {file.stat().st_size} bytes, {size} are needed"
+            raise ValueError(f"checkpoint {path}: the shard file {name} {what}; the checkpoint is damaged, "
+                             f"resume from an earlier one")
+
+
+def remove_interrupted_saves(out: Path) -> None:
+    """Delete the tmp directories that saves killed midway left behind (rank 0, before the run saves again)."""
+    root = out / CHECKPOINTS_DIR
+    for tmp in root.glob("step-*.tmp-*") if root.is_dir() else []:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def step_of(path: Path) -> int:
+    return int(json.loads((path / MARKER).read_text())["step"])
+
+
+def read_model_checkpoint(path: Path) -> Checkpoint:
+    """The model weights of a training checkpoint (or of a run directory's newest), read in this one process
+    without the ranks that wrote them; validated from metadata, tensors read one at a time."""
+    path = resolve_checkpoint(Path(path))
+    config = read_config(path)
+    items = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    tensors = {key.removeprefix(MODEL_PREFIX): meta for key, meta in items.items()
+               if key.startswith(MODEL_PREFIX) and isinstance(meta, TensorStorageMetadata)}
+    check_tensor_shapes({name: tuple(meta.size) for name, meta in tensors.items()}, expected_shapes(config),
+                        str(path))
+
+    def read() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, meta in tensors.items():
+            state = {"model": {name: torch.empty(meta.size, dtype=meta.properties.dtype)}}
+            dcp.load(state, checkpoint_id=str(path), no_dist=True)
+            yield name, state["model"][name]
+
+    return Checkpoint(config, read)
