@@ -3,7 +3,8 @@
 from evaluation.checkpoint import EvalCheckpoint, check_tokenizer, load_for_eval
 from evaluation.passkey import PasskeyCell, PasskeyResult, evaluate_passkey, greedy_answer
 from evaluation.perplexity import PerplexityResult, PositionBucket, evaluate_perplexity, token_losses
-from evaluation.run import EvalConfig, EvalResult, evaluate
+from evaluation.result import EvalResult
+from evaluation.run import EvalConfig, evaluate
 
 __all__ = [
     "EvalCheckpoint",

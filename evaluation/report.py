@@ -5,12 +5,11 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rich.table import Table
 
-if TYPE_CHECKING:  # run.py imports this module; the annotation alone needs EvalResult
-    from evaluation.run import EvalResult
+from evaluation.result import EvalResult
 
 PLOT_HINT = "pip install 'burst[plot]'"
 POSITION_AXES = {"packed": "position in packed sequence", "document": "depth into document (tokens)"}  # by mode

@@ -22,15 +22,15 @@ from burst.layout import check_sequence_length
 from data import Tokenizer, TokenStore, default_store, passkey_sample
 from evaluation.checkpoint import EvalCheckpoint, check_tokenizer, load_for_eval
 from evaluation.distributed import context_parallel_group, use_burst_attention
-from evaluation.passkey import PasskeyResult, evaluate_passkey
+from evaluation.passkey import evaluate_passkey
 from evaluation.perplexity import (
     POSITION_MODES,
-    PerplexityResult,
     available_sequences,
     evaluate_perplexity,
     long_documents,
 )
 from evaluation.report import tables, write_files
+from evaluation.result import EvalResult
 from runtime.launch import run_local, under_torchrun
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -85,19 +85,6 @@ class EvalConfig:
         for depth in self.passkey_depths:
             if not 0 <= depth <= 1:
                 raise ValueError(f"--passkey-depths: depth {depth} must be in [0, 1] (0 = start, 1 = end)")
-
-
-@dataclass
-class EvalResult:
-    checkpoint: Path
-    format: str  # the checkpoint's format (a key of models.convert.SOURCE_FORMATS)
-    data: Path  # the token store
-    cp: int
-    precision: str
-    perplexity: PerplexityResult
-    passkey: PasskeyResult | None  # None when passkey_trials is 0
-    warnings: list[str]
-    seconds: float
 
 
 @dataclass
