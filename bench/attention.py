@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 
-from burst.attention import BACKWARD_MODES, burst_attn
+from burst.attention import burst_attn, check_backward_mode
 from burst.comm import SENT
 from burst.layout import check_sequence_length, shard_sequence
 from runtime.launch import run_local, threads_per_process
@@ -49,9 +49,8 @@ class AttentionBenchConfig:
         self.kv_heads = self.kv_heads or self.heads
         if self.heads % self.kv_heads:
             raise ValueError(f"--heads {self.heads} must be a multiple of --kv-heads {self.kv_heads}")
-        unknown = [m for m in self.modes if m not in BACKWARD_MODES]
-        if unknown:
-            raise ValueError(f"unknown backward mode(s) {unknown}; choose from {', '.join(BACKWARD_MODES)}")
+        for mode in self.modes:
+            check_backward_mode(mode, "--modes backward mode")
         check_sequence_length(self.seq_len, self.nproc)
         if self.doc_length is not None and not 0 < self.doc_length <= self.seq_len:
             raise ValueError(f"--doc-length must be between 1 and --seq-len {self.seq_len}, got {self.doc_length}")

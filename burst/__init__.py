@@ -3,7 +3,7 @@
     out = burst.burst_attn(q, k, v, causal=True, group=cp_group)   # q, k, v: this rank's shards
 """
 
-from burst.attention import BACKWARD_MODES, burst_attn, choose_backward
+from burst.attention import BACKWARD_MODES, burst_attn, check_backward_mode, choose_backward
 from burst.comm import SENT
 from burst.kernels import select_kernel
 from burst.layout import (
@@ -21,6 +21,7 @@ __all__ = [
     "BurstAttention",
     "SENT",
     "burst_attn",
+    "check_backward_mode",
     "choose_backward",
     "gather_sequence",
     "select_kernel",

@@ -34,6 +34,12 @@ def choose_backward(q: torch.Tensor, k: torch.Tensor, mode: str) -> str:
     return min(("burst", "ring"), key=lambda m: backward_bytes_per_hop(q, k, m))
 
 
+def check_backward_mode(backward: str, name: str = "backward mode") -> None:
+    """Refuse a backward mode that is not one of BACKWARD_MODES; `name` is what the caller calls the setting."""
+    if backward not in BACKWARD_MODES:
+        raise ValueError(f"unknown {name} {backward!r}; choose one of {', '.join(BACKWARD_MODES)}")
+
+
 def validate_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, world_size: int, backward: str,
                     kernel: str) -> None:
     """Raise a ValueError naming the problem; called before any communication.
@@ -41,8 +47,7 @@ def validate_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, world_siz
     The ranks hold shards of the same shapes (`check_ranks_agree` makes sure of it), so a bad
     input fails on every rank at once and none is left waiting in a send.
     """
-    if backward not in BACKWARD_MODES:
-        raise ValueError(f"unknown backward mode {backward!r}; choose one of {', '.join(BACKWARD_MODES)}")
+    check_backward_mode(backward)
     if kernel not in KERNEL_NAMES:
         raise ValueError(f"unknown attention kernel {kernel!r}; choose one of {', '.join(KERNEL_NAMES)}")
     for name, t in (("q", q), ("k", k), ("v", v)):

@@ -10,14 +10,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from burst.attention import BACKWARD_MODES, burst_attn
+from burst.attention import burst_attn, check_backward_mode
 
 
 class BurstAttention(nn.Module):
     def __init__(self, group: dist.ProcessGroup | None = None, backward: str = "auto", kernel: str = "auto"):
         super().__init__()
-        if backward not in BACKWARD_MODES:
-            raise ValueError(f"unknown backward mode {backward!r}; choose one of {', '.join(BACKWARD_MODES)}")
+        check_backward_mode(backward)
         self.group, self.backward, self.kernel = group, backward, kernel
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_boundaries=None) -> torch.Tensor:

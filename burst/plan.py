@@ -21,6 +21,8 @@ from itertools import pairwise
 
 import torch
 
+from burst.layout import zigzag_chunks
+
 ALL = slice(None)
 
 
@@ -47,8 +49,7 @@ def block_segments(query_owner: int, kv_owner: int, shard_len: int, world_size: 
         return [Segment(ALL, ALL, ALL, False)]
     chunk = shard_len // 2
     rows = (slice(0, chunk), slice(chunk, None))
-    q_chunks = (query_owner, 2 * world_size - 1 - query_owner)
-    kv_chunks = (kv_owner, 2 * world_size - 1 - kv_owner)
+    q_chunks, kv_chunks = zigzag_chunks(query_owner, world_size), zigzag_chunks(kv_owner, world_size)
     return [Segment(ALL, rows[qi], rows[ki], kc == qc)
             for qi, qc in enumerate(q_chunks) for ki, kc in enumerate(kv_chunks) if kc <= qc]
 
@@ -61,8 +62,7 @@ def document_segments(query_owner: int, kv_owner: int, shard_len: int, world_siz
     [0, ..., seq_len]. Within a document attention is causal when `causal`, else full.
     """
     chunk = shard_len // 2
-    q_chunks = (query_owner, 2 * world_size - 1 - query_owner)
-    kv_chunks = (kv_owner, 2 * world_size - 1 - kv_owner)
+    q_chunks, kv_chunks = zigzag_chunks(query_owner, world_size), zigzag_chunks(kv_owner, world_size)
     segments = []
     for b, offsets in enumerate(boundaries):
         for qi, qc in enumerate(q_chunks):

@@ -2,7 +2,7 @@
 
 from evaluation.checkpoint import EvalCheckpoint, check_tokenizer, load_for_eval
 from evaluation.passkey import PasskeyCell, PasskeyResult, evaluate_passkey, greedy_answer
-from evaluation.perplexity import PerplexityResult, PositionBucket, evaluate_perplexity, token_losses
+from evaluation.perplexity import PerplexityResult, PositionBucket, evaluate_perplexity
 from evaluation.result import EvalResult
 from evaluation.run import EvalConfig, evaluate
 
@@ -20,5 +20,4 @@ __all__ = [
     "evaluate_perplexity",
     "greedy_answer",
     "load_for_eval",
-    "token_losses",
 ]

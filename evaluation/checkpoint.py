@@ -15,10 +15,10 @@ import torch
 
 from checkpoints import detect_format, read_checkpoint
 from data import TokenStore
+from data.store import TOKENIZER_FILE  # also the name `burst convert-checkpoint` carries it under
 from models import ModelConfig, Transformer
+from models.checkpoint import model_from_tensors
 from models.convert import Checkpoint
-
-CARRIED_TOKENIZER = "tokenizer.model"  # copied along by `burst convert-checkpoint`
 
 
 @dataclass
@@ -33,12 +33,7 @@ class EvalCheckpoint:
 
     def model(self, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> Transformer:
         """The Transformer in eval mode, its weights read onto `device` (and cast to `dtype` if given)."""
-        with torch.device("meta"):
-            model = Transformer(self.config)
-        state_dict = {name: tensor.to(device=device, dtype=dtype or tensor.dtype)
-                      for name, tensor in self.checkpoint.tensors()}
-        model.load_state_dict(state_dict, assign=True)
-        return model.eval()
+        return model_from_tensors(self.config, self.checkpoint.tensors(), device, dtype)
 
 
 def load_for_eval(path: str | Path) -> EvalCheckpoint:
@@ -51,7 +46,7 @@ def load_for_eval(path: str | Path) -> EvalCheckpoint:
         raise ValueError(f"checkpoint {path} does not exist; pass a model directory (native or Hugging Face "
                          f"LLaMA), a training checkpoint or a run directory of `burst train`")
     format_name = detect_format(path)
-    tokenizer = path / CARRIED_TOKENIZER
+    tokenizer = path / TOKENIZER_FILE
     sha256 = hashlib.sha256(tokenizer.read_bytes()).hexdigest() if tokenizer.is_file() else None
     checkpoint = read_checkpoint(path)
     return EvalCheckpoint(path=path, format=format_name, config=checkpoint.config, tokenizer_sha256=sha256,
@@ -71,6 +66,6 @@ def check_tokenizer(checkpoint: EvalCheckpoint, store: TokenStore) -> None:
                          f"prepared with the model's tokenizer (`burst prepare ... --tokenizer TOKENIZER.model`)")
     store_sha256 = store.metadata["tokenizer"].get("sha256")
     if checkpoint.tokenizer_sha256 is not None and checkpoint.tokenizer_sha256 != store_sha256:
-        raise ValueError(f"{checkpoint.path / CARRIED_TOKENIZER} is not the tokenizer the token store "
+        raise ValueError(f"{checkpoint.path / TOKENIZER_FILE} is not the tokenizer the token store "
                          f"{store.directory} was prepared with; prepare the data with it: "
-                         f"`burst prepare ... --tokenizer {checkpoint.path / CARRIED_TOKENIZER}`")
+                         f"`burst prepare ... --tokenizer {checkpoint.path / TOKENIZER_FILE}`")

@@ -31,7 +31,7 @@ from burst.groups import group_rank_and_size
 from burst.layout import shard_for_rank
 from data import SequenceLoader, TokenStore
 from data.loader import IGNORE_INDEX
-from models import Transformer
+from models import Transformer, token_losses
 from runtime.process import all_reduce
 
 
@@ -74,21 +74,6 @@ def bucket_starts(seq_len: int, buckets: int) -> list[int]:
     return [-(-i * seq_len // buckets) for i in range(buckets)]
 
 
-def token_losses(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                 chunk_size: int = 1024) -> torch.Tensor:
-    """Cross-entropy of each row: hidden [N, dim], weight [vocab, dim], labels [N] -> float32 [N], 0 where ignored."""
-    weight32 = weight.float()
-    valid = labels != IGNORE_INDEX
-    safe_labels = torch.where(valid, labels, 0)
-    losses = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)  # [N]
-    for start in range(0, hidden.shape[0], chunk_size):
-        rows = slice(start, start + chunk_size)
-        logits = hidden[rows].float() @ weight32.t()  # [chunk, vocab]
-        target = logits.gather(1, safe_labels[rows, None]).squeeze(1)  # [chunk]
-        losses[rows] = torch.logsumexp(logits, dim=-1) - target
-    return losses * valid
-
-
 def packed_sequences(split: TokenStore, seq_len: int, count: int, cp_rank: int, cp_size: int) -> Iterator[Shard]:
     """This rank's shards of the first `count` sequences of the split's packing stream, as training reads them."""
     loader = SequenceLoader(split, seq_len, batch_size=1, cp_rank=cp_rank, cp_size=cp_size)
@@ -129,7 +114,7 @@ def bucket_losses(model: Transformer, shards: Iterable[Shard], boundaries: torch
     for shard in shards:
         tokens, labels, positions = (t.to(device) for t in shard)
         hidden = model.hidden_states(tokens, positions)  # [1, seq // cp, dim]
-        losses = token_losses(hidden.flatten(0, 1), model.output_weight, labels.flatten(), chunk_size)
+        losses = token_losses(hidden.flatten(0, 1), model.output_weight, labels.flatten(), chunk_size, IGNORE_INDEX)
         bucket = torch.bucketize(positions.flatten(), boundaries, right=True)  # [seq // cp]
         loss_sums.index_add_(0, bucket, losses.double())
         counts.index_add_(0, bucket, (labels.flatten() != IGNORE_INDEX).long())

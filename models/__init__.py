@@ -5,7 +5,7 @@ from models.checkpoint import load_model, save_model
 from models.config import PRESETS, ModelConfig, RopeScaling
 from models.convert import convert_checkpoint
 from models.llama import Transformer, init_model
-from models.loss import chunked_cross_entropy
+from models.loss import chunked_cross_entropy, token_losses
 
 __all__ = [
     "PRESETS",
@@ -18,4 +18,5 @@ __all__ = [
     "init_model",
     "load_model",
     "save_model",
+    "token_losses",
 ]

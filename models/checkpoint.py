@@ -6,6 +6,7 @@ sharding and the index follow Hugging Face (see models/storage.py).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -89,8 +90,15 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     config = read_config(path)
     files = tensor_files(path)
     check_tensor_shapes(tensor_shapes(files), expected_shapes(config), str(path))
+    return model_from_tensors(config, read_tensors(files, device), device, dtype)
+
+
+def model_from_tensors(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]],
+                       device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> Transformer:
+    """Transformer(config) in eval mode holding `tensors` (native names, shapes already checked), moved to
+    `device` and cast to `dtype` if given; built on the meta device, so no weight is initialised first."""
     with torch.device("meta"):
         model = Transformer(config)
-    state_dict = {name: tensor.to(dtype) if dtype else tensor for name, tensor in read_tensors(files, device)}
+    state_dict = {name: tensor.to(device=device, dtype=dtype or tensor.dtype) for name, tensor in tensors}
     model.load_state_dict(state_dict, assign=True)
     return model.eval()

@@ -51,7 +51,8 @@ NATIVE_TO_HF = {native: hf for hf, native in HF_TO_NATIVE.items()}
 
 # Older transformers saved the rotary inverse frequencies as weights; they follow from the config.
 HF_DERIVED_SUFFIX = "rotary_emb.inv_freq"
-# Copied unchanged from source to destination when present.
+# Copied unchanged from source to destination when present: Hugging Face's file names (tokenizer.model is
+# also data.store.TOKENIZER_FILE, the name burst prepare gives it; models/ does not import data/).
 CARRIED_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                  "generation_config.json")
 

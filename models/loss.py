@@ -16,6 +16,20 @@ def _chunk_logits(hidden_chunk: torch.Tensor, weight32: torch.Tensor) -> torch.T
     return hidden_chunk.float() @ weight32.t()
 
 
+def _logsumexp_and_target(hidden: torch.Tensor, weight32: torch.Tensor, safe_labels: torch.Tensor,
+                          chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's logsumexp of its logits and its label's logit, float32 [N] each, `chunk_size` rows at a time;
+    a row's cross-entropy is their difference."""
+    logsumexp = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)  # [N]
+    target = torch.empty_like(logsumexp)  # [N]
+    for start in range(0, hidden.shape[0], chunk_size):
+        rows = slice(start, start + chunk_size)
+        logits = _chunk_logits(hidden[rows], weight32)  # [chunk, vocab]
+        logsumexp[rows] = torch.logsumexp(logits, dim=-1)
+        target[rows] = logits.gather(1, safe_labels[rows, None]).squeeze(1)
+    return logsumexp, target
+
+
 class ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int,
@@ -25,14 +39,8 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             weight32 = weight.float()
             valid = labels != ignore_index  # [N]
             safe_labels = torch.where(valid, labels, 0)
-            logsumexp = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)  # [N]
-            loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
-            for start in range(0, hidden.shape[0], chunk_size):
-                rows = slice(start, start + chunk_size)
-                logits = _chunk_logits(hidden[rows], weight32)  # [chunk, vocab]
-                logsumexp[rows] = torch.logsumexp(logits, dim=-1)
-                target = logits.gather(1, safe_labels[rows, None]).squeeze(1)  # [chunk]
-                loss_sum += ((logsumexp[rows] - target) * valid[rows]).sum()
+            logsumexp, target = _logsumexp_and_target(hidden, weight32, safe_labels, chunk_size)  # [N] each
+            loss_sum = ((logsumexp - target) * valid).sum()
         ctx.save_for_backward(hidden, weight, safe_labels, valid, logsumexp)
         ctx.chunk_size = chunk_size
         count = valid.sum()
@@ -74,3 +82,14 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     return ChunkedCrossEntropy.apply(hidden, weight, labels, chunk_size, ignore_index)
+
+
+@torch.no_grad()
+def token_losses(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int = 1024,
+                 ignore_index: int = -100) -> torch.Tensor:
+    """Cross-entropy of each row, as chunked_cross_entropy computes it (evaluation's loss by position):
+    hidden [N, dim], weight [vocab, dim], labels [N] -> float32 [N], 0 where ignored."""
+    with torch.autocast(hidden.device.type, enabled=False):
+        valid = labels != ignore_index
+        logsumexp, target = _logsumexp_and_target(hidden, weight.float(), torch.where(valid, labels, 0), chunk_size)
+    return (logsumexp - target) * valid

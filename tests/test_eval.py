@@ -26,7 +26,6 @@ from evaluation import (
     evaluate_passkey,
     greedy_answer,
     load_for_eval,
-    token_losses,
 )
 from evaluation.distributed import use_burst_attention
 from evaluation.perplexity import available_sequences, bucket_starts
@@ -38,6 +37,7 @@ from models import (
     init_model,
     load_model,
     save_model,
+    token_losses,
 )
 from tests.distributed import run_on_ranks
 

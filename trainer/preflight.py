@@ -15,12 +15,11 @@ from pathlib import Path
 
 from checkpoints.training import resolve_checkpoint, step_of
 from data import SequenceLoader, TokenStore, default_store
+from data.store import TOKENIZER_FILE  # carried into native checkpoints by `burst convert-checkpoint`
 from models import PRESETS, ModelConfig
 from models.checkpoint import is_native_checkpoint, read_config
 from trainer.checkpoint import check_model_config
 from trainer.config import TrainConfig
-
-TOKENIZER_FILE = "tokenizer.model"  # carried into native checkpoints by `burst convert-checkpoint`
 
 
 @dataclass(frozen=True)
