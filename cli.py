@@ -5,10 +5,16 @@ Each command parses flags, builds a config and calls one function; no logic live
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import inspect
+import typing
 from pathlib import Path
+from typing import Any
 
 import typer
+
+from trainer.config import TrainConfig  # plain Python: no torch
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_show_locals=False,
                   help="Long-context LLaMA training with exact BurstAttention sequence parallelism.")
@@ -144,69 +150,44 @@ def bench_attention_command(
         write_json(str(json_path), config, rows)
 
 
-class Precision(str, enum.Enum):
-    bf16 = "bf16"
-    fp32 = "fp32"
+def _train_option(setting: dataclasses.Field, annotation: Any) -> inspect.Parameter:
+    """The `burst train` option of one TrainConfig field: --name (--name/--no-name for a switch), the field's
+    type and help, and its default shown; the option itself defaults to None, so an unset flag leaves the
+    config file's value (flags > config file > defaults)."""
+    kind = next(t for t in typing.get_args(annotation) or (annotation,) if t is not type(None))
+    flag = "--" + setting.name.replace("_", "-")
+    shown = setting.metadata["shown"] or (str(setting.default).lower() if kind is bool else str(setting.default))
+    option = typer.Option(None, f"{flag}/--no-{flag[2:]}" if kind is bool else flag, help=setting.metadata["help"],
+                          show_default=shown)
+    return inspect.Parameter(setting.name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=kind | None)
 
 
-class AttentionBackward(str, enum.Enum):
-    auto = "auto"
-    burst = "burst"
-    ring = "ring"
+def _train_command(config: Path | None = None, **flags: Any) -> None:
+    """Train a LLaMA-style model with BurstAttention sequence parallelism."""
+    from trainer.config import load_config, load_run_config  # here, so `burst --help` does not import torch
+    from trainer.launch import launch
+    from trainer.train import TrainingStopped
 
-
-@app.command("train")
-def train_command(
-    config: Path | None = typer.Option(None, "--config", help="TOML file of settings; flags override it."),
-    model: str | None = typer.Option(None, "--model", help="Preset (debug, tiny, llama3-8b, ...) or native "
-                                                          "checkpoint directory to start from. [default: tiny]"),
-    data: Path | None = typer.Option(None, "--data", help="Token store from `burst prepare`. "
-                                                          "[default: the embedded stdlib corpus]"),
-    seq_len: int | None = typer.Option(None, "--seq-len", help="Tokens per sequence, split over --cp ranks."),
-    cp: int | None = typer.Option(None, "--cp", help="Sequence-parallel degree (ranks per sequence)."),
-    dp: int | None = typer.Option(None, "--dp", help="Data-parallel degree."),
-    batch_size: int | None = typer.Option(None, "--batch-size", help="Sequences per dp rank per micro-batch."),
-    grad_accum: int | None = typer.Option(None, "--grad-accum", help="Micro-batches per optimizer step."),
-    steps: int | None = typer.Option(None, "--steps", help="Optimizer steps."),
-    lr: float | None = typer.Option(None, "--lr", help="Peak learning rate."),
-    warmup: int | None = typer.Option(None, "--warmup", help="Linear warmup steps."),
-    precision: Precision | None = typer.Option(None, "--precision", help="bf16 autocast or fp32."),
-    activation_checkpointing: bool | None = typer.Option(
-        None, "--activation-checkpointing/--no-activation-checkpointing", help="Recompute activations in backward."),
-    attention_backward: AttentionBackward | None = typer.Option(None, "--attention-backward",
-                                                                help="BurstAttention backward communication."),
-    doc_mask: bool | None = typer.Option(None, "--doc-mask/--no-doc-mask",
-                                         help="Attend only within each packed document (positions restart)."),
-    seed: int | None = typer.Option(None, "--seed", help="Seed of the initial weights and the data order."),
-    out: Path | None = typer.Option(None, "--out", help="Run directory (must be new). [default: runs/DATE-TIME]"),
-    log_every: int | None = typer.Option(None, "--log-every", help="Steps between logged metrics."),
-    checkpoint_every: int | None = typer.Option(None, "--checkpoint-every",
-                                                help="Steps between checkpoints (0: only at the end or when stopped)."),
-    keep: int | None = typer.Option(None, "--keep", help="Newest complete checkpoints to keep. [default: 2]"),
-    resume: bool = typer.Option(False, "--resume", help="Continue the run in --out from its newest checkpoint, "
-                                                        "with its config.toml (cp/dp may change)."),
-    stop_after: int | None = typer.Option(None, "--stop-after", help="End this invocation after this step, with a "
-                                                                     "checkpoint; the schedule stays --steps."),
-) -> None:
-    """Train a LLaMA-style model with BurstAttention sequence parallelism (defaults: see TrainConfig)."""
-    from trainer import TrainingStopped, launch, load_config  # here, so `burst --help` does not import torch
-    from trainer.config import load_run_config
-
-    flags = {"model": model, "data": data, "seq_len": seq_len, "cp": cp, "dp": dp, "batch_size": batch_size,
-             "grad_accum": grad_accum, "steps": steps, "lr": lr, "warmup": warmup, "precision": precision,
-             "activation_checkpointing": activation_checkpointing, "attention_backward": attention_backward,
-             "doc_mask": doc_mask, "seed": seed, "out": out, "log_every": log_every,
-             "checkpoint_every": checkpoint_every, "keep": keep, "stop_after": stop_after}
-    overrides = {name: value.value if isinstance(value, enum.Enum) else str(value) if isinstance(value, Path)
-                 else value for name, value in flags.items() if value is not None}
+    overrides = {name: value for name, value in flags.items() if value is not None}
+    resume = overrides.get("resume", False)
     try:
-        if resume and (out is None or config is not None):
+        if resume and (overrides.get("out") is None or config is not None):
             raise ValueError("--resume continues the run in --out with its own config.toml: pass --out RUN_DIR "
                              "and no --config")
-        launch(load_run_config(out, overrides) if resume else load_config(config, overrides))
+        launch(load_run_config(overrides["out"], overrides) if resume else load_config(config, overrides))
     except (ValueError, TrainingStopped) as err:
         typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2 if isinstance(err, ValueError) else 1) from None
+
+
+# `burst train`'s options are TrainConfig's fields, each declared once there with its type, default and help.
+_train_command.__signature__ = inspect.Signature([
+    inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, annotation=Path | None,
+                      default=typer.Option(None, "--config", help="TOML file of settings; flags override it.")),
+    *(_train_option(setting, typing.get_type_hints(TrainConfig)[setting.name])
+      for setting in dataclasses.fields(TrainConfig)),
+])
+app.command("train")(_train_command)
 
 
 def main() -> None:

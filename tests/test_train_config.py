@@ -60,3 +60,19 @@ def test_weight_decay_skips_norms_and_embeddings():
     assert not any("norm" in n or "tok_embeddings" in n for n in decayed)
     assert sum(len(g["params"]) for g in optimizer.param_groups) == len(list(model.parameters()))
     assert isinstance(optimizer, torch.optim.AdamW)
+
+
+def test_every_setting_is_a_burst_train_option_with_its_help_and_default():
+    import typer.main
+
+    from cli import app
+
+    options = {p.name: p for p in typer.main.get_command(app).commands["train"].params}
+    for setting in dataclasses.fields(TrainConfig):
+        option = options[setting.name]
+        assert option.opts[0] == "--" + setting.name.replace("_", "-")
+        assert option.help == setting.metadata["help"] and option.help.endswith(".")
+        assert option.default is None  # an unset flag leaves the config file's value
+        default = str(setting.default).lower() if isinstance(setting.default, bool) else str(setting.default)
+        assert option.show_default == (setting.metadata["shown"] or default)
+    assert set(options) == {field.name for field in dataclasses.fields(TrainConfig)} | {"config"}

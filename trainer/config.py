@@ -12,52 +12,63 @@ import dataclasses
 import json
 import types
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import tomllib
 
-from burst.attention import BACKWARD_MODES
-from burst.layout import check_sequence_length
-
 PRECISIONS = ("bf16", "fp32")
+
+
+def setting(default: Any, help: str, shown: str | None = None) -> Any:
+    """A TrainConfig field with its help text (and, for a None default, how `--help` describes it):
+    `burst train` builds its options from these, so each setting is declared once."""
+    return field(default=default, metadata={"help": help, "shown": shown})
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     """Everything a training run depends on. Global batch = batch_size x dp x grad_accum sequences of seq_len."""
 
-    model: str = "tiny"  # a preset name (models.PRESETS) or a native checkpoint directory to start from
-    data: str | None = None  # token store directory (`burst prepare`); None: the embedded stdlib corpus
-    seq_len: int = 1024  # tokens per sequence, split over the cp ranks
-    cp: int = 1  # sequence-parallel degree: ranks that share one sequence (BurstAttention)
-    dp: int = 1  # data-parallel degree: groups of cp ranks that see different sequences
-    batch_size: int = 1  # sequences per data-parallel rank per micro-batch
-    grad_accum: int = 1  # micro-batches per optimizer step
-    steps: int = 40  # optimizer steps of the whole run (the LR schedule spans them)
-    lr: float = 2e-3  # peak learning rate
-    min_lr_ratio: float = 0.1  # the cosine decays to lr x min_lr_ratio at the last step
-    warmup: int = 5  # steps of linear warmup from lr / warmup to lr
-    weight_decay: float = 0.1  # decoupled (AdamW); not applied to norms and embeddings
-    beta1: float = 0.9
-    beta2: float = 0.95
-    max_grad_norm: float = 1.0  # clip the global gradient norm (over all shards) to this; 0: no clipping
-    precision: str = "bf16"  # "bf16": bf16 autocast over float32 master weights; "fp32": no autocast
-    activation_checkpointing: bool = False  # recompute each block's activations in backward
-    attention_backward: str = "auto"  # BurstAttention backward: "burst", "ring" or "auto" (fewer bytes)
-    doc_mask: bool = False  # attend only within each packed document; positions restart at every document
-    seed: int = 0  # initial weights and the data order
-    out: str | None = None  # run directory; None: runs/<date-time>
-    log_every: int = 1  # steps between logged metrics
-    max_bad_steps: int = 3  # non-finite steps in a row that end the run
-    checkpoint_every: int = 0  # steps between training checkpoints (0: only at the end and when stopped)
-    keep: int = 2  # complete checkpoints to keep; older ones are deleted once a newer one is complete
+    model: str = setting("tiny", "Preset (debug, tiny, llama3-8b, ...: models.PRESETS) or a native checkpoint "
+                                 "directory to start from.")
+    data: str | None = setting(None, "Token store directory from `burst prepare`.", shown="the embedded stdlib corpus")
+    seq_len: int = setting(1024, "Tokens per sequence, split over the --cp ranks.")
+    cp: int = setting(1, "Sequence-parallel degree: ranks that share one sequence (BurstAttention).")
+    dp: int = setting(1, "Data-parallel degree: groups of --cp ranks that see different sequences.")
+    batch_size: int = setting(1, "Sequences per data-parallel rank per micro-batch.")
+    grad_accum: int = setting(1, "Micro-batches per optimizer step.")
+    steps: int = setting(40, "Optimizer steps of the whole run (the LR schedule spans them).")
+    lr: float = setting(2e-3, "Peak learning rate.")
+    min_lr_ratio: float = setting(0.1, "The cosine decays to lr x min_lr_ratio at the last step.")
+    warmup: int = setting(5, "Steps of linear warmup from lr / warmup to lr.")
+    weight_decay: float = setting(0.1, "Decoupled weight decay (AdamW); not applied to norms and embeddings.")
+    beta1: float = setting(0.9, "AdamW beta1.")
+    beta2: float = setting(0.95, "AdamW beta2.")
+    max_grad_norm: float = setting(1.0, "Clip the global gradient norm (over all shards) to this; 0: no clipping.")
+    precision: str = setting("bf16", "bf16: bf16 autocast over float32 master weights; fp32: no autocast.")
+    activation_checkpointing: bool = setting(False, "Recompute each block's activations in backward.")
+    attention_backward: str = setting("auto", "BurstAttention backward communication: burst, ring or auto "
+                                              "(fewer bytes).")
+    doc_mask: bool = setting(False, "Attend only within each packed document; positions restart at every document.")
+    seed: int = setting(0, "Seed of the initial weights and the data order.")
+    out: str | None = setting(None, "Run directory (must be new, unless --resume).", shown="runs/DATE-TIME")
+    log_every: int = setting(1, "Steps between logged metrics.")
+    max_bad_steps: int = setting(3, "Non-finite steps in a row that end the run.")
+    checkpoint_every: int = setting(0, "Steps between training checkpoints (0: only at the end and when stopped).")
+    keep: int = setting(2, "Newest complete checkpoints to keep; older ones are deleted once a newer one is complete.")
     # This invocation only (not written to config.toml):
-    resume: bool = False  # continue the run in `out` from its newest complete checkpoint
-    stop_after: int | None = None  # end this invocation after this step, with a checkpoint; the schedule is `steps`
+    resume: bool = setting(False, "Continue the run in --out from its newest complete checkpoint, with its "
+                                  "config.toml (cp, dp may change).")
+    stop_after: int | None = setting(None, "End this invocation after this step, with a checkpoint; the schedule "
+                                           "stays --steps.", shown="--steps")
 
     def __post_init__(self) -> None:
+        # Here, not at the top: `burst --help` builds its options from these fields and must not import torch.
+        from burst.attention import check_backward_mode
+        from burst.layout import check_sequence_length
+
         for name in ("seq_len", "cp", "dp", "batch_size", "grad_accum", "steps", "log_every", "max_bad_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} = {getattr(self, name)} must be at least 1")
@@ -72,9 +83,7 @@ class TrainConfig:
             raise ValueError(f"min_lr_ratio = {self.min_lr_ratio} must be in [0, 1]")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
-        if self.attention_backward not in BACKWARD_MODES:
-            raise ValueError(f"attention_backward {self.attention_backward!r} is not one of "
-                             f"{', '.join(BACKWARD_MODES)}")
+        check_backward_mode(self.attention_backward, "attention_backward")
         try:
             check_sequence_length(self.seq_len, self.cp)
         except ValueError as err:
