@@ -147,7 +147,7 @@ class BurstAttnFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, plan, scale, ring, backward, kernel_name):
         if q.device.type == "cpu":
             q, k, v = heads_first(q), heads_first(k), heads_first(v)
-        kernel = select_kernel(q.device, q.dtype, kernel_name)
+        kernel = select_kernel(q.device, q.dtype, kernel_name, head_dim=q.shape[-1])
         with torch.autocast(q.device.type, enabled=False):  # the kernels choose their own precision
             out, lse = ring_forward(ring, kernel, plan, q, k, v, scale)
         SENT.last_forward = ring.bytes_sent
