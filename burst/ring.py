@@ -12,6 +12,11 @@ it travels one step behind it and ends at its owner.
 
     "burst" (the paper's): visitor = (q, dout, lse, delta); home = k, v, dk, dv.
     "ring":                visitor = (k, v);               home = q, dout, out, lse, dq.
+
+Kernel calls take row slices of these tensors. Slices of [b, s, h, d] tensors keep a contiguous
+last dimension, which is all the kernels need of them; an lse slice [b, h, rows] is not dense,
+and flash-attn reads lse as a dense buffer, so it is copied at the call (rows floats per head,
+cheap) to meet the kernels' contract (burst/kernels.py).
 """
 
 from __future__ import annotations
@@ -143,7 +148,7 @@ def burst_backward(ring: Ring, kernel: AttentionKernel, plan: AttentionPlan, dou
             b, rows, cols = seg.batch, seg.q_rows, seg.kv_rows
             vout = out[b, rows] if owner == ring.rank else output_with_delta(vdout[b, rows], vdelta[b, :, rows])
             dq_blk, dk_blk, dv_blk = kernel.backward(vdout[b, rows], vq[b, rows], k[b, cols], v[b, cols], vout,
-                                                     vlse[b, :, rows], seg.causal, scale)
+                                                     vlse[b, :, rows].contiguous(), seg.causal, scale)
             dk[b, cols] += dk_blk
             dv[b, cols] += dv_blk
             pieces.append((b, rows, [dq_blk]))
@@ -163,7 +168,7 @@ def ring_backward(ring: Ring, kernel: AttentionKernel, plan: AttentionPlan, dout
         for seg in plan(ring.rank, owner):
             b, rows, cols = seg.batch, seg.q_rows, seg.kv_rows
             dq_blk, dk_blk, dv_blk = kernel.backward(dout[b, rows], q[b, rows], vk[b, cols], vv[b, cols], out[b, rows],
-                                                     lse[b, :, rows], seg.causal, scale)
+                                                     lse[b, :, rows].contiguous(), seg.causal, scale)
             dq[b, rows] += dq_blk
             pieces.append((b, cols, [dk_blk, dv_blk]))
         return pieces

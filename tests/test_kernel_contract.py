@@ -2,7 +2,7 @@
 
 No GPU runs in CI, and a CUDA kernel given a sliced lse does not fail: it reads the wrong
 offsets and returns wrong gradients. `ContractCheckingKernel` wraps the CPU kernel and raises
-on any argument flash-attn could not take as it is, so burst_attn run with it at 2-4 ranks
+on any argument flash-attn could not take as it is, so burst_attn run with it at 2 and 3 ranks
 (causal and not, documents, GQA, both backward modes) shows the ring never passes one, while
 the results still match the float64 reference.
 """
@@ -68,13 +68,12 @@ def _all_configurations(rank, world_size):
                 calls = run_with_checking_kernel(check_against_reference, world_size, causal, heads,
                                                  torch.bfloat16, mode)
                 assert calls["forward"] > 0 and calls["backward"] > 0
-            for boundaries in boundary_cases(world_size).values():
-                run_with_checking_kernel(check_case, world_size, boundaries, True, heads, torch.bfloat16, mode)
-        run_with_checking_kernel(check_case, world_size, boundary_cases(world_size)["short docs"], False, (4, 2),
-                                 torch.bfloat16, mode)
+            documents = boundary_cases(world_size)
+            for causal, case in ((True, "short docs"), (True, "mixed rows"), (False, "short docs")):
+                run_with_checking_kernel(check_case, world_size, documents[case], causal, heads, torch.bfloat16, mode)
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("world_size", [2, 3])
 def test_ring_meets_the_flash_attn_contract(world_size):
     run_on_ranks(_all_configurations, world_size)
 
