@@ -1,51 +1,113 @@
-"""CUDA paths: local kernels against the math reference, and burst_attn on one GPU.
+"""CUDA kernels against the math kernel, on the sliced inputs the ring passes, for every CUDA backend
+this machine has; and burst_attn on one GPU with each of them.
 
-Skipped without a GPU; run on a GPU machine with `pytest tests/test_cuda.py`.
+Skipped without a GPU; run on a GPU machine with `pytest tests/test_cuda.py` (scripts/gpu_check.sh does).
 """
-
-import importlib.util
 
 import pytest
 import torch
 
 import burst
-from burst.kernels import FlashAttnKernel, MathKernel, TorchCUDAKernel
+from burst.kernels import (
+    FLASH_ATTN_MIN_VERSION,
+    FlashAttnKernel,
+    MathKernel,
+    TorchCUDAEfficientKernel,
+    TorchCUDAFlashKernel,
+    installed_flash_attn_version,
+    select_kernel,
+)
+from burst.ring import output_with_delta, row_dot
+from tests.test_kernel_contract import using_kernel
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-KERNELS = [TorchCUDAKernel] + ([FlashAttnKernel] if importlib.util.find_spec("flash_attn") else [])
+
+def cuda_kernels() -> list[type]:
+    """Every CUDA kernel class this machine can run."""
+    if not torch.cuda.is_available():
+        return []
+    kernels = [TorchCUDAEfficientKernel]
+    ampere = torch.cuda.get_device_capability() >= (8, 0)
+    if ampere and torch.backends.cuda.is_flash_attention_available():
+        kernels.append(TorchCUDAFlashKernel)
+    version = installed_flash_attn_version()
+    if ampere and version is not None and version >= FLASH_ATTN_MIN_VERSION:
+        kernels.append(FlashAttnKernel)
+    return kernels
+
+
+KERNELS = cuda_kernels()
+SCALE = 0.125
+OUT_TOLERANCE, LSE_TOLERANCE, GRAD_TOLERANCE = 2e-2, 1e-3, 5e-2  # bf16 inputs against float32 math
+
+
+def assert_close(name: str, got: torch.Tensor, expected: torch.Tensor, tolerance: float) -> None:
+    """Max error within `tolerance`, relative to the largest expected value where that is over 1
+    (a bf16 result of magnitude 8 is only stored to 1/32)."""
+    assert got.shape == expected.shape, f"{name}: shape {tuple(got.shape)}, expected {tuple(expected.shape)}"
+    err = (got.float() - expected.float()).abs().max().item()
+    bound = tolerance * max(1.0, expected.float().abs().max().item())
+    assert err < bound, f"{name}: max error {err:.2e}, allowed {bound:.2e}"
 
 
 @pytest.mark.parametrize("kernel_class", KERNELS, ids=lambda c: c.__name__)
-@pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("q_len, kv_len, heads", [(256, 256, (8, 8)), (128, 256, (8, 2)), (256, 128, (4, 4))])
-def test_cuda_kernel_matches_math(kernel_class, causal, q_len, kv_len, heads):
-    if causal and q_len != kv_len:
-        pytest.skip("the library only asks for causal blocks on squares")
+@pytest.mark.parametrize("heads", [(8, 8), (8, 2)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_kernel_on_ring_slices_matches_math(kernel_class, heads, causal):
+    """The views the ring passes: one zigzag chunk of a rank's shard, all batch rows (not contiguous),
+    lse sliced from the shard's [b, h, s] and made contiguous, out the real one or burst mode's O'."""
+    chunk = 192  # not a multiple of the kernels' 128-row tiles
     g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(2, q_len, heads[0], 64, device="cuda", generator=g, dtype=torch.bfloat16)
-    k, v = (torch.randn(2, kv_len, heads[1], 64, device="cuda", generator=g, dtype=torch.bfloat16) for _ in "kv")
-    dout = torch.randn_like(q)
+    shard = lambda kv_heads: torch.randn(2, 2 * chunk, kv_heads, 64, device="cuda", generator=g,  # noqa: E731
+                                         dtype=torch.bfloat16)
+    q_shard, k_shard, v_shard, dout_shard = shard(heads[0]), shard(heads[1]), shard(heads[1]), shard(heads[0])
+    b, rows = slice(None), slice(chunk, None)
+    cols = rows if causal else slice(0, chunk)  # causal calls are the diagonal chunk's square
+    q, k, v, dout = q_shard[b, rows], k_shard[b, cols], v_shard[b, cols], dout_shard[b, rows]
+    assert not (q.is_contiguous() or k.is_contiguous())
+
     kernel, ref = kernel_class(), MathKernel()
-    out, lse = kernel.forward(q, k, v, causal, 0.125)
-    ref_out, ref_lse = ref.forward(q, k, v, causal, 0.125)
-    assert lse.shape == ref_lse.shape and lse.dtype == torch.float32
-    assert (out.float() - ref_out.float()).abs().max() < 2e-2
-    assert (lse - ref_lse).abs().max() < 1e-3
-    grads = kernel.backward(dout, q, k, v, ref_out, ref_lse, causal, 0.125)
-    ref_grads = ref.backward(dout, q, k, v, ref_out, ref_lse, causal, 0.125)
-    for g_, r in zip(grads, ref_grads, strict=True):
-        assert g_.shape == r.shape
-        assert (g_.float() - r.float()).abs().max() < 5e-2
+    out, lse = kernel.forward(q, k, v, causal, SCALE)
+    ref_out, ref_lse = ref.forward(q, k, v, causal, SCALE)
+    assert lse.dtype == torch.float32 and out.dtype == q.dtype
+    assert_close("out", out, ref_out, OUT_TOLERANCE)
+    assert_close("lse", lse, ref_lse, LSE_TOLERANCE)
+
+    lse_shard = torch.zeros(2, heads[0], 2 * chunk, device="cuda")
+    lse_shard[b, :, rows] = ref_lse
+    ref_grads = ref.backward(dout, q, k, v, ref_out, ref_lse, causal, SCALE)
+    stand_in = output_with_delta(dout, row_dot(dout, ref_out))  # what burst mode passes for another rank's rows
+    for out_name, out_arg in (("out", ref_out), ("O'", stand_in)):
+        grads = kernel.backward(dout, q, k, v, out_arg, lse_shard[b, :, rows].contiguous(), causal, SCALE)
+        for name, got, expected in zip(("dq", "dk", "dv"), grads, ref_grads, strict=True):
+            assert_close(f"{name} with {out_name}", got, expected, GRAD_TOLERANCE)
 
 
-def test_burst_attn_on_one_gpu_matches_sdpa():
-    q, k, v = (torch.randn(1, 1024, 8, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in "qkv")
-    out = burst.burst_attn(q, k, v, doc_boundaries=[torch.tensor([0, 300, 1024])])
-    out.sum().backward()
-    assert torch.isfinite(out).all() and torch.isfinite(q.grad).all()
-    q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    ref = burst.burst_attn(q2, k2, v2, kernel="math", doc_boundaries=[torch.tensor([0, 300, 1024])])
-    ref.sum().backward()
-    assert (out.float() - ref.float()).abs().max() < 2e-2
-    assert (q.grad.float() - q2.grad.float()).abs().max() < 5e-2
+@pytest.mark.parametrize("kernel_class", KERNELS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("heads", [(8, 8), (8, 2)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("documents", [None, [0, 300, 301, 700, 1024]], ids=["one-doc", "documents"])
+@pytest.mark.parametrize("mode", ["burst", "ring"])
+def test_burst_attn_on_one_gpu_matches_math(kernel_class, heads, documents, mode):
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn(2, 1024, heads[0], 64, device="cuda", generator=g, dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 1024, heads[1], 64, device="cuda", generator=g, dtype=torch.bfloat16) for _ in "kv")
+    dout = torch.randn_like(q)
+    doc_boundaries = None if documents is None else [torch.tensor(documents)] * 2
+    results = []
+    for kernel in (kernel_class(), MathKernel()):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        with using_kernel(kernel):
+            out = burst.burst_attn(*leaves, backward=mode, doc_boundaries=doc_boundaries)
+            out.backward(dout)
+        results.append([out.detach()] + [t.grad for t in leaves])
+    for name, got, expected in zip(("out", "dq", "dk", "dv"), *results, strict=True):
+        assert_close(name, got, expected, OUT_TOLERANCE if name == "out" else GRAD_TOLERANCE)
+
+
+def test_auto_selection_on_this_gpu():
+    device = torch.device("cuda")
+    best = select_kernel(device, torch.bfloat16, "auto", head_dim=128)
+    assert type(best) is KERNELS[-1], f"auto chose {type(best).__name__}; this machine has {KERNELS}"
+    assert type(select_kernel(device, torch.float32, "auto", head_dim=128)) is TorchCUDAEfficientKernel
+    assert type(select_kernel(device, torch.bfloat16, "auto", head_dim=100)) is TorchCUDAEfficientKernel

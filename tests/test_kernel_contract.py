@@ -7,6 +7,8 @@ on any argument flash-attn could not take as it is, so burst_attn run with it at
 the results still match the float64 reference.
 """
 
+import contextlib
+
 import pytest
 import torch
 
@@ -48,15 +50,21 @@ class ContractCheckingKernel:
         return grads
 
 
-def run_with_checking_kernel(fn, *args) -> dict[str, int]:
-    """Run fn(*args) with burst_attn's kernel replaced by a ContractCheckingKernel; its call counts."""
-    kernel = ContractCheckingKernel()
+@contextlib.contextmanager
+def using_kernel(kernel):
+    """burst_attn uses `kernel` for every call inside the block, whatever it would select."""
     select = burst.attention.select_kernel
     burst.attention.select_kernel = lambda *_, **__: kernel
     try:
-        fn(*args)
+        yield kernel
     finally:
         burst.attention.select_kernel = select
+
+
+def run_with_checking_kernel(fn, *args) -> dict[str, int]:
+    """Run fn(*args) with burst_attn's kernel replaced by a ContractCheckingKernel; its call counts."""
+    with using_kernel(ContractCheckingKernel()) as kernel:
+        fn(*args)
     return kernel.calls
 
 
