@@ -4,6 +4,10 @@ At 131,072 tokens and a 128K vocabulary the float32 logits alone are ~63 GiB. Fo
 logits `chunk_size` rows at a time and keeps only each row's logsumexp; backward recomputes each
 chunk's logits to form softmax - onehot and the gradients of hidden and weight. Memory beyond
 the inputs is O(chunk_size x vocab) plus the [vocab, dim] weight gradient.
+
+The matmuls run in bf16 (or fp16) when hidden and weight both are, as under FSDP mixed precision
+on CUDA; the log-sum-exp, softmax and weight gradient are always float32. Otherwise (float32
+weights, also under CPU autocast) everything is float32.
 """
 
 from __future__ import annotations
@@ -11,20 +15,26 @@ from __future__ import annotations
 import torch
 
 
-def _chunk_logits(hidden_chunk: torch.Tensor, weight32: torch.Tensor) -> torch.Tensor:
-    """[chunk, dim] x [vocab, dim] -> float32 logits [chunk, vocab]."""
-    return hidden_chunk.float() @ weight32.t()
+def _matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """bf16/fp16 when hidden and weight share that dtype, else float32."""
+    half = hidden.dtype == weight.dtype and hidden.dtype in (torch.bfloat16, torch.float16)
+    return hidden.dtype if half else torch.float32
 
 
-def _logsumexp_and_target(hidden: torch.Tensor, weight32: torch.Tensor, safe_labels: torch.Tensor,
+def _chunk_logits(hidden_chunk: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """[chunk, dim] x [vocab, dim] (weight in the matmul dtype) -> float32 logits [chunk, vocab]."""
+    return (hidden_chunk.to(weight.dtype) @ weight.t()).float()
+
+
+def _logsumexp_and_target(hidden: torch.Tensor, weight_mm: torch.Tensor, safe_labels: torch.Tensor,
                           chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's logsumexp of its logits and its label's logit, float32 [N] each, `chunk_size` rows at a time;
-    a row's cross-entropy is their difference."""
+    """Each row's logsumexp of its logits and its label's logit, float32 [N] each, `chunk_size` rows at a time
+    (weight in the matmul dtype); a row's cross-entropy is their difference."""
     logsumexp = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)  # [N]
     target = torch.empty_like(logsumexp)  # [N]
     for start in range(0, hidden.shape[0], chunk_size):
         rows = slice(start, start + chunk_size)
-        logits = _chunk_logits(hidden[rows], weight32)  # [chunk, vocab]
+        logits = _chunk_logits(hidden[rows], weight_mm)  # [chunk, vocab] float32
         logsumexp[rows] = torch.logsumexp(logits, dim=-1)
         target[rows] = logits.gather(1, safe_labels[rows, None]).squeeze(1)
     return logsumexp, target
@@ -34,12 +44,12 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int,
                 ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        # Autocast would run the matmuls in bf16; the softmax needs float32 logits.
+        # Autocast would run the matmuls in bf16 over float32 weights; the dtypes given decide here.
         with torch.autocast(hidden.device.type, enabled=False):
-            weight32 = weight.float()
+            weight_mm = weight.to(_matmul_dtype(hidden, weight))
             valid = labels != ignore_index  # [N]
             safe_labels = torch.where(valid, labels, 0)
-            logsumexp, target = _logsumexp_and_target(hidden, weight32, safe_labels, chunk_size)  # [N] each
+            logsumexp, target = _logsumexp_and_target(hidden, weight_mm, safe_labels, chunk_size)  # [N] each
             loss_sum = ((logsumexp - target) * valid).sum()
         ctx.save_for_backward(hidden, weight, safe_labels, valid, logsumexp)
         ctx.chunk_size = chunk_size
@@ -51,26 +61,30 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss_sum: torch.Tensor, _grad_count: torch.Tensor):
         hidden, weight, safe_labels, valid, logsumexp = ctx.saved_tensors
         with torch.autocast(hidden.device.type, enabled=False):
-            weight32 = weight.float()
+            weight_mm = weight.to(_matmul_dtype(hidden, weight))
             grad_hidden = torch.empty_like(hidden)  # [N, dim]
-            grad_weight = torch.zeros_like(weight32)  # [vocab, dim]
+            grad_weight = torch.zeros_like(weight, dtype=torch.float32)  # [vocab, dim]
             for start in range(0, hidden.shape[0], ctx.chunk_size):
                 rows = slice(start, start + ctx.chunk_size)
-                hidden32 = hidden[rows].float()
+                hidden_mm = hidden[rows].to(weight_mm.dtype)
                 # d(loss_sum)/d(logits) = softmax - onehot(label) on scored rows, 0 on ignored ones.
-                grad_logits = _chunk_logits(hidden32, weight32)  # [chunk, vocab]
+                grad_logits = _chunk_logits(hidden_mm, weight_mm)  # [chunk, vocab] float32
                 grad_logits.sub_(logsumexp[rows, None]).exp_()
                 grad_logits.scatter_add_(1, safe_labels[rows, None],
                                          torch.full_like(logsumexp[rows, None], -1.0))
                 grad_logits.mul_((valid[rows] * grad_loss_sum)[:, None])
-                grad_hidden[rows] = grad_logits @ weight32
-                grad_weight.addmm_(grad_logits.t(), hidden32)
+                grad_logits_mm = grad_logits.to(weight_mm.dtype)
+                grad_hidden[rows] = grad_logits_mm @ weight_mm
+                if grad_logits_mm.dtype == torch.float32:
+                    grad_weight.addmm_(grad_logits_mm.t(), hidden_mm)  # in place: no [vocab, dim] temporary
+                else:  # addmm_ cannot mix dtypes: a bf16 product per chunk, summed in float32
+                    grad_weight += grad_logits_mm.t() @ hidden_mm
         return grad_hidden, grad_weight.to(weight.dtype), None, None, None
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int = 1024,
                           ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed cross-entropy of logits = hidden @ weight.T, computed chunk by chunk in float32.
+    """Summed cross-entropy of logits = hidden @ weight.T, computed chunk by chunk (float32 softmax).
 
     hidden [N, dim], weight [vocab, dim], labels [N] int64 (ignore_index = not scored).
     Returns (loss_sum float32 scalar, count int64 scalar of scored rows); loss_sum / count is

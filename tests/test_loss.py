@@ -39,19 +39,54 @@ def test_matches_plain_cross_entropy(chunk_size):
 
 
 def test_bf16_autocast_computes_in_float32():
+    """CPU training: bf16 autocast over float32 weights keeps the logits float32."""
     hidden, weight, labels = inputs(n=40, dim=32, vocab=500, dtype=torch.bfloat16)
+    weight = weight.detach().float().requires_grad_()  # the float32 master weight autocast runs over
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss_sum, _ = chunked_cross_entropy(hidden, weight, labels, chunk_size=16)
     loss_sum.backward()
     assert loss_sum.dtype == torch.float32
-    assert hidden.grad.dtype == weight.grad.dtype == torch.bfloat16
-    # Against float32 logits of the same bf16 numbers: only the gradients' final rounding differs.
+    assert hidden.grad.dtype == torch.bfloat16 and weight.grad.dtype == torch.float32
+    # Against float32 logits of the same bf16 numbers: only the hidden gradient's final rounding differs.
     hidden32, weight32 = (t.detach().float().requires_grad_() for t in (hidden, weight))
     expected = plain_cross_entropy(hidden32, weight32, labels)
     expected.backward()
     torch.testing.assert_close(loss_sum, expected, rtol=1e-6, atol=1e-4)
     torch.testing.assert_close(hidden.grad.float(), hidden32.grad, rtol=1e-2, atol=1e-3)
-    torch.testing.assert_close(weight.grad.float(), weight32.grad, rtol=1e-2, atol=1e-3)
+    torch.testing.assert_close(weight.grad, weight32.grad, rtol=1e-5, atol=1e-6)
+
+
+class MatmulDtypes(TorchDispatchMode):
+    """Records the input dtype of every matrix multiply, and of every logsumexp."""
+
+    def __init__(self):
+        super().__init__()
+        self.matmuls, self.logsumexps = set(), set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
+            self.matmuls.add(args[-1].dtype)
+        if func.overloadpacket is torch.ops.aten.logsumexp:
+            self.logsumexps.add(args[0].dtype)
+        return func(*args, **(kwargs or {}))
+
+
+def test_bf16_head_runs_the_matmuls_in_bf16_with_a_float32_logsumexp():
+    """Under FSDP mixed precision on CUDA, hidden and the gathered weight are both bf16."""
+    hidden, weight, labels = inputs(n=40, dim=32, vocab=500, dtype=torch.bfloat16)
+    with MatmulDtypes() as seen:
+        loss_sum, _ = chunked_cross_entropy(hidden, weight, labels, chunk_size=16)
+        loss_sum.backward()
+    assert seen.matmuls == {torch.bfloat16} and seen.logsumexps == {torch.float32}
+    assert loss_sum.dtype == torch.float32 and hidden.grad.dtype == weight.grad.dtype == torch.bfloat16
+    # Against float32 logits of the same bf16 numbers: within bf16's rounding of the logits.
+    hidden32, weight32 = (t.detach().float().requires_grad_() for t in (hidden, weight))
+    expected = plain_cross_entropy(hidden32, weight32, labels)
+    expected.backward()
+    torch.testing.assert_close(loss_sum, expected, rtol=2e-3, atol=1e-2)
+    for got, want in ((hidden.grad, hidden32.grad), (weight.grad, weight32.grad)):
+        # relative to the whole gradient: single entries that cancel to ~0 have no relative precision in bf16
+        assert (got.float() - want).norm() / want.norm() < 1e-2
 
 
 class LargestTensor(TorchDispatchMode):

@@ -6,7 +6,8 @@
    it wraps the blocks before FSDP so that FSDP's per-block units see the recomputation;
 3. FSDP2: `fully_shard` on every block, then on the root, over the flattened dp x cp mesh (when
    world > 1). Parameters, gradients and optimizer state are sharded over all ranks: cp ranks hold
-   the same weights, so they share the sharding with the dp ranks.
+   the same weights, so they share the sharding with the dp ranks. With bf16 on CUDA, parameters are
+   gathered and used in bf16 over float32 master weights (see `mixed_precision_policy`).
 
 `build_model` goes meta -> parallelize -> materialise -> load the full initial weights, so the same
 seed (or checkpoint) gives the same weights whatever the cp x dp layout.
@@ -20,7 +21,7 @@ import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
 import burst
 from models import ModelConfig, Transformer, init_model, load_model
@@ -45,9 +46,10 @@ def parallelize(model: Transformer, mesh: DeviceMesh | None, config: TrainConfig
 
     if mesh is not None and mesh.size() > 1:
         shard_mesh = mesh["dp", "cp"]._flatten("dp_cp")  # 1-D mesh of every rank (torchtitan does the same)
+        policy = mixed_precision_policy(config, shard_mesh.device_type)
         for block in model.layers:
-            fully_shard(block, mesh=shard_mesh)
-        fully_shard(model, mesh=shard_mesh)
+            fully_shard(block, mesh=shard_mesh, mp_policy=policy)
+        fully_shard(model, mesh=shard_mesh, mp_policy=policy)
         # Training calls model.loss, not forward: FSDP must gather the root's weights around it too.
         register_fsdp_forward_method(model, "loss")
         for module in model.modules():
@@ -58,6 +60,21 @@ def parallelize(model: Transformer, mesh: DeviceMesh | None, config: TrainConfig
                 module.set_gradient_divide_factor(1.0)
                 module.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def mixed_precision_policy(config: TrainConfig, device_type: str) -> MixedPrecisionPolicy:
+    """FSDP2's casting for `config.precision` on `device_type` (torchtitan's choice for bf16 on GPUs).
+
+    bf16 on CUDA: parameters are all-gathered and used in bf16 (half the bytes of float32), gradients
+    reduce-scattered in float32 into the float32 sharded master weights the optimizer updates. The LM
+    head then runs in bf16 too, with a float32 log-sum-exp (models/loss.py). Otherwise no casting:
+    fp32 as it is, and bf16 on CPU as bf16 autocast over float32 parameters (trainer/train.py), which
+    keeps gloo's collectives and the CPU loss in float32. Autocast stays on under the CUDA policy too,
+    where it only keeps its float32 ops (softmax, norms) in float32.
+    """
+    if config.precision == "bf16" and device_type == "cuda":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
 
 
 def initial_state_dict(model_config: ModelConfig, seed: int, checkpoint: Path | None) -> dict[str, torch.Tensor]:
