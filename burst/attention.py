@@ -142,11 +142,18 @@ def heads_first(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).contiguous().transpose(1, 2)
 
 
+def kernel_layout(x: torch.Tensor) -> torch.Tensor:
+    """x in the memory the kernels get: heads-first on CPU; elsewhere as given, unless its last
+    dimension is strided (the CUDA kernels need it contiguous, see burst/kernels.py)."""
+    if x.device.type == "cpu":
+        return heads_first(x)
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 class BurstAttnFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan, scale, ring, backward, kernel_name):
-        if q.device.type == "cpu":
-            q, k, v = heads_first(q), heads_first(k), heads_first(v)
+        q, k, v = kernel_layout(q), kernel_layout(k), kernel_layout(v)
         kernel = select_kernel(q.device, q.dtype, kernel_name, head_dim=q.shape[-1])
         with torch.autocast(q.device.type, enabled=False):  # the kernels choose their own precision
             out, lse = ring_forward(ring, kernel, plan, q, k, v, scale)
@@ -162,8 +169,7 @@ class BurstAttnFunction(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         ring = ctx.ring
         ring.bytes_sent = 0
-        if dout.device.type == "cpu":
-            dout = heads_first(dout)
+        dout = kernel_layout(dout)
         run = burst_backward if ctx.backward_mode == "burst" else ring_backward
         with torch.autocast(q.device.type, enabled=False):
             dq, dk, dv = run(ring, ctx.kernel, ctx.plan, dout.to(q.dtype), q, k, v, out, lse, ctx.scale)

@@ -105,6 +105,18 @@ def test_burst_attn_on_one_gpu_matches_math(kernel_class, heads, documents, mode
         assert_close(name, got, expected, OUT_TOLERANCE if name == "out" else GRAD_TOLERANCE)
 
 
+def test_burst_attn_takes_inputs_with_a_strided_last_dimension():
+    """Made contiguous once at the boundary: every CUDA kernel needs stride(-1) == 1."""
+    g = torch.Generator(device="cuda").manual_seed(2)
+    q, k, v = (torch.randn(1, 64, 4, 256, device="cuda", generator=g, dtype=torch.bfloat16).permute(0, 3, 2, 1)
+               for _ in "qkv")  # [1, 256, 4, 64] views with stride(-1) = 1024
+    assert q.stride(-1) != 1
+    out = burst.burst_attn(q, k, v)
+    with using_kernel(MathKernel()):
+        ref = burst.burst_attn(q, k, v)
+    assert_close("out", out, ref, OUT_TOLERANCE)
+
+
 def test_auto_selection_on_this_gpu():
     device = torch.device("cuda")
     best = select_kernel(device, torch.bfloat16, "auto", head_dim=128)

@@ -47,7 +47,8 @@ class TrainConfig:
     beta1: float = setting(0.9, "AdamW beta1.")
     beta2: float = setting(0.95, "AdamW beta2.")
     max_grad_norm: float = setting(1.0, "Clip the global gradient norm (over all shards) to this; 0: no clipping.")
-    precision: str = setting("bf16", "bf16: bf16 autocast over float32 master weights; fp32: no autocast.")
+    precision: str = setting("bf16", "bf16: bf16 compute over float32 master weights (FSDP2 mixed precision on "
+                                     "CUDA, else autocast); fp32: no autocast.")
     activation_checkpointing: bool = setting(False, "Recompute each block's activations in backward.")
     attention_backward: str = setting("auto", "BurstAttention backward communication: burst, ring or auto "
                                               "(fewer bytes).")
