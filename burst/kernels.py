@@ -309,7 +309,12 @@ def installed_flash_attn_version() -> TorchVersion | None:
     """flash-attn's version when it is installed, else None (without importing it)."""
     if importlib.util.find_spec("flash_attn") is None:
         return None
-    return TorchVersion(importlib.metadata.version("flash_attn"))
+    try:
+        return TorchVersion(importlib.metadata.version("flash_attn"))
+    except importlib.metadata.PackageNotFoundError:  # importable without package metadata (a source tree)
+        import flash_attn
+
+        return TorchVersion(flash_attn.__version__)
 
 
 def cuda_kernel_choice(dtype: torch.dtype, head_dim: int, capability: tuple[int, int],
