@@ -41,15 +41,17 @@ def _cuda_policy_on_cpu(rank, world_size):
     try:
         model, got, _, gradients = step_once(bf16, env, rank, 0)
         assert all(isinstance(p, DTensor) and p.dtype == torch.float32 for p in model.parameters())  # master weights
-        compute_dtypes = set()
+        compute_dtypes, head_inputs = set(), set()
         hooks = [block.register_forward_pre_hook(
             lambda module, _: compute_dtypes.add(module.attention.wq.weight.dtype)) for block in model.layers]
+        hooks.append(model.norm.register_forward_hook(lambda _module, _input, out: head_inputs.add(out.dtype)))
         model.loss(*(getattr(rank_batches(rank, world_size, 0, 1, 1)[0], n) for n in ("tokens", "labels")))
         for hook in hooks:
             hook.remove()
     finally:
         PARALLELIZE.mixed_precision_policy = real_policy
     assert compute_dtypes == {torch.bfloat16}  # every block runs on its bf16 copy
+    assert head_inputs == {torch.bfloat16}  # with the bf16 output weight: the LM head runs in bf16 (models/loss.py)
     assert abs(got.loss - want.loss) < 2e-2 * want.loss
     for name, grad in want_gradients.items():
         assert (gradients[name] - grad).norm() <= 5e-2 * grad.norm() + 1e-6, name
