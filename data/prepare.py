@@ -8,8 +8,8 @@ looks like a store. Tokens go to disk chunk by chunk, so memory stays flat for a
 from __future__ import annotations
 
 import shutil
-import tempfile
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,11 +20,12 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeE
 from rich.table import Table
 
 from data.sources import DocumentReader, InputReport, find_input_files
-from data.store import TOKENIZER_FILE, StoreWriter, TokenStore, token_dtype
+from data.store import METADATA_FILE, TOKENIZER_FILE, StoreWriter, TokenStore, token_dtype
 from data.tokenizer import Tokenizer, train_tokenizer
 from runtime.launch import available_cores
 
 DEFAULT_VOCAB_SIZE = 32_000
+MAX_VOCAB_SIZE = 2**20  # well past any LLaMA-family vocabulary (128,256); more is a typo, not a plan
 LONG_DOCUMENT_TOKENS = (8_192, 16_384, 32_768, 65_536, 131_072)  # common sequence lengths
 CHUNK_CHARS = 4_000_000  # text per encode call: enough work for every core, little memory
 
@@ -60,12 +61,15 @@ def prepare(inputs: Sequence[str | Path], out_dir: str | Path, *, tokenizer: str
     """
     started = time.perf_counter()
     out_dir = Path(out_dir)
-    _check_arguments(inputs, out_dir, tokenizer, vocab_size, val_fraction, force)
+    _check_arguments(inputs, out_dir, tokenizer, vocab_size, val_fraction, seed, force)
     report = InputReport()
     files = find_input_files(inputs, report)
+    if not files:
+        raise ValueError(no_documents_message(inputs, report))
     console = Console(quiet=not progress)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    work_dir = Path(tempfile.mkdtemp(prefix=f"{out_dir.name}.tmp-", dir=out_dir.parent))
+    work_dir = out_dir.parent / f"{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
+    work_dir.mkdir()  # with the user's umask, as the store will keep it (mkdtemp's would be 0700)
     try:
         with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeElapsedColumn(),
                       TimeRemainingColumn(), console=console) as bar:
@@ -76,8 +80,7 @@ def prepare(inputs: Sequence[str | Path], out_dir: str | Path, *, tokenizer: str
             finally:
                 writer.close()
         if writer.num_documents == 0:
-            raise ValueError(f"no documents to store in {[str(i) for i in inputs]}: {report.files} files read, "
-                             f"problems {report.problems()}, e.g. {report.examples}")
+            raise ValueError(no_documents_message(inputs, report))
         val_documents = _choose_val_documents(writer.num_documents, val_fraction, seed)
         writer.finish(val_documents, {
             "tokenizer": {"file": TOKENIZER_FILE, "sha256": tok.sha256, "vocab_size": tok.vocab_size,
@@ -96,19 +99,38 @@ def prepare(inputs: Sequence[str | Path], out_dir: str | Path, *, tokenizer: str
     return summary
 
 
+def no_documents_message(inputs: Sequence[str | Path], report: InputReport) -> str:
+    """What to say when the inputs hold no document at all, naming the likeliest fix."""
+    problems = {name: count for name, count in report.problems().items() if count}
+    found = ", ".join(f"{count} {name.replace('_', ' ')} (e.g. {report.examples[name][0]})"
+                      for name, count in problems.items())
+    hint = "choose the field that holds the text with --text-field" if report.missing_text_field else \
+        "pass text or source files, .jsonl(.gz) or .parquet, or directories holding them"
+    return (f"no documents to store in {', '.join(map(str, inputs))}: {report.files} files read"
+            + (f"; found {found}" if found else "") + f"; {hint}")
+
+
 def _check_arguments(inputs: Sequence[str | Path], out_dir: Path, tokenizer: str | Path | None,
-                     vocab_size: int | None, val_fraction: float, force: bool) -> None:
+                     vocab_size: int | None, val_fraction: float, seed: int, force: bool) -> None:
     """Refuse bad arguments before any work is done."""
     if not inputs:
         raise ValueError("no inputs given; pass files or directories to tokenize")
     if tokenizer is not None and vocab_size is not None:
         raise ValueError("pass either --tokenizer (use an existing model) or --vocab-size (train one), not both")
+    if vocab_size is not None and not 300 <= vocab_size <= MAX_VOCAB_SIZE:
+        raise ValueError(f"--vocab-size {vocab_size:,} must be between 300 (byte fallback alone takes 259 ids) and "
+                         f"{MAX_VOCAB_SIZE:,}; LLaMA-2 uses 32,000, LLaMA-3 128,256")
     if not 0 <= val_fraction < 1:
         raise ValueError(f"--val-fraction {val_fraction} must be in [0, 1), e.g. 0.01")
+    if not 0 <= seed < 2**32:
+        raise ValueError(f"--seed {seed} must be between 0 and 2^32 - 1")
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         if not force:
             raise FileExistsError(f"{out_dir} already exists and is not empty; choose another --out, "
                                   f"or pass --force to replace it")
+        if not (out_dir / METADATA_FILE).is_file():
+            raise FileExistsError(f"{out_dir} is not a token store (it has no {METADATA_FILE}), so --force will not "
+                                  f"delete it; choose another --out, or delete {out_dir} yourself")
         resolved = out_dir.resolve()
         for item in map(Path, inputs):
             if item.resolve() == resolved or resolved in item.resolve().parents:
@@ -123,11 +145,17 @@ def _tokenizer_for(files: list[Path], path: Path, existing: str | Path | None, v
         Tokenizer(existing)  # fail here, with a clear message, if it is not a usable model
         shutil.copyfile(existing, path)
         return Tokenizer(path)
-    started = time.perf_counter()
-    bar.console.print(f"training a tokenizer (vocabulary {vocab_size or DEFAULT_VOCAB_SIZE:,}) on {len(files):,} files")
-    texts = DocumentReader(files, InputReport(), text_field)  # problems are counted in the main pass
-    tok = train_tokenizer(texts, path, vocab_size or DEFAULT_VOCAB_SIZE, seed=seed)
+    started, wanted = time.perf_counter(), vocab_size or DEFAULT_VOCAB_SIZE
+    bar.console.print(f"training a tokenizer (vocabulary {wanted:,}) on {len(files):,} files")
+    report = InputReport()  # problems are reported from the main pass, unless there is no text at all
+    reader = DocumentReader(files, report, text_field)
+    if next(iter(reader), None) is None:
+        raise ValueError(no_documents_message([str(f) for f in files], report))
+    tok = train_tokenizer(reader, path, wanted, seed=seed)
     bar.console.print(f"trained the tokenizer in {time.perf_counter() - started:.1f} s")
+    if tok.vocab_size < wanted:
+        bar.console.print(f"[yellow]warning:[/] the corpus gave a vocabulary of {tok.vocab_size:,} tokens, not the "
+                          f"{wanted:,} asked for (too little text for more); the store uses {tok.vocab_size:,}")
     return tok
 
 

@@ -7,6 +7,7 @@ each problem is counted in an `InputReport`, with the first few places it happen
 
 from __future__ import annotations
 
+import codecs
 import gzip
 import importlib.util
 import json
@@ -21,6 +22,7 @@ TEXT_SUFFIXES = frozenset(
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz")
 PARQUET_SUFFIX = ".parquet"
 MAX_EXAMPLES = 5  # places kept per kind of problem, for the summary
+SNIFF_BYTES = 8192  # read from each file named on the command line to tell text from binary
 
 
 @dataclass
@@ -53,25 +55,49 @@ class InputReport:
 def find_input_files(inputs: Sequence[str | Path], report: InputReport) -> list[Path]:
     """The files to read, in a stable order: each input file, and each directory searched recursively.
 
-    A file named explicitly is read as text unless it is JSON Lines or Parquet; inside directories
-    only known suffixes are read and the rest are counted as skipped.
+    A file named explicitly is read as text unless it is JSON Lines or Parquet (and refused if it is
+    binary); inside directories only known suffixes are read and the rest are counted as skipped.
+    A file reached twice (`DIR DIR`, or a file and its directory) is refused: it would be stored twice,
+    and could land in both splits.
     """
     files: list[Path] = []
+    given_by: dict[Path, Path] = {}  # each file, resolved -> the input that reached it
     for item in map(Path, inputs):
         if item.is_dir():
+            found = []
             for path in sorted(p for p in item.rglob("*") if p.is_file()):
                 if kind_of(path) == "unsupported":
                     report.count("skipped_files", str(path))
                 else:
-                    files.append(path)
+                    found.append(path)
         elif item.is_file():
-            files.append(item)
+            if kind_of(item) not in ("jsonl", "parquet") and _looks_binary(item):
+                raise ValueError(f"input {item} is not UTF-8 text (it looks binary); pass text or source files, "
+                                 f".jsonl(.gz) or .parquet, or directories holding them")
+            found = [item]
         else:
             raise FileNotFoundError(f"input {item} does not exist; pass text, source, .jsonl(.gz) or .parquet "
                                     f"files, or directories holding them")
+        for path in found:
+            earlier = given_by.setdefault(path.resolve(), item)
+            if earlier is not item:
+                raise ValueError(f"{path} is given twice, by the inputs {earlier} and {item}: it would be stored "
+                                 f"twice (and could be in both splits); pass each file or directory once")
+        files += found
     if any(kind_of(p) == "parquet" for p in files) and importlib.util.find_spec("pyarrow") is None:
         raise ImportError("reading .parquet inputs needs pyarrow: pip install -e '.[parquet]' (or pass other inputs)")
     return files
+
+
+def _looks_binary(path: Path) -> bool:
+    """Whether the start of `path` holds a NUL byte or is not UTF-8 (a sequence cut at the end is fine)."""
+    with open(path, "rb") as f:
+        head = f.read(SNIFF_BYTES)
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+    except UnicodeDecodeError:
+        return True
+    return b"\0" in head
 
 
 def kind_of(path: Path) -> str:

@@ -22,6 +22,7 @@ FORMAT_VERSION = 1
 TOKENS_FILE, OFFSETS_FILE, VAL_FILE = "tokens.bin", "offsets.bin", "val_documents.bin"
 TOKENIZER_FILE, METADATA_FILE = "tokenizer.model", "metadata.json"
 SPLITS = ("train", "val")
+TOKENIZER_KEYS = {"file": str, "vocab_size": int, "bos_id": int, "eos_id": int}
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -35,6 +36,7 @@ class StoreWriter:
     def __init__(self, directory: Path, dtype: np.dtype) -> None:
         self.directory, self.dtype = directory, dtype
         self.num_documents = self.num_tokens = 0
+        self.max_token_id = -1
         self._tokens = open(directory / TOKENS_FILE, "wb")
         self._offsets = open(directory / OFFSETS_FILE, "wb")
         np.zeros(1, np.int64).tofile(self._offsets)
@@ -43,8 +45,10 @@ class StoreWriter:
         if not documents:
             return
         lengths = np.fromiter(map(len, documents), np.int64, len(documents))
-        np.concatenate(documents).astype(self.dtype, copy=False).tofile(self._tokens)
+        tokens = np.concatenate(documents).astype(self.dtype, copy=False)
+        tokens.tofile(self._tokens)
         (self.num_tokens + np.cumsum(lengths)).tofile(self._offsets)
+        self.max_token_id = max(self.max_token_id, int(tokens.max(initial=0)))
         self.num_documents += len(documents)
         self.num_tokens += int(lengths.sum())
 
@@ -55,7 +59,7 @@ class StoreWriter:
         np.asarray(val_documents, np.int64).tofile(self.directory / VAL_FILE)
         metadata = {"format_version": FORMAT_VERSION, "dtype": self.dtype.name,
                     "num_documents": self.num_documents, "num_tokens": self.num_tokens,
-                    "num_val_documents": len(val_documents), **metadata}
+                    "num_val_documents": len(val_documents), "max_token_id": self.max_token_id, **metadata}
         (self.directory / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
 
     def close(self) -> None:
@@ -74,6 +78,50 @@ def _map(path: Path, dtype: np.dtype, count: int, directory: Path) -> np.ndarray
     return np.memmap(path, dtype, mode="r", shape=(count,)) if count else np.empty(0, dtype)
 
 
+def _damaged(directory: Path, what: str) -> ValueError:
+    return ValueError(f"{directory} is a damaged token store: {what}; prepare it again with `burst prepare`")
+
+
+def _read_metadata(path: Path) -> dict[str, Any]:
+    """metadata.json, refused unless it is this format version and holds every key a store is read by."""
+    try:
+        metadata = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise _damaged(path.parent, f"{METADATA_FILE} is not valid JSON ({err})") from None
+    version = metadata.get("format_version") if isinstance(metadata, dict) else None
+    if version != FORMAT_VERSION:
+        raise ValueError(f"{path.parent} is a token store of format version {version}, this burst reads "
+                         f"version {FORMAT_VERSION}; prepare the store again with this version of `burst prepare`")
+    counts = ("num_documents", "num_tokens", "num_val_documents")
+    tokenizer = metadata.get("tokenizer")
+    missing = [key for key in counts if not isinstance(metadata.get(key), int) or metadata[key] < 0]
+    missing += [] if metadata.get("dtype") in ("uint16", "uint32") else ["dtype"]
+    missing += [f"tokenizer.{key}" for key in TOKENIZER_KEYS
+                if not isinstance(tokenizer, dict) or not isinstance(tokenizer.get(key), TOKENIZER_KEYS[key])]
+    if missing:
+        raise _damaged(path.parent, f"{METADATA_FILE} lacks valid {', '.join(missing)}")
+    return metadata
+
+
+def _check_contents(store: TokenStore) -> None:
+    """Refuse offsets, a split or token ids that do not fit the metadata, reading the small arrays only
+    (token ids through the maximum `burst prepare` recorded, scanned only in a store without one)."""
+    offsets, meta, tokenizer = store._offsets, store.metadata, store.metadata["tokenizer"]
+    if offsets[0] != 0 or offsets[-1] != meta["num_tokens"] or np.any(np.diff(offsets) < 0):
+        raise _damaged(store.directory, f"{OFFSETS_FILE} does not rise from 0 to num_tokens {meta['num_tokens']}")
+    val = store._val
+    if len(val) and (val[0] < 0 or val[-1] >= meta["num_documents"] or np.any(np.diff(val) <= 0)):
+        raise _damaged(store.directory, f"{VAL_FILE} holds document ids that are not sorted, unique and below "
+                                        f"num_documents {meta['num_documents']}")
+    max_id = meta.get("max_token_id")
+    if not isinstance(max_id, int):
+        max_id = int(store._tokens.max(initial=0))
+    max_id = max(max_id, tokenizer["bos_id"], tokenizer["eos_id"])
+    if max_id >= tokenizer["vocab_size"]:
+        raise _damaged(store.directory, f"it holds token id {max_id} but {METADATA_FILE} gives a vocabulary of "
+                                        f"{tokenizer['vocab_size']} tokens")
+
+
 class TokenStore:
     """A prepared corpus, memory-mapped: `document(i)` reads no more than document i.
 
@@ -87,17 +135,14 @@ class TokenStore:
             raise FileNotFoundError(
                 f"{self.directory} is not a complete token store: {METADATA_FILE} is missing (a `burst prepare` "
                 f"that did not finish leaves none); create it with `burst prepare INPUT... --out {self.directory}`")
-        self.metadata: dict[str, Any] = json.loads(meta_path.read_text())
-        version = self.metadata.get("format_version")
-        if version != FORMAT_VERSION:
-            raise ValueError(f"{self.directory} is a token store of format version {version}, this burst reads "
-                             f"version {FORMAT_VERSION}; prepare the store again with this version of `burst prepare`")
-        total_documents = self.metadata["num_documents"]
+        self.metadata: dict[str, Any] = _read_metadata(meta_path)
         self._tokens = _map(self.directory / TOKENS_FILE, np.dtype(self.metadata["dtype"]),
                             self.metadata["num_tokens"], self.directory)
-        self._offsets = _map(self.directory / OFFSETS_FILE, np.dtype(np.int64), total_documents + 1, self.directory)
+        self._offsets = _map(self.directory / OFFSETS_FILE, np.dtype(np.int64), self.metadata["num_documents"] + 1,
+                             self.directory)
         self._val = _map(self.directory / VAL_FILE, np.dtype(np.int64), self.metadata["num_val_documents"],
                          self.directory)
+        _check_contents(self)
         self._documents: np.ndarray | None = None  # global document ids of a split view; None: all of them
         self.split_name = "all"
 

@@ -23,6 +23,11 @@ UNK_ID, BOS_ID, EOS_ID = 0, 1, 2  # LLaMA's ids, so models and tokenizers agree 
 MAX_PIECE_CHARS = 4096
 
 
+def file_sha256(path: Path) -> str:
+    """The tokenizer's fingerprint: the SHA-256 of its .model file, as a token store's metadata records it."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
 class Tokenizer:
     """A SentencePiece model file. encode() adds no BOS/EOS: the loader places them."""
 
@@ -31,7 +36,11 @@ class Tokenizer:
         if not self.path.is_file():
             raise FileNotFoundError(f"tokenizer model {self.path} does not exist; pass the path of a SentencePiece "
                                     f".model file, or let `burst prepare` train one with --vocab-size")
-        self._sp = spm.SentencePieceProcessor(model_file=str(self.path))
+        try:
+            self._sp = spm.SentencePieceProcessor(model_file=str(self.path))
+        except RuntimeError as err:  # SentencePiece's parse error names the proto, not the fix
+            raise ValueError(f"{self.path} is not a SentencePiece .model file ({err}); pass the tokenizer.model of "
+                             f"a model or token store, or let `burst prepare` train one with --vocab-size") from None
         self.vocab_size: int = self._sp.get_piece_size()
         self.bos_id: int = self._sp.bos_id()
         self.eos_id: int = self._sp.eos_id()
@@ -39,7 +48,7 @@ class Tokenizer:
             raise ValueError(f"tokenizer {self.path} defines no BOS or EOS token (bos_id={self.bos_id}, "
                              f"eos_id={self.eos_id}); documents are packed between BOS and EOS, so use a model "
                              f"that has both")
-        self.sha256: str = hashlib.sha256(self.path.read_bytes()).hexdigest()
+        self.sha256: str = file_sha256(self.path)
 
     def encode(self, text: str) -> list[int]:
         return self._sp.encode(text)

@@ -167,10 +167,15 @@ def test_existing_output_is_refused_unless_forced(tmp_path, tokenizer):
     with pytest.raises(FileExistsError, match="--force"):
         prepare([tmp_path / "corpus"], out, tokenizer=tokenizer.path, progress=False)
     assert (out / "precious.txt").read_text() == "keep me"
+    with pytest.raises(FileExistsError, match="is not a token store"):
+        prepare([tmp_path / "corpus"], out, tokenizer=tokenizer.path, force=True, progress=False)
+    assert (out / "precious.txt").read_text() == "keep me"
+    (out / "precious.txt").unlink()
+    prepare([tmp_path / "corpus"], out, tokenizer=tokenizer.path, progress=False)
     with pytest.raises(ValueError, match="inside --out"):
         prepare([out], out, tokenizer=tokenizer.path, force=True, progress=False)
-    prepare([tmp_path / "corpus"], out, tokenizer=tokenizer.path, force=True, progress=False)
-    assert TokenStore(out).num_documents == len(docs) and not (out / "precious.txt").exists()
+    prepare([tmp_path / "corpus"], out, tokenizer=tokenizer.path, force=True, progress=False)  # a store: replaced
+    assert TokenStore(out).num_documents == len(docs)
 
 
 def test_cli_prepare_trains_a_tokenizer_and_reports_errors(tmp_path):

@@ -1,0 +1,158 @@
+"""Bad input never costs data, never lies, never ends in a traceback: one test per case of issue 16.
+
+Each test gives a command the bad input a careless user or an adversary would, and checks the exit
+code, that the message names what is wrong and how to fix it, and that nothing was lost.
+"""
+
+import gzip
+import json
+import os
+import stat
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from cli import app
+from data import TokenStore, prepare
+from data.store import METADATA_FILE, OFFSETS_FILE
+from tests.test_data_prepare import tokenizer as tokenizer  # noqa: F401  (module-scoped fixture)
+from tests.test_data_prepare import write_corpus
+
+
+def invoke(*args) -> "CliRunner.invoke":
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def refused(result, *phrases: str, code: int = 2) -> str:
+    """Assert that the command exited with `code`, with every phrase in its output and no traceback."""
+    output = result.output
+    assert result.exit_code == code, output
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    assert "Traceback" not in output
+    for phrase in phrases:
+        assert phrase in output, output
+    return output
+
+
+@pytest.fixture
+def corpus(tmp_path) -> Path:
+    write_corpus(tmp_path / "corpus")
+    return tmp_path / "corpus"
+
+
+@pytest.fixture
+def small_store(tmp_path, corpus, tokenizer) -> Path:  # noqa: F811
+    out = tmp_path / "store"
+    prepare([corpus], out, tokenizer=tokenizer.path, val_fraction=0.2, progress=False)
+    return out
+
+
+# ---- burst prepare ---------------------------------------------------------------------------------------------
+
+def test_prepare_force_does_not_delete_a_directory_that_is_not_a_token_store(tmp_path, corpus, tokenizer):  # noqa: F811
+    out = tmp_path / "results"
+    out.mkdir()
+    (out / "thesis.tex").write_text("years of work")
+    output = refused(invoke("prepare", corpus, "--out", out, "--tokenizer", tokenizer.path, "--force"),
+                     "is not a token store", "--force will not delete it")
+    assert (out / "thesis.tex").read_text() == "years of work" and "force=True" not in output
+
+
+def test_prepare_refuses_the_same_files_given_twice(tmp_path, corpus, tokenizer):  # noqa: F811
+    refused(invoke("prepare", corpus, corpus, "--out", tmp_path / "a", "--tokenizer", tokenizer.path),
+            "given twice", "pass each file or directory once")
+    refused(invoke("prepare", corpus / "a.txt", corpus, "--out", tmp_path / "b", "--tokenizer", tokenizer.path),
+            "given twice")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("case", ["empty directory", "jsonl without the field", "binary in a directory"])
+def test_prepare_without_usable_text_says_what_to_pass_instead_of_a_sentencepiece_error(tmp_path, case):
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    if case == "jsonl without the field":
+        (inputs / "rows.jsonl").write_text(json.dumps({"body": "some text"}) + "\n")
+    elif case == "binary in a directory":
+        (inputs / "blob.bin").write_bytes(bytes(range(256)))
+    output = refused(invoke("prepare", inputs, "--out", tmp_path / "store", "--vocab-size", 300), "no documents")
+    assert ("--text-field" in output) == (case == "jsonl without the field")
+    assert "sentences_" not in output and not (tmp_path / "store").exists()
+    assert not list(tmp_path.glob("store.tmp-*"))
+
+
+def test_prepare_refuses_a_tokenizer_that_is_not_a_sentencepiece_model(tmp_path, corpus):
+    (tmp_path / "notes.model").write_text("not a model")
+    refused(invoke("prepare", corpus, "--out", tmp_path / "store", "--tokenizer", tmp_path / "notes.model"),
+            "is not a SentencePiece .model file")
+
+
+def test_prepare_refuses_a_negative_seed(tmp_path, corpus, tokenizer):  # noqa: F811
+    refused(invoke("prepare", corpus, "--out", tmp_path / "store", "--tokenizer", tokenizer.path, "--seed", "-1"),
+            "--seed -1 must be between 0 and")
+
+
+def test_prepare_refuses_a_vocabulary_no_tokenizer_has_and_reports_a_smaller_one(tmp_path, corpus):
+    refused(invoke("prepare", corpus, "--out", tmp_path / "a", "--vocab-size", 10_000_000),
+            "--vocab-size 10,000,000 must be between 300")
+    done = invoke("prepare", corpus, "--out", tmp_path / "b", "--vocab-size", 5000)
+    assert done.exit_code == 0, done.output
+    got = TokenStore(tmp_path / "b").vocab_size
+    assert got < 5000 and f"vocabulary of {got:,} tokens, not the 5,000 asked for" in done.output
+
+
+def test_prepare_refuses_binary_files_named_on_the_command_line(tmp_path, corpus, tokenizer):  # noqa: F811
+    (tmp_path / "model.bin").write_bytes(np.random.default_rng(0).bytes(4096))
+    (tmp_path / "rows.jsonl.gz").write_bytes(gzip.compress(b'{"text": "fine"}\n'))  # binary on disk, read as jsonl
+    refused(invoke("prepare", corpus, tmp_path / "model.bin", "--out", tmp_path / "store", "--tokenizer",
+                   tokenizer.path), "model.bin is not UTF-8 text")
+    done = invoke("prepare", tmp_path / "rows.jsonl.gz", "--out", tmp_path / "store", "--tokenizer", tokenizer.path)
+    assert done.exit_code == 0, done.output
+
+
+def test_a_store_and_its_files_follow_the_umask(tmp_path, corpus, tokenizer):  # noqa: F811
+    previous = os.umask(0o022)
+    try:
+        prepare([corpus], tmp_path / "store", tokenizer=tokenizer.path, progress=False)
+    finally:
+        os.umask(previous)
+    for path in [tmp_path / "store", *(tmp_path / "store").iterdir()]:
+        mode = stat.S_IMODE(path.stat().st_mode)
+        assert mode & 0o044 == 0o044, f"{path} is {oct(mode)}: the rest of a team cannot read it"
+
+
+# ---- the token store, checked on open --------------------------------------------------------------------------
+
+def edit_metadata(store: Path, **changes) -> None:
+    meta = json.loads((store / METADATA_FILE).read_text())
+    for key, value in changes.items():
+        if value is None:
+            meta.pop(key)
+        else:
+            meta[key] = value
+    (store / METADATA_FILE).write_text(json.dumps(meta))
+
+
+def test_a_store_whose_metadata_lacks_the_tokenizer_is_refused_on_open(small_store):
+    edit_metadata(small_store, tokenizer=None)
+    with pytest.raises(ValueError, match="damaged token store: metadata.json lacks valid tokenizer.file"):
+        TokenStore(small_store)
+
+
+def test_a_store_whose_vocabulary_is_below_its_token_ids_is_refused_on_open(small_store):
+    meta = json.loads((small_store / METADATA_FILE).read_text())
+    edit_metadata(small_store, tokenizer={**meta["tokenizer"], "vocab_size": 100})
+    with pytest.raises(ValueError, match="holds token id .* but metadata.json gives a vocabulary of 100 tokens"):
+        TokenStore(small_store)
+    edit_metadata(small_store, tokenizer={**meta["tokenizer"], "vocab_size": 100}, max_token_id=None)  # older store
+    with pytest.raises(ValueError, match="vocabulary of 100 tokens"):
+        TokenStore(small_store)
+
+
+def test_a_store_with_an_offset_past_its_tokens_is_refused_on_open(small_store):
+    offsets = np.fromfile(small_store / OFFSETS_FILE, np.int64)
+    offsets[3] = 10**12
+    offsets.tofile(small_store / OFFSETS_FILE)
+    with pytest.raises(ValueError, match="offsets.bin does not rise from 0 to num_tokens"):
+        TokenStore(small_store)
