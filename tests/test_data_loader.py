@@ -19,7 +19,7 @@ def make_store(directory, lengths, val_documents=()) -> TokenStore:
     directory.mkdir()
     writer = StoreWriter(directory, np.dtype(np.uint32))
     writer.append([list(range(3 + d * 1000, 3 + d * 1000 + n)) for d, n in enumerate(lengths)])
-    writer.finish(np.array(val_documents, np.int64), {"tokenizer": {"file": "tokenizer.model", "vocab_size": 70_000,
+    writer.finish(np.array(val_documents, np.int64), {"tokenizer": {"file": "tokenizer.model", "vocab_size": 300_000,
                                                                     "bos_id": BOS, "eos_id": EOS}})
     return TokenStore(directory)
 
