@@ -166,6 +166,7 @@ def _train_command(config: Path | None = None, **flags: Any) -> None:
     """Train a LLaMA-style model with BurstAttention sequence parallelism."""
     from trainer.config import load_config, load_run_config  # here, so `burst --help` does not import torch
     from trainer.launch import launch
+    from trainer.signals import TrainingInterrupted
     from trainer.train import TrainingStopped
 
     overrides = {name: value for name, value in flags.items() if value is not None}
@@ -178,6 +179,8 @@ def _train_command(config: Path | None = None, **flags: Any) -> None:
     except (ValueError, TrainingStopped) as err:
         typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2 if isinstance(err, ValueError) else 1) from None
+    except TrainingInterrupted as err:  # saved, and said so: exit as a shell reports a signal (130, 143)
+        raise typer.Exit(err.exit_code) from None
 
 
 # `burst train`'s options are TrainConfig's fields, each declared once there with its type, default and help.

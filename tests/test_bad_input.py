@@ -5,6 +5,7 @@ code, that the message names what is wrong and how to fix it, and that nothing w
 """
 
 import gzip
+import importlib
 import json
 import os
 import stat
@@ -17,8 +18,11 @@ from typer.testing import CliRunner
 from cli import app
 from data import TokenStore, prepare
 from data.store import METADATA_FILE, OFFSETS_FILE
-from tests.test_data_prepare import tokenizer as tokenizer  # noqa: F401  (module-scoped fixture)
+from tests.test_data_prepare import tokenizer as tokenizer  # noqa: F401  (module-scoped fixtures)
 from tests.test_data_prepare import write_corpus
+from tests.test_train import store as store  # noqa: F401
+
+train_module = importlib.import_module("trainer.train")  # `trainer.train` names the function
 
 
 def invoke(*args) -> "CliRunner.invoke":
@@ -156,3 +160,22 @@ def test_a_store_with_an_offset_past_its_tokens_is_refused_on_open(small_store):
     offsets.tofile(small_store / OFFSETS_FILE)
     with pytest.raises(ValueError, match="offsets.bin does not rise from 0 to num_tokens"):
         TokenStore(small_store)
+
+
+# ---- burst train -----------------------------------------------------------------------------------------------
+
+def test_a_run_whose_weights_overflowed_saves_no_checkpoint_and_says_so(store, tmp_path, monkeypatch):
+    """--lr inf used to apply step 1 with a finite loss, ruin the weights, then save them as 'the last good state'."""
+    build_optimizer = train_module.build_optimizer
+
+    def overflowing_optimizer(model, config):  # a step with a finite loss and gradient that overflows the weights
+        optimizer = build_optimizer(model, config)
+        optimizer.register_step_post_hook(lambda *_: next(model.parameters()).data.fill_(float("inf")))
+        return optimizer
+
+    monkeypatch.setattr(train_module, "build_optimizer", overflowing_optimizer)
+    out = tmp_path / "run"
+    output = refused(invoke("train", "--model", "debug", "--data", store, "--seq-len", 128, "--steps", 8,
+                            "--precision", "fp32", "--out", out), "non-finite values", "no checkpoint is saved",
+                     "--lr", code=1)
+    assert "last good state" not in output and not list((out / "checkpoints").glob("step-*"))

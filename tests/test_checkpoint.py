@@ -104,19 +104,24 @@ def test_a_kill_during_a_save_keeps_the_previous_checkpoint_which_resumes(store,
     assert steps_of(out) == [4, 6] and not list((out / "checkpoints").glob("*.tmp-*"))
 
 
-def test_sigterm_finishes_the_step_saves_and_exits_cleanly(store, tmp_path):
+@pytest.mark.parametrize("sent, exit_code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_finishes_the_step_saves_and_exits_128_plus_its_number(store, tmp_path, sent, exit_code):
+    """Not 0: a scheduler or an `&&` chain must not take an interrupted run for a finished one."""
     out = tmp_path / "run"
     process = subprocess.Popen(train_command(*COMMON, "--data", store, "--steps", 1000, "--out", out),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
     deadline = time.monotonic() + 120
     while not ((out / "metrics.jsonl").is_file() and len(metrics(out)) >= 2) and time.monotonic() < deadline:
         time.sleep(0.2)
-    process.send_signal(signal.SIGTERM)
+    process.send_signal(sent)
     stdout, stderr = process.communicate(timeout=120)
-    assert process.returncode == 0, stderr[-2000:]
+    assert process.returncode == exit_code, stderr[-2000:]
+    assert "Traceback" not in stderr
     last = max(losses(out))
     assert 2 <= last < 1000 and steps_of(out) == [last]
-    assert "stopped by SIGTERM" in stdout and "--resume" in stdout
+    assert f"stopped by {sent.name}" in stdout and "--resume" in stdout
+    if sent == signal.SIGINT:
+        return
 
     resumed = burst_train("--resume", "--stop-after", last + 2, "--out", out)
     assert resumed.returncode == 0, resumed.stderr[-2000:]

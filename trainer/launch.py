@@ -21,11 +21,13 @@ from runtime.launch import run_local, under_torchrun
 from trainer.config import TrainConfig
 from trainer.distributed import environment_world_size
 from trainer.preflight import plan_run
+from trainer.signals import TrainingInterrupted
 from trainer.train import TrainingStopped, train
 
 
 def launch(config: TrainConfig) -> None:
-    """Run `train(config)` on every rank; raises ValueError, before any worker starts, on a bad config."""
+    """Run `train(config)` on every rank; raises ValueError, before any worker starts, on a bad config, and
+    TrainingInterrupted after a signal stopped the run (its checkpoint saved)."""
     if under_torchrun():
         if config.out is None and environment_world_size() > 1:
             raise ValueError("under torchrun pass --out: every rank, on every node, must use the same run directory")
@@ -50,17 +52,20 @@ def launch(config: TrainConfig) -> None:
         newest = complete_checkpoints(Path(config.out))
         print(f"stopped by {err.sigval.name}; newest checkpoint: {newest[-1] if newest else 'none'}; "
               f"continue with: burst train --resume --out {config.out}", flush=True)
+        raise TrainingInterrupted(err.sigval.name) from None
     finally:
         logging.disable(logging.NOTSET)
 
 
-def worker_failure(err: ChildFailedError) -> TrainingStopped:
+def worker_failure(err: ChildFailedError) -> TrainingStopped | TrainingInterrupted:
     """The first failed worker's error as one message; with its traceback only when it is a bug, not a
-    reported condition (TrainingStopped, ValueError)."""
+    reported condition (TrainingStopped, ValueError). A worker a signal stopped stays TrainingInterrupted."""
     rank, failure = err.get_first_failure()
     if not isinstance(failure.message, dict):  # no error file: the process died (killed, out of memory)
         return TrainingStopped(f"rank {rank} exited with code {failure.exitcode} ({failure.message})")
     error_type, _, text = failure.message.get("message", "").partition(": ")
+    if error_type == "TrainingInterrupted":
+        return TrainingInterrupted(text.removeprefix("stopped by "))
     if error_type not in ("TrainingStopped", "ValueError"):
         text = f"{error_type}: {text}\n{failure.message.get('extraInfo', {}).get('py_callstack', '')}"
     return TrainingStopped(f"rank {rank}: {text}")

@@ -2,8 +2,12 @@
 
 The handler only records the request; the training loop reads it between steps, agrees on it with
 every rank (one may have been signalled, another not yet), finishes the step, saves a checkpoint
-and returns. Further signals are recorded too: the save must not be cut short by a second Ctrl-C
-(a kill during the save is safe anyway: the previous checkpoint stays intact).
+and raises TrainingInterrupted. Further signals are recorded too: the save must not be cut short by a
+second Ctrl-C (a kill during the save is safe anyway: the previous checkpoint stays intact).
+
+`burst train` then exits 128 + the signal's number, as a shell does for a process a signal ended:
+130 after SIGINT, 143 after SIGTERM. So `&&` chains and job schedulers do not take an interrupted
+run for a finished one (exit 0), nor for a failed one (exit 1).
 """
 
 from __future__ import annotations
@@ -12,6 +16,15 @@ import signal
 from types import FrameType
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class TrainingInterrupted(Exception):
+    """Training stopped early on a signal, its checkpoint saved; `exit_code` is 128 + the signal's number."""
+
+    def __init__(self, signal_name: str) -> None:
+        super().__init__(f"stopped by {signal_name}")
+        self.signal_name = signal_name
+        self.exit_code = 128 + signal.Signals[signal_name].value
 
 
 class StopRequest:

@@ -9,13 +9,16 @@ cp times too small.
 The stateful pieces of a run, the model, the optimizer, the LR schedule, the data loader and the
 TrainState, each have state_dict()/load_state_dict(): a checkpoint is those five plus RNG states
 (trainer/checkpoint.py). One is saved every --checkpoint-every steps and always when the loop ends:
-finished, --stop-after, SIGTERM/Ctrl-C (trainer/signals.py) or repeated non-finite steps.
+finished, --stop-after, SIGTERM/Ctrl-C (trainer/signals.py) or repeated non-finite steps, and only
+with finite weights: a checkpoint is never a diverged model.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import shutil
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +30,7 @@ from rich.console import Console
 from rich.table import Table
 from torch.distributed.tensor import DTensor
 
-from checkpoints.training import remove_interrupted_saves
+from checkpoints.training import complete_checkpoints, remove_interrupted_saves
 from data import Batch, SequenceLoader, TokenStore
 from models import Transformer
 from runtime.memory import peak_memory_mib
@@ -39,7 +42,9 @@ from trainer.metrics import Metrics
 from trainer.optim import build_optimizer, build_schedule
 from trainer.parallelize import build_model
 from trainer.preflight import RunPlan, plan_run
-from trainer.signals import StopRequest
+from trainer.signals import StopRequest, TrainingInterrupted
+
+TOKENIZER_FILE = "tokenizer.model"  # the run's copy of its data's tokenizer: exports and `burst eval` check it
 
 
 class TrainingStopped(RuntimeError):
@@ -103,6 +108,15 @@ def train_step(model: Transformer, optimizer: torch.optim.Optimizer, micro_batch
     return StepResult(loss.item(), grad_norm.item(), applied)
 
 
+def weights_are_finite(model: Transformer, env: Distributed) -> bool:
+    """Whether every weight on every rank is finite (each rank checks its shards)."""
+    non_finite = torch.zeros((), device=env.device)
+    for param in model.parameters():
+        local = param.to_local() if isinstance(param, DTensor) else param
+        non_finite = torch.maximum(non_finite, (~torch.isfinite(local.detach())).any().float())
+    return all_reduce(non_finite, op=dist.ReduceOp.MAX).item() == 0
+
+
 def print_config(plan: RunPlan, console: Console) -> None:
     table = Table(title="burst train", show_header=False, title_justify="left")
     table.add_column(style="bold")
@@ -133,15 +147,17 @@ def train(config: TrainConfig) -> None:
 
 def run(plan: RunPlan, env: Distributed) -> None:
     config, out, console = plan.config, Path(plan.config.out), Console()
+    store = TokenStore(config.data)
     if env.is_main:
         out.mkdir(parents=True, exist_ok=True)
         save_config(config, out / "config.toml")  # on --resume: the layout this invocation runs with
+        shutil.copyfile(store.tokenizer_path, out / TOKENIZER_FILE)
         print_config(plan, console)
 
     model = build_model(plan.model_config, env.mesh, config, env.device, plan.checkpoint)
     optimizer = build_optimizer(model, config)
     schedule = build_schedule(optimizer, config)
-    loader = SequenceLoader(TokenStore(config.data).split("train"), config.seq_len, config.batch_size,
+    loader = SequenceLoader(store.split("train"), config.seq_len, config.batch_size,
                             dp_rank=env.dp_rank, dp_size=config.dp, cp_rank=env.cp_rank, cp_size=config.cp,
                             seed=config.seed, reset_positions=config.doc_mask)
     state, load_started = TrainState(), time.perf_counter()
@@ -155,6 +171,12 @@ def run(plan: RunPlan, env: Distributed) -> None:
             forget_metrics_after(out, state.step)  # steps past the checkpoint are trained again
 
     def save() -> Path:
+        if not weights_are_finite(model, env):
+            newest = complete_checkpoints(out)
+            raise TrainingStopped(
+                f"the weights hold non-finite values at step {state.step}: a step with a finite loss and gradient "
+                f"overflowed them; no checkpoint is saved, the newest finite one is "
+                f"{newest[-1] if newest else 'none (start a new run)'}. Try a lower --lr or a longer --warmup")
         save_started = time.perf_counter()
         train_state = {"train": state.state_dict(), "schedule": schedule.state_dict(), "loader": loader.state_dict()}
         path = save_checkpoint(out, state.step, model, optimizer, train_state, plan.model_config, env.device,
@@ -194,12 +216,14 @@ def run(plan: RunPlan, env: Distributed) -> None:
                     stop_reason = (
                         f"{state.bad_steps} steps in a row (up to step {state.step}) had a non-finite loss or "
                         f"gradient norm (last: loss {result.loss}, gradient norm {result.grad_norm}); the run stops. "
-                        f"Skipped steps change no weights, so the model holds the last good state. Try a lower "
-                        f"--lr or a longer --warmup" + (", or --precision fp32" if config.precision == "bf16" else ""))
+                        f"Skipped steps change no weights. Try a lower --lr or a longer --warmup"
+                        + (", or --precision fp32" if config.precision == "bf16" else ""))
                 # A signal may reach some ranks only: every rank stops after the same step if any was signalled.
-                if all_reduce(torch.tensor(float(stop_request.signal_name is not None), device=env.device),
-                              op=dist.ReduceOp.MAX).item() > 0:
-                    signalled = stop_request.signal_name or "a signal to another rank"
+                signal_number = signal.Signals[stop_request.signal_name].value if stop_request.signal_name else 0
+                signal_number = int(all_reduce(torch.tensor(float(signal_number), device=env.device),
+                                               op=dist.ReduceOp.MAX).item())  # SIGTERM wins over SIGINT
+                if signal_number:
+                    signalled = signal.Signals(signal_number).name
                 elif config.checkpoint_every and state.step % config.checkpoint_every == 0 \
                         and state.step < last_step and stop_reason is None:
                     save()
@@ -207,7 +231,8 @@ def run(plan: RunPlan, env: Distributed) -> None:
             # state: the one place for the run's final checkpoint (signals still only set the flag).
             path = save()
         if stop_reason is not None:
-            raise TrainingStopped(f"{stop_reason}. The last good state is saved in {path}")
+            raise TrainingStopped(f"{stop_reason}. The weights of the last applied step, checked finite, are saved "
+                                  f"in {path}")
         if metrics is not None:
             what = f"stopped by {signalled} after step {state.step}" if signalled else \
                 f"stopped after step {state.step} (--stop-after)" if state.step < config.steps else "done"
@@ -216,6 +241,8 @@ def run(plan: RunPlan, env: Distributed) -> None:
                             f"checkpoint {path}")
             if state.step < config.steps:
                 metrics.message(f"continue with: burst train --resume --out {out}")
+        if signalled:
+            raise TrainingInterrupted(signalled)
     finally:
         if metrics is not None:
             metrics.close()
