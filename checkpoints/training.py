@@ -31,7 +31,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from models.checkpoint import CONFIG_NAME, check_tensor_shapes, expected_shapes, read_config
-from models.convert import Checkpoint
+from models.convert import Checkpoint, tokenizer_beside
 
 CHECKPOINTS_DIR = "checkpoints"
 MARKER = "COMPLETE"
@@ -126,4 +126,5 @@ def read_model_checkpoint(path: Path) -> Checkpoint:
             dcp.load(state, checkpoint_id=str(path), no_dist=True)
             yield name, state["model"][name]
 
-    return Checkpoint(config, read)
+    run_dir = path.parent.parent  # RUN/checkpoints/step-N: the run keeps the tokenizer its data was made with
+    return Checkpoint(config, read, tokenizer_beside(path) or tokenizer_beside(run_dir))

@@ -21,6 +21,7 @@ import torch
 
 from models.checkpoint import CONFIG_NAME, check_tensor_shapes, expected_shapes, is_native_checkpoint, read_config
 from models.config import ModelConfig, RopeScaling
+from models.hf_tokenizer import load_sentencepiece, write_hf_tokenizer
 from models.storage import (
     DEFAULT_MAX_SHARD_BYTES,
     atomic_directory,
@@ -51,9 +52,11 @@ NATIVE_TO_HF = {native: hf for hf, native in HF_TO_NATIVE.items()}
 
 # Older transformers saved the rotary inverse frequencies as weights; they follow from the config.
 HF_DERIVED_SUFFIX = "rotary_emb.inv_freq"
-# Copied unchanged from source to destination when present: Hugging Face's file names (tokenizer.model is
-# also data.store.TOKENIZER_FILE, the name burst prepare gives it; models/ does not import data/).
-CARRIED_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+# The SentencePiece model a model was trained with, kept beside its weights (also data.store.TOKENIZER_FILE,
+# the name burst prepare gives it; models/ does not import data/).
+TOKENIZER_FILE = "tokenizer.model"
+# Copied unchanged from source to destination when present: Hugging Face's file names.
+CARRIED_FILES = (TOKENIZER_FILE, "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                  "generation_config.json")
 
 
@@ -68,10 +71,16 @@ def rename(name: str, table: dict[str, str]) -> str:
 
 @dataclass
 class Checkpoint:
-    """A validated source checkpoint: its config and its tensors, streamed under native names."""
+    """A validated source checkpoint: its config, its tensors, streamed under native names, and its tokenizer."""
 
     config: ModelConfig
     tensors: Callable[[], Iterator[tuple[str, torch.Tensor]]]
+    tokenizer: Path | None = None  # the tokenizer.model the model was trained with, when the source keeps one
+
+
+def tokenizer_beside(directory: Path) -> Path | None:
+    """The tokenizer.model in `directory`, or None."""
+    return directory / TOKENIZER_FILE if (directory / TOKENIZER_FILE).is_file() else None
 
 
 # ---- Hugging Face side -----------------------------------------------------------------------------------------
@@ -140,7 +149,8 @@ def read_hf(src: Path) -> Checkpoint:
     files = {name: file for name, file in files.items() if name not in derived}
     expected = {rename(name, NATIVE_TO_HF): shape for name, shape in expected_shapes(config).items()}
     check_tensor_shapes(tensor_shapes(files), expected, str(src))
-    return Checkpoint(config, lambda: ((rename(name, HF_TO_NATIVE), t) for name, t in read_tensors(files)))
+    return Checkpoint(config, lambda: ((rename(name, HF_TO_NATIVE), t) for name, t in read_tensors(files)),
+                      tokenizer_beside(src))
 
 
 def write_hf(checkpoint: Checkpoint, dst: Path, max_shard_bytes: int) -> None:
@@ -161,7 +171,7 @@ def read_native(src: Path) -> Checkpoint:
     config = read_config(src)
     files = tensor_files(src)
     check_tensor_shapes(tensor_shapes(files), expected_shapes(config), str(src))
-    return Checkpoint(config, lambda: read_tensors(files))
+    return Checkpoint(config, lambda: read_tensors(files), tokenizer_beside(src))
 
 
 def write_native(checkpoint: Checkpoint, dst: Path, max_shard_bytes: int) -> None:
@@ -208,17 +218,25 @@ def convert_checkpoint(src: str | Path, dst: str | Path, to: str, force: bool = 
     """Convert the checkpoint directory `src` (format detected) into `dst` in format `to` ("burst" or "hf").
 
     Tensors are streamed one at a time; `dst` appears only when complete, and an existing
-    `dst` is replaced only with force=True. Returns `dst`.
+    `dst` is replaced only with force=True, never when it holds `src`. The model's tokenizer comes
+    along; a Hugging Face export gets the files `AutoTokenizer` loads (hf_tokenizer.py). Returns `dst`.
     """
     if to not in TARGET_FORMATS:
         raise ValueError(f"unknown target format {to!r}; choose one of {', '.join(TARGET_FORMATS)}")
     src, dst = Path(src), Path(dst)
-    if dst.resolve() == src.resolve():
-        raise ValueError(f"source and destination are the same directory ({src}); choose another destination")
+    if dst.resolve() == src.resolve() or dst.resolve() in src.resolve().parents:
+        raise ValueError(f"the destination {dst} holds the source {src}, which --force would delete; "
+                         f"choose a destination outside it")
     checkpoint = read_checkpoint(src, formats)
+    if checkpoint.tokenizer is not None:
+        load_sentencepiece(checkpoint.tokenizer)  # a damaged one is refused here, before any weight is written
     with atomic_directory(dst, force) as tmp:
         TARGET_FORMATS[to](checkpoint, tmp, max_shard_bytes)
         for name in CARRIED_FILES:
             if (src / name).is_file():
                 shutil.copy2(src / name, tmp / name)
+        if checkpoint.tokenizer is not None and to == "hf" and not (src / "tokenizer.json").is_file():
+            write_hf_tokenizer(checkpoint.tokenizer, tmp, checkpoint.config.max_seq_len)
+        elif checkpoint.tokenizer is not None:
+            shutil.copyfile(checkpoint.tokenizer, tmp / TOKENIZER_FILE)
     return dst

@@ -25,6 +25,13 @@ INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 
 
+def umask_mode(mode: int) -> int:
+    """`mode` less the bits this process's umask removes: what open() would give a new file."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return mode & ~umask
+
+
 def read_json(path: Path) -> dict:
     """A JSON object from `path`, with an error naming the file when it is missing or malformed."""
     if not path.is_file():
@@ -109,7 +116,9 @@ def write_tensors(tensors: Iterable[tuple[str, torch.Tensor]], directory: Path,
     pending_bytes = total_bytes = 0
 
     def flush() -> None:
-        save_file(pending, str(directory / f"shard-{len(shards) + 1:05d}.tmp"), metadata={"format": "pt"})
+        shard = directory / f"shard-{len(shards) + 1:05d}.tmp"
+        save_file(pending, str(shard), metadata={"format": "pt"})
+        os.chmod(shard, umask_mode(0o666))  # safetensors creates its files 0600, unreadable to a team
         shards.append(list(pending))
         pending.clear()
 
@@ -141,8 +150,7 @@ def atomic_directory(dst: Path, force: bool = False) -> Iterator[Path]:
     """
     dst = Path(dst)
     if dst.exists() and not force:
-        raise ValueError(f"{dst} already exists; choose another destination or pass force=True (--force) "
-                         f"to replace it")
+        raise ValueError(f"{dst} already exists; choose another destination or pass --force to replace it")
     tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

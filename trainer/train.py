@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from checkpoints.training import complete_checkpoints, remove_interrupted_saves
 from data import Batch, SequenceLoader, TokenStore
+from data.store import TOKENIZER_FILE
 from models import Transformer
 from runtime.memory import peak_memory_mib
 from runtime.process import all_reduce, leaving_process_group
@@ -43,8 +44,6 @@ from trainer.optim import build_optimizer, build_schedule
 from trainer.parallelize import build_model
 from trainer.preflight import RunPlan, plan_run
 from trainer.signals import StopRequest, TrainingInterrupted
-
-TOKENIZER_FILE = "tokenizer.model"  # the run's copy of its data's tokenizer: exports and `burst eval` check it
 
 
 class TrainingStopped(RuntimeError):
@@ -151,7 +150,7 @@ def run(plan: RunPlan, env: Distributed) -> None:
     if env.is_main:
         out.mkdir(parents=True, exist_ok=True)
         save_config(config, out / "config.toml")  # on --resume: the layout this invocation runs with
-        shutil.copyfile(store.tokenizer_path, out / TOKENIZER_FILE)
+        shutil.copyfile(store.tokenizer_path, out / TOKENIZER_FILE)  # exports and `burst eval` check data by it
         print_config(plan, console)
 
     model = build_model(plan.model_config, env.mesh, config, env.device, plan.checkpoint)

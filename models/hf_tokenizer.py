@@ -15,10 +15,16 @@ from pathlib import Path
 
 import sentencepiece as spm
 
-from data.tokenizer import Tokenizer
-
 SPM_SPACE = "\u2581"  # SentencePiece's visible space, "▁"
-HF_TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def load_sentencepiece(path: Path) -> spm.SentencePieceProcessor:
+    """The SentencePiece model at `path`, with a ValueError naming the file when it is not one."""
+    try:
+        return spm.SentencePieceProcessor(model_file=str(path))
+    except (RuntimeError, OSError) as err:  # SentencePiece's parse error names the proto, not the fix
+        raise ValueError(f"{path} is not a SentencePiece .model file ({err}); put the tokenizer.model the model "
+                         f"was trained with beside its weights, or delete it") from None
 
 
 def _merges(sp: spm.SentencePieceProcessor, vocab: dict[str, int]) -> list[list[str]]:
@@ -37,12 +43,11 @@ def _added_token(piece: str, piece_id: int) -> dict:
             "normalized": False, "special": True}
 
 
-def tokenizer_json(tok: Tokenizer) -> dict:
-    """`tokenizer.json` of the `tokenizers` library for the SentencePiece BPE `tok`: BOS + encode(text)."""
-    sp = spm.SentencePieceProcessor(model_file=str(tok.path))
+def tokenizer_json(sp: spm.SentencePieceProcessor) -> dict:
+    """`tokenizer.json` of the `tokenizers` library for the SentencePiece BPE `sp`: BOS + sp.encode(text)."""
     vocab = {sp.id_to_piece(i): i for i in range(sp.get_piece_size())}
     specials = [i for i in range(sp.get_piece_size()) if sp.is_control(i) or sp.is_unknown(i)]
-    bos = sp.id_to_piece(tok.bos_id)
+    bos = sp.id_to_piece(sp.bos_id())
     return {
         "version": "1.0", "truncation": None, "padding": None,
         "added_tokens": [_added_token(sp.id_to_piece(i), i) for i in specials],
@@ -56,7 +61,7 @@ def tokenizer_json(tok: Tokenizer) -> dict:
             "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
             "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
                      {"SpecialToken": {"id": bos, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
-            "special_tokens": {bos: {"id": bos, "ids": [tok.bos_id], "tokens": [bos]}}},
+            "special_tokens": {bos: {"id": bos, "ids": [sp.bos_id()], "tokens": [bos]}}},
         "decoder": {"type": "Sequence", "decoders": [
             {"type": "Replace", "pattern": {"String": SPM_SPACE}, "content": " "},
             {"type": "ByteFallback"}, {"type": "Fuse"}, {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
@@ -66,14 +71,21 @@ def tokenizer_json(tok: Tokenizer) -> dict:
     }
 
 
+def is_bpe(sp: spm.SentencePieceProcessor) -> bool:
+    """Whether `sp` is a BPE model (whole-number piece scores: -rank), which tokenizer.json can express as merges;
+    a Unigram model's scores are log-probabilities."""
+    return all(float(sp.get_score(i)).is_integer() for i in range(sp.get_piece_size()))
+
+
 def write_hf_tokenizer(tokenizer_model: Path, directory: Path, model_max_length: int) -> None:
-    """Write the tokenizer files of a Hugging Face model directory for the SentencePiece model `tokenizer_model`."""
-    tok = Tokenizer(tokenizer_model)
-    sp = spm.SentencePieceProcessor(model_file=str(tok.path))
-    special = {"bos_token": sp.id_to_piece(tok.bos_id), "eos_token": sp.id_to_piece(tok.eos_id),
+    """Write the tokenizer files of a Hugging Face model directory for the SentencePiece model `tokenizer_model`
+    (tokenizer.json only for a BPE model: every tokenizer `burst prepare` trains, and LLaMA-2's)."""
+    sp = load_sentencepiece(tokenizer_model)
+    special = {"bos_token": sp.id_to_piece(sp.bos_id()), "eos_token": sp.id_to_piece(sp.eos_id()),
                "unk_token": sp.id_to_piece(sp.unk_id())}
     shutil.copyfile(tokenizer_model, directory / "tokenizer.model")
-    (directory / "tokenizer.json").write_text(json.dumps(tokenizer_json(tok), ensure_ascii=False) + "\n")
+    if is_bpe(sp):
+        (directory / "tokenizer.json").write_text(json.dumps(tokenizer_json(sp), ensure_ascii=False) + "\n")
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": True, "add_eos_token": False,
               "legacy": True, "add_prefix_space": None, "clean_up_tokenization_spaces": False,
               "model_max_length": model_max_length, **special}
