@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 from cli import app
 from data import TokenStore, prepare
 from data.store import METADATA_FILE, OFFSETS_FILE
+from models import ModelConfig, Transformer, save_model
 from tests.test_data_prepare import tokenizer as tokenizer  # noqa: F401  (module-scoped fixtures)
 from tests.test_data_prepare import write_corpus
 from tests.test_train import store as store  # noqa: F401
@@ -160,6 +161,35 @@ def test_a_store_with_an_offset_past_its_tokens_is_refused_on_open(small_store):
     offsets.tofile(small_store / OFFSETS_FILE)
     with pytest.raises(ValueError, match="offsets.bin does not rise from 0 to num_tokens"):
         TokenStore(small_store)
+
+
+# ---- burst convert-checkpoint ----------------------------------------------------------------------------------
+
+@pytest.fixture
+def native_model(tmp_path) -> Path:
+    """A `debug` model saved natively inside a directory that also holds the user's other work."""
+    model_dir = tmp_path / "project" / "model"
+    save_model(Transformer(ModelConfig.from_name("debug")), ModelConfig.from_name("debug"), model_dir)
+    (tmp_path / "project" / "notes.md").write_text("keep me")
+    return model_dir
+
+
+def test_convert_checkpoint_never_replaces_the_directory_that_holds_its_source(native_model):
+    project = native_model.parent
+    refused(invoke("convert-checkpoint", native_model, project, "--to", "hf", "--force"),
+            "holds the source", "which --force would delete")
+    assert (project / "notes.md").read_text() == "keep me" and (native_model / "config.json").is_file()
+
+
+def test_exported_weights_follow_the_umask(native_model, tmp_path):
+    previous = os.umask(0o022)
+    try:
+        assert invoke("convert-checkpoint", native_model, tmp_path / "hf", "--to", "hf").exit_code == 0
+    finally:
+        os.umask(previous)
+    for path in [native_model / "model.safetensors", tmp_path / "hf" / "model.safetensors"]:
+        mode = stat.S_IMODE(path.stat().st_mode)
+        assert mode & 0o044 == 0o044, f"{path} is {oct(mode)}: the rest of a team cannot read it"
 
 
 # ---- burst train -----------------------------------------------------------------------------------------------
