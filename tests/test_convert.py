@@ -12,6 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from typer.testing import CliRunner
 
 from cli import app
+from data import Tokenizer, train_tokenizer
 from models import convert_checkpoint, load_model
 from models.convert import config_from_hf
 from models.llama import rope_inv_freq
@@ -58,7 +59,8 @@ def hf_tensors(path) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("name", list(HF_CONFIGS))
 def test_hf_to_burst_to_hf(tmp_path, name):
     hf_model = save_hf_model(tmp_path / "hf", name)
-    (tmp_path / "hf" / "tokenizer.model").write_bytes(b"sentencepiece model bytes")
+    texts = [f"def f{i}(x):\n    return x * {i}\n" for i in range(200)]
+    tokenizer = train_tokenizer(texts, tmp_path / "hf" / "tokenizer.model", vocab_size=300)
     tokens = torch.randint(0, 300, (2, SEQ_LEN))
 
     convert_checkpoint(tmp_path / "hf", tmp_path / "burst", to="burst")
@@ -67,7 +69,7 @@ def test_hf_to_burst_to_hf(tmp_path, name):
         diff = (model(tokens) - hf_logits(hf_model, tokens)).abs().max().item()
     print(f"{name}: max |logit diff| burst vs transformers = {diff:.3e}")
     assert diff <= 1e-4
-    assert (tmp_path / "burst" / "tokenizer.model").read_bytes() == b"sentencepiece model bytes"
+    assert Tokenizer(tmp_path / "burst" / "tokenizer.model").sha256 == tokenizer.sha256
 
     convert_checkpoint(tmp_path / "burst", tmp_path / "hf2", to="hf")
     source, round_trip = hf_tensors(tmp_path / "hf"), hf_tensors(tmp_path / "hf2")
@@ -75,7 +77,7 @@ def test_hf_to_burst_to_hf(tmp_path, name):
     assert all(torch.equal(source[k], round_trip[k]) and source[k].dtype == round_trip[k].dtype for k in source)
     reloaded = LlamaForCausalLM.from_pretrained(tmp_path / "hf2").eval()
     assert torch.equal(hf_logits(reloaded, tokens), hf_logits(hf_model, tokens))
-    assert (tmp_path / "hf2" / "tokenizer.model").exists()
+    assert Tokenizer(tmp_path / "hf2" / "tokenizer.model").sha256 == tokenizer.sha256
 
 
 def test_transformers4_config_and_llama3_scaling(tmp_path):
@@ -164,7 +166,7 @@ def test_existing_destination_needs_force(tmp_path):
     save_hf_model(tmp_path / "hf", "gqa")
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep.txt").write_text("precious")
-    with pytest.raises(ValueError, match="out already exists; choose another destination or pass force=True"):
+    with pytest.raises(ValueError, match="out already exists; choose another destination or pass --force"):
         convert_checkpoint(tmp_path / "hf", tmp_path / "out", to="burst")
     assert (tmp_path / "out" / "keep.txt").read_text() == "precious"
     convert_checkpoint(tmp_path / "hf", tmp_path / "out", to="burst", force=True)
