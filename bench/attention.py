@@ -44,9 +44,11 @@ class AttentionBenchConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
-        if self.nproc < 1 or self.iters < 1:
-            raise ValueError("--nproc and --iters must be at least 1")
-        self.kv_heads = self.kv_heads or self.heads
+        for flag, value in (("--nproc", self.nproc), ("--iters", self.iters), ("--heads", self.heads),
+                            ("--kv-heads", self.kv_heads), ("--head-dim", self.head_dim), ("--batch", self.batch)):
+            if value is not None and value < 1:
+                raise ValueError(f"{flag} {value} must be at least 1")
+        self.kv_heads = self.heads if self.kv_heads is None else self.kv_heads
         if self.heads % self.kv_heads:
             raise ValueError(f"--heads {self.heads} must be a multiple of --kv-heads {self.kv_heads}")
         for mode in self.modes:

@@ -209,3 +209,15 @@ def test_a_run_whose_weights_overflowed_saves_no_checkpoint_and_says_so(store, t
                             "--precision", "fp32", "--out", out), "non-finite values", "no checkpoint is saved",
                      "--lr", code=1)
     assert "last good state" not in output and not list((out / "checkpoints").glob("step-*"))
+
+
+# ---- burst bench -----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("flag, value", [("--heads", 0), ("--batch", 0), ("--head-dim", -4), ("--kv-heads", 0)])
+def test_bench_attention_refuses_shapes_that_hold_nothing(flag, value):
+    refused(invoke("bench", "attention", "--seq-len", 64, flag, value), f"{flag} {value} must be at least 1")
+
+
+def test_a_model_config_with_no_kv_heads_is_refused_by_name_not_by_a_division_by_zero():
+    with pytest.raises(ValueError, match="n_kv_heads = 0 must be at least 1"):
+        ModelConfig(dim=64, n_heads=4, n_kv_heads=0)
