@@ -184,6 +184,16 @@ class TokenStore:
     def tokenizer_path(self) -> Path:
         return self.directory / self.metadata["tokenizer"]["file"]
 
+    def check_tokenizer(self, tokenizer: Path, model: Path) -> None:
+        """Refuse to feed this store to the model at `model` when it was prepared with another tokenizer than
+        `tokenizer`, the one kept beside the model (compared by fingerprint: the SHA-256 of the .model file)."""
+        from data.tokenizer import file_sha256  # sentencepiece: only when there is a tokenizer to compare
+
+        if file_sha256(tokenizer) != self.metadata["tokenizer"].get("sha256"):
+            raise ValueError(f"the token store {self.directory} was prepared with another tokenizer than the model "
+                             f"{model} was trained with ({tokenizer}); prepare the data with the model's tokenizer: "
+                             f"`burst prepare INPUT... --tokenizer {tokenizer} --out STORE`")
+
     @property
     def vocab_size(self) -> int:
         return self.metadata["tokenizer"]["vocab_size"]

@@ -4,6 +4,7 @@ Each test gives a command the bad input a careless user or an adversary would, a
 code, that the message names what is wrong and how to fix it, and that nothing was lost.
 """
 
+import dataclasses
 import gzip
 import importlib
 import json
@@ -22,6 +23,7 @@ from models import ModelConfig, Transformer, save_model
 from tests.test_data_prepare import tokenizer as tokenizer  # noqa: F401  (module-scoped fixtures)
 from tests.test_data_prepare import write_corpus
 from tests.test_train import store as store  # noqa: F401
+from trainer import TrainConfig, preflight
 
 train_module = importlib.import_module("trainer.train")  # `trainer.train` names the function
 
@@ -209,6 +211,33 @@ def test_a_run_whose_weights_overflowed_saves_no_checkpoint_and_says_so(store, t
                             "--precision", "fp32", "--out", out), "non-finite values", "no checkpoint is saved",
                      "--lr", code=1)
     assert "last good state" not in output and not list((out / "checkpoints").glob("step-*"))
+
+
+def test_a_sequence_longer_than_the_training_split_is_refused_before_any_work(small_store, tmp_path):
+    refused(invoke("train", "--model", "debug", "--data", small_store, "--seq-len", 100_000_000, "--out",
+                   tmp_path / "run"), "--seq-len 100,000,000 is longer than the training split")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_sequence_whose_activations_cannot_fit_is_refused_before_any_work(small_store, monkeypatch):
+    monkeypatch.setattr(preflight, "device_memory_bytes", lambda: 2**16)  # a 64 KiB device
+    config = TrainConfig(model="debug", data=str(small_store), seq_len=1024)
+    with pytest.raises(ValueError, match="--seq-len 1,024 cannot fit: .* raise --cp"):
+        preflight.plan_run(config, world_size=1)
+
+
+def test_a_run_that_failed_during_start_up_does_not_block_a_rerun(store, tmp_path):
+    config = dataclasses.replace(ModelConfig.from_name("debug"), vocab_size=TokenStore(store).vocab_size)
+    broken = tmp_path / "model"
+    save_model(Transformer(config), config, broken)
+    (broken / "model.safetensors").write_bytes((broken / "model.safetensors").read_bytes()[:1000])
+    out = tmp_path / "run"
+    common = ["--data", store, "--seq-len", 128, "--steps", 1, "--precision", "fp32", "--out", out]
+    refused(invoke("train", "--model", broken, *common), "model.safetensors")
+    assert (out / "config.toml").is_file()  # it failed after the run directory was made
+    done = invoke("train", "--model", "debug", *common)
+    assert done.exit_code == 0, done.output
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-000001"]
 
 
 # ---- burst bench -----------------------------------------------------------------------------------------------

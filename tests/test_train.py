@@ -107,7 +107,7 @@ def test_bad_configs_are_refused_before_any_work(store, tmp_path, monkeypatch, c
         "world": "cp x dp = 2 x 1 = 2 ranks, but 3 processes were started",
         "seq_len": "seq_len 250 does not split over cp = 2",
         "preset": "'llama9' is neither a preset",
-        "tokenizer": "was made with another tokenizer than the model",
+        "tokenizer": "was prepared with another tokenizer than the model",
         "vocabulary": "has a vocabulary of 320 tokens but the model",
         "occupied": "already holds another run",
         "not a model": "is not a native checkpoint directory",
@@ -125,7 +125,7 @@ def test_bad_configs_are_refused_before_any_work(store, tmp_path, monkeypatch, c
     elif case == "vocabulary":
         args += ["--model", str(checkpoint_dir(tmp_path / "ckpt", 4096))]
     elif case == "occupied":
-        out.mkdir()
+        (out / "checkpoints").mkdir(parents=True)  # a run that trained, not one that failed during start-up
         (out / "config.toml").write_text('model = "debug"\n')
     elif case == "not a model":
         args += ["--model", str(tmp_path)]

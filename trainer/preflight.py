@@ -9,17 +9,23 @@ is checked the same way.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from checkpoints.training import resolve_checkpoint, step_of
 from data import SequenceLoader, TokenStore, default_store
-from data.store import TOKENIZER_FILE  # carried into native checkpoints by `burst convert-checkpoint`
+from data.store import TOKENIZER_FILE
 from models import PRESETS, ModelConfig
 from models.checkpoint import is_native_checkpoint, read_config
 from trainer.checkpoint import check_model_config
 from trainer.config import TrainConfig
+
+# What a run that failed during start-up (before its first step) leaves in its directory: a rerun may reuse it.
+STARTUP_FILES = {"config.toml", TOKENIZER_FILE}
 
 
 @dataclass(frozen=True)
@@ -44,8 +50,11 @@ def check_world_size(config: TrainConfig, world_size: int) -> None:
 
 
 def check_run_dir(out: Path) -> None:
-    """Refuse a run directory that already holds something: a new run never mixes into an old one."""
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    """Refuse a run directory that already holds something: a new run never mixes into an old one.
+
+    Only what a start-up that failed before its first step leaves (STARTUP_FILES) may be there: nothing was trained.
+    """
+    if out.exists() and (not out.is_dir() or not {p.name for p in out.iterdir()} <= STARTUP_FILES):
         what = "another run" if (out / "config.toml").is_file() else "other files"
         raise ValueError(f"run directory {out} already holds {what}; choose a new --out, or delete {out}")
 
@@ -65,20 +74,37 @@ def model_and_store(config: TrainConfig, store: TokenStore) -> tuple[ModelConfig
                          f"fields and safetensors weights); convert a Hugging Face model first with "
                          f"`burst convert-checkpoint {path} OUT --to burst`")
     model_config = read_config(path)
-    store_tokenizer = store.metadata["tokenizer"]
-    model_tokenizer = path / TOKENIZER_FILE
-    if model_tokenizer.is_file():
-        from data.tokenizer import Tokenizer  # imports sentencepiece: only when there is a tokenizer to read
-
-        if Tokenizer(model_tokenizer).sha256 != store_tokenizer.get("sha256"):
-            raise ValueError(f"the token store {store.directory} was made with another tokenizer than the model "
-                             f"{path} ({model_tokenizer}); prepare the data with the model's tokenizer: "
-                             f"`burst prepare INPUT... --tokenizer {model_tokenizer} --out STORE`")
+    if (path / TOKENIZER_FILE).is_file():
+        store.check_tokenizer(path / TOKENIZER_FILE, path)
     if store.vocab_size != model_config.vocab_size:
         raise ValueError(f"the token store {store.directory} has a vocabulary of {store.vocab_size} tokens but the "
                          f"model {path} has {model_config.vocab_size}; prepare the data with the model's tokenizer "
                          f"(`burst prepare INPUT... --tokenizer TOKENIZER.model --out STORE`)")
     return model_config, path
+
+
+def device_memory_bytes() -> int:
+    """Memory of one rank's device: the first GPU's, else this machine's RAM."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_sequence_fits(config: TrainConfig, store: TokenStore, model_config: ModelConfig) -> None:
+    """Refuse a --seq-len longer than the training split, or whose activations cannot fit one rank's memory."""
+    train = store.split("train")
+    stream = int(train.document_lengths.sum()) + 2 * train.num_documents  # BOS + document + EOS each
+    if config.seq_len > stream:
+        raise ValueError(f"--seq-len {config.seq_len:,} is longer than the training split of {store.directory} "
+                         f"({stream:,} tokens with BOS/EOS): every sequence would repeat the data; lower --seq-len, "
+                         f"or prepare more data")
+    # A lower bound: backward keeps at least each layer's float32 input of the rank's share of the batch.
+    needed = config.batch_size * config.seq_len // config.cp * model_config.dim * 4 * model_config.n_layers
+    available = device_memory_bytes()
+    if needed > available:
+        raise ValueError(f"--seq-len {config.seq_len:,} cannot fit: one rank's activations alone take more than "
+                         f"{needed / 2**30:,.0f} GiB, its device has {available / 2**30:,.0f} GiB; lower --seq-len "
+                         f"or --batch-size, or raise --cp")
 
 
 def plan_run(config: TrainConfig, world_size: int) -> RunPlan:
@@ -98,6 +124,7 @@ def plan_run(config: TrainConfig, world_size: int) -> RunPlan:
     model_config, checkpoint = model_and_store(config, store)
     # The loader checks batch and sequence settings against the data; building one reads no tokens.
     SequenceLoader(store.split("train"), config.seq_len, config.batch_size, dp_size=config.dp, cp_size=config.cp)
+    check_sequence_fits(config, store, model_config)
     resume_from = check_resume(config, Path(out), model_config) if config.resume else None
     return RunPlan(dataclasses.replace(config, data=data, out=out), model_config, checkpoint, resume_from)
 
