@@ -23,7 +23,8 @@ from models import ModelConfig, Transformer, save_model
 from tests.test_data_prepare import tokenizer as tokenizer  # noqa: F401  (module-scoped fixtures)
 from tests.test_data_prepare import write_corpus
 from tests.test_train import store as store  # noqa: F401
-from trainer import TrainConfig, preflight
+from trainer import preflight
+from trainer.config import TrainConfig
 
 train_module = importlib.import_module("trainer.train")  # `trainer.train` names the function
 
