@@ -214,6 +214,57 @@ def test_a_run_whose_weights_overflowed_saves_no_checkpoint_and_says_so(store, t
     assert "last good state" not in output and not list((out / "checkpoints").glob("step-*"))
 
 
+@pytest.mark.parametrize("lr, message", [("inf", "--lr inf must be a finite number"),
+                                         ("nan", "--lr nan must be a finite number"),
+                                         ("1e9", "--lr 1000000000.0 would wreck the weights")])
+def test_a_learning_rate_that_cannot_train_is_refused_at_config_time(store, tmp_path, lr, message):
+    refused(invoke("train", "--model", "debug", "--data", store, "--lr", lr, "--out", tmp_path / "run"), message)
+    assert not (tmp_path / "run").exists()
+
+
+def test_resume_in_a_config_file_is_refused_and_the_run_is_untouched(store, tmp_path):
+    out = tmp_path / "run"
+    done = invoke("train", "--model", "debug", "--data", store, "--seq-len", 128, "--steps", 2, "--precision",
+                  "fp32", "--out", out)
+    assert done.exit_code == 0, done.output
+    saved = (out / "config.toml").read_text()
+    settings = tmp_path / "more.toml"
+    settings.write_text(f'resume = true\nout = "{out}"\nsteps = 4\nlr = 0.5\n')
+    refused(invoke("train", "--config", settings), "sets resume", "come from the command line", "--resume")
+    assert (out / "config.toml").read_text() == saved and "lr = 0.5" not in saved
+
+
+def test_stop_after_past_the_last_step_is_refused(store, tmp_path):
+    refused(invoke("train", "--model", "debug", "--data", store, "--steps", 4, "--stop-after", 9, "--out",
+                   tmp_path / "run"), "--stop-after 9 must be a step of the run, 1 to --steps 4")
+
+
+def test_a_relative_data_path_is_saved_absolute_so_resume_works_from_another_directory(store, tmp_path,
+                                                                                        monkeypatch):
+    out = tmp_path / "run"
+    monkeypatch.chdir(store.parent)
+    done = invoke("train", "--model", "debug", "--data", store.name, "--seq-len", 128, "--steps", 2,
+                  "--stop-after", 1, "--precision", "fp32", "--out", out)
+    assert done.exit_code == 0, done.output
+    assert f'data = "{store}"' in (out / "config.toml").read_text()
+    monkeypatch.chdir(tmp_path)
+    resumed = invoke("train", "--resume", "--out", out)
+    assert resumed.exit_code == 0, resumed.output
+    monkeypatch.chdir(store.parent)
+    assert invoke("train", "--resume", "--data", store.name, "--out", out).exit_code == 2  # finished, not "different"
+
+
+def test_train_help_shows_each_default():
+    help_text = CliRunner().invoke(app, ["train", "--help"], env={"COLUMNS": "300"}).output  # a line per option
+    for shown in ("[default: (1024)]", "[default: (the embedded stdlib corpus)]", "[default: (tiny)]"):
+        assert shown in help_text
+
+
+def test_setting_errors_name_the_flag_not_the_field(store, tmp_path):
+    output = refused(invoke("train", "--model", "debug", "--data", store, "--seq-len", 0), "--seq-len 0 must be")
+    assert "seq_len =" not in output
+
+
 def test_a_sequence_longer_than_the_training_split_is_refused_before_any_work(small_store, tmp_path):
     refused(invoke("train", "--model", "debug", "--data", small_store, "--seq-len", 100_000_000, "--out",
                    tmp_path / "run"), "--seq-len 100,000,000 is longer than the training split")

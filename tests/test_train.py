@@ -105,7 +105,7 @@ def test_bad_configs_are_refused_before_any_work(store, tmp_path, monkeypatch, c
     args = ["train", "--model", "debug", "--data", str(store), "--seq-len", "256", "--out", str(out)]
     expected = {
         "world": "cp x dp = 2 x 1 = 2 ranks, but 3 processes were started",
-        "seq_len": "seq_len 250 does not split over cp = 2",
+        "seq_len": "--seq-len 250 does not split over --cp 2",
         "preset": "'llama9' is neither a preset",
         "tokenizer": "was prepared with another tokenizer than the model",
         "vocabulary": "has a vocabulary of 320 tokens but the model",

@@ -32,8 +32,8 @@ def test_the_saved_toml_reads_back_to_the_same_config(tmp_path):
     ("stepz = 3\n", {}, "unknown setting 'stepz' in"),
     ("", {"learning_rate": 1.0}, "unknown setting 'learning_rate' in the command line"),
     ('steps = "ten"\n', {}, "setting 'steps' in"),
-    ("seq_len = 1004\ncp = 4\n", {}, "seq_len 1004 does not split over cp = 4"),
-    ('precision = "fp16"\n', {}, "precision 'fp16' is not one of bf16, fp32"),
+    ("seq_len = 1004\ncp = 4\n", {}, "--seq-len 1004 does not split over --cp 4"),
+    ('precision = "fp16"\n', {}, "--precision 'fp16' is not one of bf16, fp32"),
     ("steps = [\n", {}, "cannot read the config file"),
 ])
 def test_bad_settings_are_refused_with_the_setting_named(tmp_path, text, overrides, message):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -19,6 +20,12 @@ from typing import Any
 import tomllib
 
 PRECISIONS = ("bf16", "fp32")
+MAX_LR = 1.0  # AdamW moves each weight by about lr per step: beyond this no run trains
+
+
+def flag(name: str) -> str:
+    """The command-line flag of the setting `name`: seq_len -> --seq-len."""
+    return "--" + name.replace("_", "-")
 
 
 def setting(default: Any, help: str, shown: str | None = None) -> Any:
@@ -69,26 +76,42 @@ class TrainConfig:
         # Here, not at the top: `burst --help` builds its options from these fields and must not import torch.
         from burst.attention import check_backward_mode
         from burst.layout import check_sequence_length
+        from models.config import PRESETS
 
         for name in ("seq_len", "cp", "dp", "batch_size", "grad_accum", "steps", "log_every", "max_bad_steps"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} = {getattr(self, name)} must be at least 1")
+                raise ValueError(f"{flag(name)} {getattr(self, name)} must be at least 1")
         if self.keep < 1:
-            raise ValueError(f"keep = {self.keep} must be at least 1: a run keeps its newest checkpoint")
-        if self.stop_after is not None and self.stop_after < 1:
-            raise ValueError(f"stop_after = {self.stop_after} must be at least 1")
+            raise ValueError(f"--keep {self.keep} must be at least 1: a run keeps its newest checkpoint")
+        if self.stop_after is not None and not 1 <= self.stop_after <= self.steps:
+            raise ValueError(f"--stop-after {self.stop_after} must be a step of the run, 1 to --steps {self.steps}; "
+                             f"pass an earlier step, or raise --steps")
+        for name in ("lr", "min_lr_ratio", "weight_decay", "beta1", "beta2", "max_grad_norm"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{flag(name)} {getattr(self, name)} must be a finite number")
         for name in ("lr", "warmup", "weight_decay", "max_grad_norm", "checkpoint_every"):
             if getattr(self, name) < 0:
-                raise ValueError(f"{name} = {getattr(self, name)} must not be negative")
+                raise ValueError(f"{flag(name)} {getattr(self, name)} must not be negative")
+        if self.lr > MAX_LR:
+            raise ValueError(f"--lr {self.lr} would wreck the weights in one step (AdamW moves each weight by about "
+                             f"--lr per step; 1e-4 to 1e-2 are usual); pass at most {MAX_LR}")
         if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"min_lr_ratio = {self.min_lr_ratio} must be in [0, 1]")
+            raise ValueError(f"--min-lr-ratio {self.min_lr_ratio} must be in [0, 1]")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{flag(name)} {getattr(self, name)} must be in [0, 1), e.g. 0.9 or 0.95")
         if self.precision not in PRECISIONS:
-            raise ValueError(f"precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
-        check_backward_mode(self.attention_backward, "attention_backward")
+            raise ValueError(f"--precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
+        check_backward_mode(self.attention_backward, "--attention-backward")
         try:
             check_sequence_length(self.seq_len, self.cp)
         except ValueError as err:
-            raise ValueError(f"seq_len {self.seq_len} does not split over cp = {self.cp} ranks: {err}") from None
+            raise ValueError(f"--seq-len {self.seq_len} does not split over --cp {self.cp} ranks: {err}") from None
+        # Paths are kept absolute, so a run resumed from another directory finds its data and model.
+        if self.data is not None:
+            object.__setattr__(self, "data", str(Path(self.data).resolve()))
+        if self.model not in PRESETS and Path(self.model).is_dir():
+            object.__setattr__(self, "model", str(Path(self.model).resolve()))
 
     @property
     def world_size(self) -> int:
@@ -134,8 +157,13 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         path = Path(path)
         try:
             values.update(_checked(tomllib.loads(path.read_text()), str(path)))
-        except (OSError, tomllib.TOMLDecodeError) as err:
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as err:
             raise ValueError(f"cannot read the config file {path}: {err}") from None
+        in_file = [name for name in INVOCATION_FIELDS if name in values]
+        if in_file:
+            raise ValueError(f"{path} sets {', '.join(in_file)}, which apply to one invocation only and so come "
+                             f"from the command line; delete the line and pass "
+                             f"{' / '.join(flag(name) for name in in_file)} instead")
     values.update(_checked(overrides or {}, "the command line"))
     return TrainConfig(**values)
 
@@ -170,12 +198,12 @@ def load_run_config(out: str | Path, overrides: dict[str, Any]) -> TrainConfig:
                and getattr(config, name) != getattr(saved, name)]
     if changed:
         raise ValueError("--resume continues a run with its own settings, but "
-                         + ", ".join(f"--{n.replace('_', '-')} {getattr(config, n)} differs from the run's "
+                         + ", ".join(f"{flag(n)} {getattr(config, n)} differs from the run's "
                                      f"{getattr(saved, n)}" for n in changed)
-                         + f"; drop these flags (only {', '.join(RESUMABLE_CHANGES)} may change), "
+                         + f"; drop these flags (only {', '.join(map(flag, RESUMABLE_CHANGES))} may change), "
                            f"or start a new run")
     if config.tokens_per_step != saved.tokens_per_step:
-        raise ValueError(f"--resume: batch_size x dp x grad_accum = {config.batch_size} x {config.dp} x "
+        raise ValueError(f"--resume: --batch-size x --dp x --grad-accum = {config.batch_size} x {config.dp} x "
                          f"{config.grad_accum} changes the run's {saved.batch_size * saved.dp * saved.grad_accum} "
                          f"sequences per step, which changes the loss and the data order; keep the product")
     return config
