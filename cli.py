@@ -99,12 +99,15 @@ def eval_command(
     cp: int | None = typer.Option(None, "--cp", help="Context-parallel ranks, started here or by torchrun (1)."),
     precision: str | None = typer.Option(None, "--precision", help="Weights dtype: fp32 or bf16 (fp32)."),
     json_path: Path | None = typer.Option(None, "--json", help="Write the results here, and a PNG plot beside."),
+    force: bool = typer.Option(False, "--force", help="Replace the --json file (and its PNG) if they exist."),
 ) -> None:
-    """Perplexity, loss by position and passkey retrieval of a model checkpoint.
+    """Perplexity, loss by position and passkey retrieval of a model checkpoint: results on stdout.
 
     With --cp N it starts N local ranks; on several machines start them with torchrun instead.
+    Exits 2 on bad input, 1 when the model's loss is not finite (a diverged or damaged model).
     """
     from evaluation import EvalConfig, evaluate  # here, so `burst --help` does not import torch
+    from evaluation.run import EvaluationFailed
 
     flags = dict(data=data, seq_len=seq_len, batches=batches, buckets=buckets, positions=positions,
                  passkey_trials=passkey_trials,
@@ -112,10 +115,11 @@ def eval_command(
                  passkey_depths=_number_list(passkey_depths, float, "--passkey-depths"),
                  cp=cp, precision=precision, json_path=json_path)
     try:
-        evaluate(EvalConfig(checkpoint=checkpoint, **{name: v for name, v in flags.items() if v is not None}))
-    except (ValueError, OSError) as err:
+        evaluate(EvalConfig(checkpoint=checkpoint, force=force,
+                            **{name: v for name, v in flags.items() if v is not None}))
+    except (ValueError, OSError, EvaluationFailed) as err:
         typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
-        raise typer.Exit(2) from None
+        raise typer.Exit(1 if isinstance(err, EvaluationFailed) else 2) from None
 
 
 @bench_app.command("attention")

@@ -20,6 +20,7 @@ Per-token losses are computed from the hidden states `chunk_size` rows at a time
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -33,6 +34,8 @@ from data import SequenceLoader, TokenStore
 from data.loader import IGNORE_INDEX
 from models import Transformer, token_losses
 from runtime.process import all_reduce
+
+MAX_LOG_FLOAT = math.log(sys.float_info.max)
 
 
 @dataclass
@@ -146,5 +149,6 @@ def evaluate_perplexity(model: Transformer, split: TokenStore, seq_len: int, num
                    for i in range(buckets)]
     total = int(counts.sum())
     loss = float(loss_sums.sum() / total) if total else math.nan
-    return PerplexityResult(perplexity=math.exp(loss), loss=loss, tokens=total, sequences=sequences,
+    perplexity = math.exp(loss) if loss < MAX_LOG_FLOAT else math.inf  # exp overflows past e^709.78
+    return PerplexityResult(perplexity=perplexity, loss=loss, tokens=total, sequences=sequences,
                             seq_len=seq_len, positions=positions, loss_by_position=by_position)

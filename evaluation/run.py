@@ -9,6 +9,7 @@ local ranks itself, unless torchrun started them already; rank 0 prints and writ
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +38,10 @@ PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 
+class EvaluationFailed(RuntimeError):
+    """The evaluation ran but its figures mean nothing (a non-finite loss); the message says why."""
+
+
 @dataclass
 class EvalConfig:
     """What to evaluate and how. passkey_lengths None: a quarter, half and all of seq_len."""
@@ -53,10 +58,16 @@ class EvalConfig:
     cp: int = 1  # context-parallel ranks: started here, or by torchrun
     precision: str = "fp32"  # a key of PRECISIONS: the dtype the weights are cast to
     json_path: Path | None = None  # also write JSON here, and the loss-by-position PNG beside it
+    force: bool = False  # replace an existing json_path (and its PNG)
     seed: int = 0  # of the passkeys
 
     def __post_init__(self) -> None:
         """Refuse values that cannot work, naming the flag; the checks that need files come later."""
+        if self.json_path is not None and not self.force:
+            existing = [p for p in (self.json_path, self.json_path.with_suffix(".png")) if p.exists()]
+            if existing:
+                raise ValueError(f"--json: {existing[0]} already exists; choose another file, or pass --force to "
+                                 f"replace it")
         if self.cp < 1:
             raise ValueError(f"--cp {self.cp} must be at least 1")
         check_sequence_length(self.seq_len, self.cp)
@@ -154,10 +165,11 @@ def evaluate(config: EvalConfig, console: Console | None = None) -> EvalResult:
         open_inputs(config)  # bad input is refused here, once, rather than as a crash of every rank
         return run_local(evaluate, nproc=config.cp, args=(config,))[0]  # each rank's device and threads: worker_device
     started = time.perf_counter()
-    console = console or Console(stderr=True)
+    console = console or Console()  # the results: stdout, for a pipe or a file
+    log = Console(stderr=True)  # what happens meanwhile
     with context_parallel_group(config.cp) as (group, device):
         is_main = group_rank_and_size(group)[0] == 0
-        say = console.print if is_main else lambda *_: None
+        say = log.print if is_main else lambda *_: None
         inputs = open_inputs(config)
         for warning in inputs.warnings:
             say(f"[yellow]warning:[/] {warning}")
@@ -167,6 +179,10 @@ def evaluate(config: EvalConfig, console: Console | None = None) -> EvalResult:
             f"positions {config.positions}")
         perplexity = evaluate_perplexity(model, inputs.store.split("val"), config.seq_len, inputs.sequences,
                                          config.buckets, group, positions=config.positions)
+        if not math.isfinite(perplexity.perplexity):
+            raise EvaluationFailed(f"the loss of {config.checkpoint} on {inputs.store.directory} is {perplexity.loss} "
+                                   f"(perplexity {perplexity.perplexity}): the model diverged or its weights are "
+                                   f"damaged; evaluate an earlier checkpoint")
         passkey = None
         if config.passkey_trials:
             say(f"passkey: lengths {config.passkey_lengths}, depths {config.passkey_depths}, "
@@ -178,7 +194,7 @@ def evaluate(config: EvalConfig, console: Console | None = None) -> EvalResult:
                         warnings=inputs.warnings, seconds=time.perf_counter() - started)
     if is_main:
         for table in tables(result):
-            say(table)
+            console.print(table)
         if config.json_path is not None:
             plot = write_files(result, config.json_path)
             if plot is None:

@@ -10,10 +10,13 @@ import importlib
 import json
 import os
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from cli import app
@@ -290,6 +293,68 @@ def test_a_run_that_failed_during_start_up_does_not_block_a_rerun(store, tmp_pat
     done = invoke("train", "--model", "debug", *common)
     assert done.exit_code == 0, done.output
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-000001"]
+
+
+# ---- burst eval ------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def model_for_store(store, tmp_path) -> Path:
+    """A `debug` model with the vocabulary of the `store` fixture, saved natively (no tokenizer beside it)."""
+    config = dataclasses.replace(ModelConfig.from_name("debug"), vocab_size=TokenStore(store).vocab_size)
+    save_model(Transformer(config), config, tmp_path / "model")
+    return tmp_path / "model"
+
+
+def evaluate_args(checkpoint: Path, store: Path, *more) -> list:
+    return ["eval", "--checkpoint", checkpoint, "--data", store, "--seq-len", 128, "--batches", 1, "--buckets", 2,
+            "--passkey-trials", 0, *more]
+
+
+def test_eval_of_a_run_on_data_of_another_tokenizer_is_refused(small_store, store, tmp_path):
+    out = tmp_path / "run"
+    done = invoke("train", "--model", "debug", "--data", small_store, "--seq-len", 64, "--steps", 1, "--precision",
+                  "fp32", "--out", out)
+    assert done.exit_code == 0, done.output
+    refused(invoke(*evaluate_args(out, store)), "was prepared with another tokenizer than the model",
+            f"--tokenizer {out / 'tokenizer.model'}")
+
+
+def test_eval_of_a_diverged_model_says_so_instead_of_printing_nan(model_for_store, store):
+    weights = load_file(model_for_store / "model.safetensors")
+    weights["norm.weight"][0] = float("nan")
+    save_file(weights, model_for_store / "model.safetensors", metadata={"format": "pt"})
+    refused(invoke(*evaluate_args(model_for_store, store)), "holds non-finite weights", "norm.weight",
+            "evaluate an earlier checkpoint")
+
+
+def test_eval_of_a_checkpoint_with_a_flipped_byte_says_so_instead_of_an_overflow_error(model_for_store, store):
+    file = model_for_store / "model.safetensors"
+    header = int.from_bytes(file.read_bytes()[:8], "little")
+    start = json.loads(file.read_bytes()[8:8 + header])["output.weight"]["data_offsets"][0]
+    data = bytearray(file.read_bytes())
+    data[8 + header + start + 3] ^= 0x40  # the top exponent bit of the first float32 of output.weight: ~1e38
+    file.write_bytes(bytes(data))
+    output = refused(invoke(*evaluate_args(model_for_store, store)), "the model diverged or its weights are damaged",
+                     code=1)
+    assert "OverflowError" not in output
+
+
+def test_eval_writes_its_results_to_stdout_and_progress_to_stderr(model_for_store, store):
+    done = subprocess.run([sys.executable, "-m", "cli", *map(str, evaluate_args(model_for_store, store))],
+                          capture_output=True, text=True, cwd=Path(__file__).parents[1], timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "perplexity" in done.stdout and "loss by position" in done.stdout
+    assert "perplexity: 1 x 128 tokens" in done.stderr and "loss by position" not in done.stderr
+
+
+def test_eval_json_refuses_to_overwrite_a_file_without_force(model_for_store, store, tmp_path):
+    report = tmp_path / "results.json"
+    report.write_text("last week's results")
+    refused(invoke(*evaluate_args(model_for_store, store, "--json", report)), "already exists", "--force")
+    assert report.read_text() == "last week's results"
+    done = invoke(*evaluate_args(model_for_store, store, "--json", report, "--force"))
+    assert done.exit_code == 0, done.output
+    assert json.loads(report.read_text())["perplexity"] > 1
 
 
 # ---- burst bench -----------------------------------------------------------------------------------------------

@@ -224,8 +224,8 @@ def test_bad_input_is_refused_before_any_work(store, checkpoint, tmp_path):
     assert "depth 2.0 must be in [0, 1]" in refused("--checkpoint", checkpoint, *data, "--passkey-depths", "0,2")
 
     no_val = tmp_path / "no-val"
-    prepare([store.directory / "tokenizer.model"], no_val, tokenizer=store.tokenizer_path, val_fraction=0,
-            progress=False)
+    (tmp_path / "one.txt").write_text("def only(document):\n    return document\n")
+    prepare([tmp_path / "one.txt"], no_val, tokenizer=store.tokenizer_path, val_fraction=0, progress=False)
     assert "validation split" in refused("--checkpoint", checkpoint, "--data", no_val, "--seq-len", 64)
 
     small_vocab = tmp_path / "small-vocab"
@@ -235,7 +235,7 @@ def test_bad_input_is_refused_before_any_work(store, checkpoint, tmp_path):
     other_tokenizer = tmp_path / "other-tokenizer"
     convert_checkpoint(checkpoint, other_tokenizer, to="burst")
     (other_tokenizer / "tokenizer.model").write_bytes(b"not the store's tokenizer")
-    assert "is not the tokenizer the token store" in refused("--checkpoint", other_tokenizer, *data)
+    assert "was prepared with another tokenizer than the model" in refused("--checkpoint", other_tokenizer, *data)
 
 
 def long_validation_documents(store: TokenStore) -> list[int]:
