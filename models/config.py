@@ -55,7 +55,14 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
-        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "max_seq_len"):
+        sizes = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "max_seq_len")
+        for name in (*sizes, "ffn_hidden_dim", "norm_eps", "rope_theta", "init_std", "ffn_dim_multiplier"):
+            value, whole = getattr(self, name), name in sizes or name == "ffn_hidden_dim"
+            if value is None and name in ("ffn_hidden_dim", "ffn_dim_multiplier"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)):
+                raise ValueError(f"{name} = {value!r} must be a {'whole number' if whole else 'number'}")
+        for name in sizes:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} = {getattr(self, name)} must be at least 1")
         if isinstance(self.rope_scaling, dict):

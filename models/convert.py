@@ -90,16 +90,22 @@ def is_hf_checkpoint(path: Path) -> bool:
     return config.is_file() and bool({"model_type", "architectures"} & set(read_json(config)))
 
 
+HF_REQUIRED_SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size")
+
+
 def config_from_hf(hf: dict, where: Path | str) -> ModelConfig:
     """ModelConfig from a transformers 4.x (rope_theta, rope_scaling) or 5.x (rope_parameters) config.json."""
     architectures = hf.get("architectures") or []
     if hf.get("model_type") != "llama" and "LlamaForCausalLM" not in architectures:
         raise ValueError(f"{where} describes model_type {hf.get('model_type')!r} {architectures}, not LLaMA "
                          f"(model_type 'llama', LlamaForCausalLM); only LLaMA checkpoints can be converted")
-    missing = [key for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
-                               "intermediate_size") if key not in hf]
+    missing = [key for key in HF_REQUIRED_SIZES if key not in hf]
     if missing:
         raise ValueError(f"{where} lacks {missing}; it is not a complete LlamaConfig")
+    not_whole = [key for key in HF_REQUIRED_SIZES if isinstance(hf[key], bool) or not isinstance(hf[key], int)]
+    if not_whole or hf["num_attention_heads"] < 1:
+        raise ValueError(f"{where}: {', '.join(f'{k} = {hf[k]!r}' for k in not_whole or ['num_attention_heads'])} "
+                         f"must be a whole number of at least 1; it is not a valid LlamaConfig")
     natural_head_dim = hf["hidden_size"] // hf["num_attention_heads"]
     for key, supported in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False),
                            ("head_dim", natural_head_dim)):

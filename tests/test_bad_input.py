@@ -367,3 +367,15 @@ def test_bench_attention_refuses_shapes_that_hold_nothing(flag, value):
 def test_a_model_config_with_no_kv_heads_is_refused_by_name_not_by_a_division_by_zero():
     with pytest.raises(ValueError, match="n_kv_heads = 0 must be at least 1"):
         ModelConfig(dim=64, n_heads=4, n_kv_heads=0)
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"dim": None, "n_layers": 2}, "dim = None must be a whole number"),
+    ({"model_type": "llama", "hidden_size": "64", "num_hidden_layers": 2, "num_attention_heads": 4,
+      "vocab_size": 100, "intermediate_size": 128}, "hidden_size = '64' must be a whole number"),
+])
+def test_a_model_config_of_the_wrong_types_is_named_not_a_python_type_error(tmp_path, config, message):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(config))
+    output = refused(invoke("convert-checkpoint", tmp_path / "model", tmp_path / "out", "--to", "burst"), message)
+    assert "unsupported operand" not in output and "not supported between" not in output
