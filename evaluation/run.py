@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from rich.console import Console
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from burst.groups import group_rank_and_size
 from burst.layout import check_sequence_length
@@ -32,7 +33,7 @@ from evaluation.perplexity import (
 )
 from evaluation.report import tables, write_files
 from evaluation.result import EvalResult
-from runtime.launch import run_local, under_torchrun
+from runtime.launch import first_failure, run_local, under_torchrun
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -163,7 +164,15 @@ def evaluate(config: EvalConfig, console: Console | None = None) -> EvalResult:
     """Evaluate `config.checkpoint`; print tables on rank 0 and, with `json_path`, write the JSON and PNG there."""
     if config.cp > 1 and not dist.is_initialized() and not under_torchrun():
         open_inputs(config)  # bad input is refused here, once, rather than as a crash of every rank
-        return run_local(evaluate, nproc=config.cp, args=(config,))[0]  # each rank's device and threads: worker_device
+        try:
+            return run_local(evaluate, nproc=config.cp, args=(config,))[0]  # each rank's device, threads: worker_device
+        except ChildFailedError as err:  # what the weights turned out to hold: one message, as in one process
+            rank, error_type, text, traceback = first_failure(err)
+            if error_type == "ValueError":
+                raise ValueError(f"rank {rank}: {text}") from None
+            raise EvaluationFailed(f"rank {rank}: {text}" if error_type == "EvaluationFailed" else
+                                   f"rank {rank}: {error_type}: {text}\n{traceback}" if error_type else
+                                   f"rank {rank} {text}") from None
     started = time.perf_counter()
     console = console or Console()  # the results: stdout, for a pipe or a file
     log = Console(stderr=True)  # what happens meanwhile

@@ -8,11 +8,13 @@ environment, exactly as under torchrun, so worker code is the same either way.
 
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 from collections.abc import Callable
 from typing import Any
 
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 
@@ -23,11 +25,25 @@ def under_torchrun() -> bool:
 
 def run_local(fn: Callable[..., Any], nproc: int, args: tuple = ()) -> dict[int, Any]:
     """Run fn(*args) on `nproc` local processes; return {rank: result}. A failure on any
-    rank raises torch's ChildFailedError naming the rank, with its traceback."""
+    rank raises torch's ChildFailedError naming the rank, with its traceback (see first_failure)."""
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"burst-{uuid.uuid4().hex[:8]}",
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, start_method="spawn",
                           monitor_interval=0.1)
-    return elastic_launch(config, fn)(*args)
+    logging.disable(logging.ERROR)  # the agent logs a worker's failure as pages of tracebacks; callers report it once
+    try:
+        return elastic_launch(config, fn)(*args)
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+def first_failure(err: ChildFailedError) -> tuple[int, str, str, str]:
+    """(rank, error type, message, traceback) of the first worker that failed; the type is "" when the process
+    died without raising (killed, out of memory), and the message then says how it ended."""
+    rank, failure = err.get_first_failure()
+    if not isinstance(failure.message, dict):  # no error file
+        return rank, "", f"exited with code {failure.exitcode} ({failure.message})", ""
+    error_type, _, text = failure.message.get("message", "").partition(": ")
+    return rank, error_type, text, failure.message.get("extraInfo", {}).get("py_callstack", "")
 
 
 def available_cores() -> int:

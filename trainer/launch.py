@@ -9,7 +9,6 @@ Every worker runs `train(config)`, which joins the process group (see distribute
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import torch
@@ -17,7 +16,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from checkpoints.training import complete_checkpoints
-from runtime.launch import run_local, under_torchrun
+from runtime.launch import first_failure, run_local, under_torchrun
 from trainer.config import TrainConfig
 from trainer.distributed import environment_world_size
 from trainer.preflight import plan_run
@@ -41,7 +40,6 @@ def launch(config: TrainConfig) -> None:
     if config.world_size == 1:
         train(config)
         return
-    logging.disable(logging.ERROR)  # the agent logs a worker's failure as pages of tracebacks; we report it once
     try:
         run_local(train, config.world_size, (config,))  # torch's elastic launcher, as `torchrun --standalone`
     except ChildFailedError as err:
@@ -53,19 +51,16 @@ def launch(config: TrainConfig) -> None:
         print(f"stopped by {err.sigval.name}; newest checkpoint: {newest[-1] if newest else 'none'}; "
               f"continue with: burst train --resume --out {config.out}", flush=True)
         raise TrainingInterrupted(err.sigval.name) from None
-    finally:
-        logging.disable(logging.NOTSET)
 
 
 def worker_failure(err: ChildFailedError) -> TrainingStopped | TrainingInterrupted:
     """The first failed worker's error as one message; with its traceback only when it is a bug, not a
     reported condition (TrainingStopped, ValueError). A worker a signal stopped stays TrainingInterrupted."""
-    rank, failure = err.get_first_failure()
-    if not isinstance(failure.message, dict):  # no error file: the process died (killed, out of memory)
-        return TrainingStopped(f"rank {rank} exited with code {failure.exitcode} ({failure.message})")
-    error_type, _, text = failure.message.get("message", "").partition(": ")
+    rank, error_type, text, traceback = first_failure(err)
+    if not error_type:
+        return TrainingStopped(f"rank {rank} {text}")
     if error_type == "TrainingInterrupted":
         return TrainingInterrupted(text.removeprefix("stopped by "))
     if error_type not in ("TrainingStopped", "ValueError"):
-        text = f"{error_type}: {text}\n{failure.message.get('extraInfo', {}).get('py_callstack', '')}"
+        text = f"{error_type}: {text}\n{traceback}"
     return TrainingStopped(f"rank {rank}: {text}")
