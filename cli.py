@@ -167,7 +167,11 @@ def _train_option(setting: dataclasses.Field, annotation: Any) -> inspect.Parame
 
 
 def _train_command(config: Path | None = None, **flags: Any) -> None:
-    """Train a LLaMA-style model with BurstAttention sequence parallelism."""
+    """Train a LLaMA-style model with BurstAttention sequence parallelism.
+
+    Exits 0 when done (or at --stop-after), 2 on bad input, 1 when the run cannot go on, and 128 + the
+    signal's number when a signal stopped it after saving: 130 after Ctrl-C, 143 after SIGTERM.
+    """
     from trainer.config import load_config, load_run_config  # here, so `burst --help` does not import torch
     from trainer.launch import launch
     from trainer.signals import TrainingInterrupted
