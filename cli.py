@@ -189,6 +189,10 @@ def _train_command(config: Path | None = None, **flags: Any) -> None:
         raise typer.Exit(2 if isinstance(err, ValueError) else 1) from None
     except TrainingInterrupted as err:  # saved, and said so: exit as a shell reports a signal (130, 143)
         raise typer.Exit(err.exit_code) from None
+    except KeyboardInterrupt:  # Ctrl-C during start-up, before the loop handles signals: nothing was trained
+        typer.secho("interrupted during start-up, before the first step: nothing was trained or saved; run the "
+                    "same command again", fg=typer.colors.RED, err=True)
+        raise typer.Exit(130) from None
 
 
 # `burst train`'s options are TrainConfig's fields, each declared once there with its type, default and help.

@@ -269,6 +269,19 @@ def test_setting_errors_name_the_flag_not_the_field(store, tmp_path):
     assert "seq_len =" not in output
 
 
+def test_ctrl_c_during_start_up_exits_130_and_a_rerun_may_use_the_directory(store, tmp_path, monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    out = tmp_path / "run"
+    common = ["--model", "debug", "--data", store, "--seq-len", 128, "--steps", 1, "--precision", "fp32", "--out", out]
+    with monkeypatch.context() as patch:
+        patch.setattr(train_module, "build_model", interrupted)
+        refused(invoke("train", *common), "interrupted during start-up", "nothing was trained", code=130)
+    done = invoke("train", *common)
+    assert done.exit_code == 0, done.output
+
+
 def test_a_sequence_longer_than_the_training_split_is_refused_before_any_work(small_store, tmp_path):
     refused(invoke("train", "--model", "debug", "--data", small_store, "--seq-len", 100_000_000, "--out",
                    tmp_path / "run"), "--seq-len 100,000,000 is longer than the training split")

@@ -1,6 +1,8 @@
 """`burst train` through the real command line: cp and dp runs against one process, refusals before any work."""
 
+import importlib
 import json
+import math
 import random
 import subprocess
 import sys
@@ -74,15 +76,26 @@ def test_dp2_gives_the_loss_curve_of_one_process_with_the_same_global_batch(stor
     assert relative_gap(losses["dp2"], losses["dp1"]) <= 1e-4, losses
 
 
-def test_non_finite_steps_are_skipped_and_end_the_run_with_a_message(store, tmp_path):
+def test_non_finite_steps_are_skipped_and_end_the_run_with_a_message(store, tmp_path, monkeypatch):
+    """An --lr that diverges is refused at config time, so the loss is made non-finite here, from step 3 on."""
+    train_module = importlib.import_module("trainer.train")  # `trainer.train` names the function
+    forward_backward, steps = train_module.forward_backward, []
+
+    def not_finite_from_step_3(*args):
+        steps.append(len(steps) + 1)  # one micro-batch per step
+        loss_sum = forward_backward(*args)
+        return loss_sum * math.nan if steps[-1] >= 3 else loss_sum
+
+    monkeypatch.setattr(train_module, "forward_backward", not_finite_from_step_3)
     out = tmp_path / "run"
-    done = burst_train("--model", "debug", "--data", store, "--seq-len", 256, "--steps", 20, "--lr", 1e12,
-                       "--warmup", 0, "--precision", "fp32", "--out", out)
-    assert done.returncode == 1
-    assert "3 steps in a row" in done.stderr and "non-finite" in done.stderr and "lower --lr" in done.stderr
-    assert "Traceback" not in done.stderr
+    done = CliRunner().invoke(app, ["train", "--model", "debug", "--data", str(store), "--seq-len", "256", "--steps",
+                                    "20", "--precision", "fp32", "--out", str(out)])
+    assert done.exit_code == 1, done.output
+    output = " ".join(done.output.split())
+    assert "3 steps in a row" in output and "non-finite" in output and "lower --lr" in output
+    assert "checked finite, are saved in" in output and "Traceback" not in output
     rows = metrics(out)
-    assert [r["skipped"] for r in rows[-3:]] == [True, True, True] and len(rows) < 20
+    assert [r["skipped"] for r in rows] == [False, False, True, True, True]
 
 
 def checkpoint_dir(path: Path, vocab_size: int, tokenizer: Path | None = None) -> Path:
