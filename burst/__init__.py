@@ -3,8 +3,9 @@
     out = burst.burst_attn(q, k, v, causal=True, group=cp_group)   # q, k, v: this rank's shards
 """
 
-from burst.attention import BACKWARD_MODES, burst_attn, check_backward_mode, choose_backward
+from burst.attention import BACKWARD_MODES, burst_attn, check_backward_mode
 from burst.comm import SENT
+from burst.cost import choose_backward
 from burst.kernels import select_kernel
 from burst.layout import (
     gather_sequence,

@@ -7,31 +7,23 @@ import hashlib
 import torch
 import torch.distributed as dist
 
-from burst.comm import SENT, Ring
+from burst.comm import Traffic, gather_from_every_rank
+from burst.cost import choose_backward, choose_topology
+from burst.groups import group_rank_and_size
 from burst.kernels import KERNEL_NAMES, default_scale, select_kernel
 from burst.plan import AttentionPlan, normalize_boundaries
 from burst.ring import burst_backward, ring_backward, ring_forward
+from burst.topology import (
+    TOPOLOGIES,
+    default_node_size,
+    make_schedule,
+    node_group,
+    node_ring_schedule,
+    validate_topology,
+)
+from burst.ulysses import from_node, heads_per_rank, to_node
 
 BACKWARD_MODES = ("auto", "burst", "ring")
-
-
-def backward_bytes_per_hop(q: torch.Tensor, k: torch.Tensor, mode: str) -> int:
-    """Bytes one rank sends per backward ring step in `mode` ("burst" or "ring").
-
-    burst: q and dout in their dtype, lse and delta (one float32 each per query row), dq in float32.
-    ring:  k and v in their dtype, dk and dv in float32.
-    """
-    if mode == "burst":
-        rows = q.numel() // q.shape[-1]
-        return 2 * q.numel() * q.element_size() + 2 * rows * 4 + q.numel() * 4
-    return 2 * k.numel() * k.element_size() + 2 * k.numel() * 4
-
-
-def choose_backward(q: torch.Tensor, k: torch.Tensor, mode: str) -> str:
-    """Resolve "auto" to the mode that sends fewer bytes for these shapes and dtypes."""
-    if mode != "auto":
-        return mode
-    return min(("burst", "ring"), key=lambda m: backward_bytes_per_hop(q, k, m))
 
 
 def check_backward_mode(backward: str, name: str = "backward mode") -> None:
@@ -94,11 +86,13 @@ _SIGNATURE_FIELDS = (
     ("backward", 1, lambda x: BACKWARD_MODES[x[0]] if x[0] >= 0 else "unknown"),
     ("kernel", 1, lambda x: KERNEL_NAMES[x[0]] if x[0] >= 0 else "unknown"),
     ("doc_boundaries", 1, lambda x: "none" if x[0] == 0 else f"fingerprint {x[0] & 0xFFFFFF:06x}"),
+    ("topology", 1, lambda x: TOPOLOGIES[x[0]] if x[0] >= 0 else "unknown"),
+    ("node_size", 1, lambda x: str(x[0])),
 )
 
 
 def input_signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, backward: str, kernel: str,
-                    doc_boundaries) -> list[int]:
+                    doc_boundaries, topology: str = "flat", node_size=1) -> list[int]:
     """What every rank of the group must agree on, as ints (see `_SIGNATURE_FIELDS`).
 
     Ranks that disagree would post ring messages of different sizes (a gloo error or an NCCL
@@ -113,13 +107,15 @@ def input_signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
         # a digest, not hash(): str hashes differ between processes; 7 bytes fit an int64, + 1 keeps it non-zero
         docs = int.from_bytes(hashlib.blake2b(repr(rows).encode(), digest_size=7).digest(), "little") + 1
     return [*_shape(q), *_shape(k), *_shape(v), *(_code(_DTYPE_CODES, t.dtype) for t in (q, k, v)), int(causal),
-            _code(BACKWARD_MODES, backward), _code(KERNEL_NAMES, kernel), docs]
+            _code(BACKWARD_MODES, backward), _code(KERNEL_NAMES, kernel), docs, _code(TOPOLOGIES, topology),
+            node_size if isinstance(node_size, int) else -1]
 
 
-def check_ranks_agree(ring: Ring, signature: list[int], device: torch.device) -> None:
+def check_ranks_agree(group: dist.ProcessGroup | None, signature: list[int], device: torch.device,
+                      traffic: Traffic, node_size: int) -> None:
     """Raise the same ValueError on every rank when the ranks' inputs disagree: one small
     all-gather before any ring traffic, so no rank is left waiting."""
-    every = ring.gather_from_every_rank(signature, device)
+    every = gather_from_every_rank(group, signature, device, traffic, node_size if isinstance(node_size, int) else 1)
     if all(theirs == every[0] for theirs in every):
         return
     differences, start = [], 0
@@ -130,7 +126,8 @@ def check_ranks_agree(ring: Ring, signature: list[int], device: torch.device) ->
         start += width
     raise ValueError(f"burst_attn got different inputs on the ranks of its group ({'; '.join(differences)}). "
                      "Every rank must pass its shard of the same global sequence (see burst.shard_sequence) with "
-                     "the same shapes, dtypes, causal flag, backward mode, kernel and doc_boundaries")
+                     "the same shapes, dtypes, causal flag, backward mode, kernel, doc_boundaries, topology and "
+                     "node_size")
 
 
 def heads_first(x: torch.Tensor) -> torch.Tensor:
@@ -152,14 +149,13 @@ def kernel_layout(x: torch.Tensor) -> torch.Tensor:
 
 class BurstAttnFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, plan, scale, ring, backward, kernel_name):
+    def forward(ctx, q, k, v, plan, scale, schedule, backward, kernel_name):
         q, k, v = kernel_layout(q), kernel_layout(k), kernel_layout(v)
         kernel = select_kernel(q.device, q.dtype, kernel_name, head_dim=q.shape[-1])
         with torch.autocast(q.device.type, enabled=False):  # the kernels choose their own precision
-            out, lse = ring_forward(ring, kernel, plan, q, k, v, scale)
-        SENT.last_forward = ring.bytes_sent
+            out, lse = ring_forward(schedule, kernel, plan, q, k, v, scale)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.kernel, ctx.plan, ctx.scale = ring, kernel, plan, scale
+        ctx.schedule, ctx.kernel, ctx.plan, ctx.scale = schedule, kernel, plan, scale
         ctx.backward_mode = choose_backward(q, k, backward)
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -167,20 +163,19 @@ class BurstAttnFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        ring = ctx.ring
-        ring.bytes_sent = 0
+        ctx.schedule.traffic.enter_backward()
         dout = kernel_layout(dout)
         run = burst_backward if ctx.backward_mode == "burst" else ring_backward
         with torch.autocast(q.device.type, enabled=False):
-            dq, dk, dv = run(ring, ctx.kernel, ctx.plan, dout.to(q.dtype), q, k, v, out, lse, ctx.scale)
-        SENT.last_backward = ring.bytes_sent
+            dq, dk, dv = run(ctx.schedule, ctx.kernel, ctx.plan, dout.to(q.dtype), q, k, v, out, lse, ctx.scale)
         return dq, dk, dv, None, None, None, None, None
 
 
 def burst_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
                group: dist.ProcessGroup | None = None, softmax_scale: float | None = None,
                backward: str = "auto", kernel: str = "auto", doc_boundaries=None,
-               return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+               return_lse: bool = False, topology: str = "auto",
+               node_size: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact softmax attention of this rank's queries against the whole sharded sequence.
 
     q [batch, local_seq, q_heads, head_dim]; k, v [batch, local_seq, kv_heads, head_dim], each
@@ -196,16 +191,48 @@ def burst_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
     over the global sequence (a list of 1-D tensors, e.g. [0, 100, 350, seq_len], as the
     loader returns them; or a 2-D tensor). A query then sees only keys of its own document
     (causally when `causal`), and fully masked blocks are skipped, not computed.
+    topology: how blocks travel between nodes (see burst/topology.py): "flat" (one ring),
+    "two-level" (a ring inside each node, one hop per round to the next node), "ulysses"
+    (all-to-all over heads inside a node, ring across nodes) or "auto" (flat on one node, else
+    whichever sends fewer bytes across nodes, see `burst.cost`). node_size: ranks of the group
+    per node, numbered node-major (None: from LOCAL_WORLD_SIZE, else the whole group).
 
     Raises ValueError, on every rank of the group, for bad inputs and for ranks whose inputs
     disagree (compared in one small all-gather before any ring traffic).
     """
-    ring = Ring(group)
-    check_ranks_agree(ring, input_signature(q, k, v, causal, backward, kernel, doc_boundaries), q.device)
-    validate_inputs(q, k, v, ring.world_size, backward, kernel)  # the same verdict on every rank now
+    _, world_size = group_rank_and_size(group)
+    node_size = default_node_size(group) if node_size is None else node_size
+    traffic = Traffic()
+    check_ranks_agree(group, input_signature(q, k, v, causal, backward, kernel, doc_boundaries, topology, node_size),
+                      q.device, traffic, node_size)
+    validate_inputs(q, k, v, world_size, backward, kernel)  # the same verdict on every rank now
+    validate_topology(topology, node_size, world_size)
+    topology = choose_topology(topology, q, k, backward, node_size, world_size)
     boundaries = None if doc_boundaries is None else \
-        normalize_boundaries(doc_boundaries, q.shape[0], q.shape[1] * ring.world_size)
-    plan = AttentionPlan(q.shape[1], ring.world_size, causal, boundaries)
+        normalize_boundaries(doc_boundaries, q.shape[0], q.shape[1] * world_size)
     scale = default_scale(q.shape[-1]) if softmax_scale is None else softmax_scale
-    out, lse = BurstAttnFunction.apply(q, k, v, plan, scale, ring, backward, kernel)
+    if topology == "ulysses":
+        return ulysses_attn(q, k, v, group, node_size, causal, boundaries, scale, backward, kernel, traffic,
+                            return_lse)
+    schedule = make_schedule(topology, group, node_size, traffic)
+    plan = AttentionPlan(q.shape[1], world_size, causal, boundaries)
+    out, lse = BurstAttnFunction.apply(q, k, v, plan, scale, schedule, backward, kernel)
     return (out, lse) if return_lse else out
+
+
+def ulysses_attn(q, k, v, group, node_size: int, causal: bool, boundaries, scale: float, backward: str, kernel: str,
+                 traffic: Traffic, return_lse: bool):
+    """burst_attn's "ulysses" topology: heads exchanged inside the node (burst/ulysses.py), the
+    ring over the I nodes on node-sized blocks [b, L x C, heads / L, d], and back."""
+    q_heads, kv_heads = heads_per_rank(q.shape[2], k.shape[2], node_size)  # raises before any traffic
+    heads_group = node_group(group, node_size) if node_size > 1 else None
+    schedule = node_ring_schedule(group, node_size, traffic)
+    node_q = to_node(q, q_heads, heads_group, traffic)
+    node_k, node_v = (to_node(x, kv_heads, heads_group, traffic) for x in (k, v))
+    plan = AttentionPlan(node_q.shape[1], schedule.world_size, causal, boundaries)
+    out, lse = BurstAttnFunction.apply(node_q, node_k, node_v, plan, scale, schedule, backward, kernel)
+    out = from_node(out, node_size, heads_group, traffic)
+    if not return_lse:
+        return out
+    lse = from_node(lse.transpose(1, 2).unsqueeze(-1), node_size, heads_group, traffic)  # [b, C, q_heads, 1]
+    return out, lse.squeeze(-1).transpose(1, 2)

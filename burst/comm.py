@@ -1,15 +1,18 @@
-"""Ring communication: each step sends tensors to the next rank and receives from the previous.
+"""Point-to-point links and the few collectives of the library, and the count of bytes sent.
 
-All point-to-point traffic of the library goes through `Ring.exchange`, which posts every send
-and receive of one step as one batch (`batch_isend_irecv`) and returns at once, so the caller
-computes on the current block while the next one is in flight (double buffering: the tensors
-being sent and the fresh receive buffers are distinct). Every rank posts the same sequence
-of batches, so messages between a pair of ranks match in order on gloo and NCCL alike.
+All point-to-point traffic goes through `Ring.exchange`, which posts every send and receive
+of one step as one batch (`batch_isend_irecv`) and returns at once, so the caller computes
+on the current block while the next one is in flight (double buffering: the tensors being
+sent and the fresh receive buffers are distinct). Every rank posts the same sequence of
+batches, so messages between a pair of ranks match in order on gloo and NCCL alike. A ring
+may run on its own process group (`channel`): the two-level ring sends across nodes on one,
+so that a slow inter-node transfer never queues behind the fast inner-ring traffic (on CUDA,
+NCCL gives each communicator its own stream).
 
 On CUDA, NCCL runs the transfers on its own stream and `Pending.wait()` makes the current
 stream wait on an event: there is no device-wide or host synchronisation in the loop.
 
-Bytes sent are counted here, the one place they leave the rank: see `SENT`.
+Bytes sent are counted here, the one place they leave the rank: see `SENT` and `Traffic`.
 """
 
 from __future__ import annotations
@@ -24,17 +27,46 @@ from burst.groups import global_rank, group_rank_and_size
 
 @dataclass
 class SentBytes:
-    """Bytes this rank sent: cumulative, and in the last forward and backward call."""
+    """Bytes this rank sent: cumulative, and in the last forward and backward call; `inter_node`
+    counts the part addressed to ranks on other nodes."""
 
     total: int = 0
+    inter_node: int = 0
     last_forward: int = 0
     last_backward: int = 0
+    last_forward_inter_node: int = 0
+    last_backward_inter_node: int = 0
 
     def reset(self) -> None:
-        self.total = self.last_forward = self.last_backward = 0
+        self.total = self.inter_node = 0
+        self.last_forward = self.last_backward = self.last_forward_inter_node = self.last_backward_inter_node = 0
 
 
 SENT = SentBytes()
+
+
+class Traffic:
+    """The bytes of one `burst_attn` call, added to `SENT` as they leave: first its forward's,
+    then, from the first call of `enter_backward`, its backward's."""
+
+    def __init__(self) -> None:
+        self.backward = False
+        SENT.last_forward = SENT.last_forward_inter_node = 0
+
+    def enter_backward(self) -> None:
+        if not self.backward:
+            self.backward = True
+            SENT.last_backward = SENT.last_backward_inter_node = 0
+
+    def count(self, sent: int, inter_node: int) -> None:
+        SENT.total += sent
+        SENT.inter_node += inter_node
+        if self.backward:
+            SENT.last_backward += sent
+            SENT.last_backward_inter_node += inter_node
+        else:
+            SENT.last_forward += sent
+            SENT.last_forward_inter_node += inter_node
 
 
 @dataclass
@@ -61,15 +93,23 @@ def wire_view(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
-class Ring:
-    """The ring of ranks of `group`: rank r sends to r + 1 and receives from r - 1 (mod W)."""
+def nbytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
-        self.group = group
-        self.rank, self.world_size = group_rank_and_size(group)
-        self.next = global_rank(group, (self.rank + 1) % self.world_size)
-        self.prev = global_rank(group, (self.rank - 1) % self.world_size)
-        self.bytes_sent = 0
+
+class Ring:
+    """This rank's link in a ring of ranks of `group`: it sends to `next_rank` and receives from
+    `prev_rank` (ranks of `group`), over `channel` (a process group holding both; `group` by
+    default). Ranks are numbered node-major, `node_size` to a node, which says whether the
+    sends leave the node."""
+
+    def __init__(self, group: dist.ProcessGroup | None, next_rank: int, prev_rank: int, node_size: int,
+                 traffic: Traffic, channel: dist.ProcessGroup | None = None) -> None:
+        rank, _ = group_rank_and_size(group)
+        self.channel = group if channel is None else channel
+        self.next, self.prev = global_rank(group, next_rank), global_rank(group, prev_rank)
+        self.leaves_node = next_rank // node_size != rank // node_size
+        self.traffic = traffic
 
     def exchange(self, outgoing: list[torch.Tensor], incoming_like: list[torch.Tensor],
                  incoming_dtypes: list[torch.dtype] | None = None) -> Pending:
@@ -81,25 +121,38 @@ class Ring:
         received = [torch.empty_like(t, dtype=dt) for t, dt in zip(incoming_like, dtypes, strict=True)]  # same strides
         sending = [wire_view(t) for t in outgoing]
         # look the functions up now, not at import: the benchmark harness wraps them to count bytes
-        ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in sending]
-        ops += [dist.P2POp(dist.irecv, wire_view(t), self.prev, self.group) for t in received]
-        sent = sum(t.numel() * t.element_size() for t in sending)
-        self.bytes_sent += sent
-        SENT.total += sent
+        ops = [dist.P2POp(dist.isend, t, self.next, self.channel) for t in sending]
+        ops += [dist.P2POp(dist.irecv, wire_view(t), self.prev, self.channel) for t in received]
+        sent = nbytes(sending)
+        self.traffic.count(sent, sent if self.leaves_node else 0)
         return Pending(dist.batch_isend_irecv(ops), received, sending)
 
-    def gather_from_every_rank(self, values: list[int], device: torch.device) -> list[list[int]]:
-        """Every rank's `values` (int64s, the same count on each), in rank order, on every rank.
 
-        One small all-gather, blocking: used to check that the ranks agree before ring traffic
-        whose message sizes depend on what each rank was given.
-        """
-        if self.world_size == 1:
-            return [list(values)]
-        mine = torch.tensor(values, dtype=torch.int64, device=device)
-        every = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(every, mine, group=self.group)
-        sent = (self.world_size - 1) * mine.numel() * mine.element_size()  # what a ring all-gather sends
-        self.bytes_sent += sent
-        SENT.total += sent
-        return torch.stack(every).tolist()
+def gather_from_every_rank(group: dist.ProcessGroup | None, values: list[int], device: torch.device,
+                           traffic: Traffic, node_size: int) -> list[list[int]]:
+    """Every rank's `values` (int64s, the same count on each), in rank order, on every rank.
+
+    One small all-gather, blocking: used to check that the ranks agree before ring traffic
+    whose message sizes depend on what each rank was given.
+    """
+    _, world_size = group_rank_and_size(group)
+    if world_size == 1:
+        return [list(values)]
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    every = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(every, mine, group=group)
+    # what a ring all-gather sends; the part addressed to the ranks on other nodes counts as inter-node
+    traffic.count((world_size - 1) * nbytes([mine]), (world_size - min(node_size, world_size)) * nbytes([mine]))
+    return torch.stack(every).tolist()
+
+
+def all_to_all(x: torch.Tensor, group: dist.ProcessGroup, traffic: Traffic) -> torch.Tensor:
+    """x [ranks of `group`, ...]: slice j goes to rank j; returns [ranks, ...] with slice j from rank j.
+
+    `group` is the ranks of one node (Ulysses' head exchange), so nothing counts as inter-node.
+    """
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=group)
+    traffic.count(nbytes([x]) * (x.shape[0] - 1) // x.shape[0], 0)
+    return out

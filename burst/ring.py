@@ -1,14 +1,14 @@
-"""BurstAttention's forward and backward passes over a ring of ranks.
+"""BurstAttention's forward and backward passes along a `Schedule` (burst/topology.py).
 
 Shapes (per rank, each holding its zigzag shard of `shard_len` tokens):
     q, dout, out  [batch, shard_len, q_heads, head_dim]
     k, v          [batch, shard_len, kv_heads, head_dim]
     lse, delta    [batch, q_heads, shard_len]  float32
 
-Forward: K/V circulate; each rank merges block results into a float32 (out, lse) by
-log-sum-exp. Backward: one loop, `circulate`, serves both modes. A *visitor* packet tours
-the ring while the *home* tensors stay put; the visitor's gradient accumulates in float32 as
-it travels one step behind it and ends at its owner.
+One loop, `circulate`, serves both passes and every topology. A *visitor* packet tours the
+ranks while the *home* tensors stay put; in backward the visitor's gradient accumulates in
+float32 as it travels behind it and ends at its owner. Forward: the visitor is K/V and each
+rank merges block results into a float32 (out, lse) by log-sum-exp; nothing travels back.
 
     "burst" (the paper's): visitor = (q, dout, lse, delta); home = k, v, dk, dv.
     "ring":                visitor = (k, v);               home = q, dout, out, lse, dq.
@@ -25,9 +25,10 @@ from collections.abc import Callable
 
 import torch
 
-from burst.comm import Ring
+from burst.comm import Pending
 from burst.kernels import AttentionKernel
 from burst.plan import AttentionPlan
+from burst.topology import Schedule
 
 
 def as_result(accumulator: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -53,21 +54,21 @@ def merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, b
     lse.copy_(torch.logaddexp(lse, block_lse))
 
 
-def ring_forward(ring: Ring, kernel: AttentionKernel, plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor,
-                 v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def ring_forward(schedule: Schedule, kernel: AttentionKernel, plan: AttentionPlan, q: torch.Tensor,
+                 k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(out in q's dtype, lse float32) of this rank's queries against the whole sequence."""
     batch, shard_len, q_heads, _ = q.shape
     out = torch.zeros_like(q, dtype=torch.float32)
     lse = torch.full((batch, q_heads, shard_len), float("-inf"), dtype=torch.float32, device=q.device)
-    kv = [k, v]
-    for step in range(ring.world_size):
-        last = step + 1 == ring.world_size
-        pending = ring.exchange([] if last else kv, [] if last else kv)  # next block in flight
-        for seg in plan(ring.rank, (ring.rank - step) % ring.world_size):
+
+    def step(kv: list[torch.Tensor], owner: int) -> GradPieces:
+        for seg in plan(schedule.rank, owner):
             block_out, block_lse = kernel.forward(q[seg.batch, seg.q_rows], kv[0][seg.batch, seg.kv_rows],
                                                   kv[1][seg.batch, seg.kv_rows], seg.causal, scale)
             merge_block(out[seg.batch, seg.q_rows], lse[seg.batch, :, seg.q_rows], block_out, block_lse)
-        kv = pending.wait() or kv
+        return []
+
+    circulate(schedule, [k, v], 0, step)
     return as_result(out, q.dtype), lse
 
 
@@ -77,40 +78,68 @@ GradPieces = list[tuple[slice, slice, list[torch.Tensor]]]
 StepFn = Callable[[list[torch.Tensor], int], GradPieces]
 
 
-def circulate(ring: Ring, visitor: list[torch.Tensor], num_grads: int, step: StepFn) -> list[torch.Tensor]:
-    """Tour `visitor` round the ring, calling `step` at every rank; return the float32
+def circulate(schedule: Schedule, visitor: list[torch.Tensor], num_grads: int, step: StepFn) -> list[torch.Tensor]:
+    """Tour `visitor` along `schedule`, calling `step` at every stop; return the float32
     gradients of this rank's own visitor (shaped like visitor[:num_grads]), summed over ranks.
 
-    At step t the packet of rank (r - t) is here. Its gradient so far was computed one rank
-    back at step t - 1, so it arrives during step t and leaves at the start of step t + 1;
-    after the last step it is one hop from its owner. The owner's own contribution never
-    travels, so a gradient makes W - 1 hops in all.
+    Inside a round (a node's tour) a gradient travels one step behind its visitor: computed
+    at step s, it arrives at the next rank during step s + 1 and leaves at the start of step
+    s + 2. The round's first stop (the entry rank) keeps its share, and the rest arrives back
+    at it one hop after the round's last step: the tour's sum. The owner's tour sum is its own
+    (round 0); every later node's is added to the previous nodes' and passed on to the next
+    node's entry rank over `outer`, so the sum of rounds 1..I-1 reaches the owner after the
+    last one, having crossed I - 1 node boundaries, each hop hidden behind a whole round.
+    One round (flat, ulysses): today's ring, W - 1 hops for a visitor and for its gradient.
     """
-    world, grad_like = ring.world_size, visitor[:num_grads]
-    f32 = [torch.float32] * num_grads
-    own = [torch.zeros_like(t, dtype=torch.float32) for t in grad_like]
-    traveling: list[torch.Tensor] = []
-    for t in range(world):
-        forward_visitor = t + 1 < world
-        outgoing = (visitor if forward_visitor else []) + (traveling if t >= 2 else [])
-        incoming = (visitor if forward_visitor else []) + (grad_like if t >= 2 else [])
-        dtypes = [x.dtype for x in (visitor if forward_visitor else [])] + (f32 if t >= 2 else [])
-        pending = ring.exchange(outgoing, incoming, dtypes)
-        pieces = step(visitor, (ring.rank - t) % world)
-        received = pending.wait()
-        split = len(visitor) if forward_visitor else 0
-        next_visitor, arrived = received[:split], received[split:]
-        if t == 0:
-            target = own
-        else:
-            target = arrived or [torch.zeros_like(x, dtype=torch.float32) for x in grad_like]
-            traveling = target
-        for batch, rows, grads in pieces:
-            for acc, grad in zip(target, grads, strict=True):
-                acc[batch, rows] += grad
-        visitor = next_visitor or visitor
-    if world > 1:
-        for acc, grad in zip(own, ring.exchange(traveling, grad_like, f32).wait(), strict=True):
+    rounds, steps = schedule.rounds, schedule.steps
+    grad_like, f32 = visitor[:num_grads], [torch.float32] * num_grads
+
+    def zeros() -> list[torch.Tensor]:
+        return [torch.zeros_like(t, dtype=torch.float32) for t in grad_like]
+
+    def finish_tour(round_: int, arrived: list[torch.Tensor], chain: Pending) -> Pending:
+        """Add the tour's returning part (none for a one-stop tour) to its entry share; pass the sum
+        on unless it is the owner's."""
+        for acc, grad in zip(entry, arrived or [0] * num_grads, strict=True):
+            acc += grad
+        if round_ == 0:
+            return chain  # `entry` is `own`
+        if round_ > 1:
+            for acc, grad in zip(entry, chain.wait(), strict=True):
+                acc += grad
+        return schedule.outer.exchange(entry, grad_like, f32)  # receives the next visitor's sum so far
+
+    own = zeros()
+    entry, traveling = own, []  # this round's entry share; the gradient computed at the last step
+    chain = next_round = Pending()  # the previous nodes' gradient sum; the next round's first visitor
+    for round_ in range(rounds):
+        for s in range(steps):
+            if s == 0 and round_ + 1 < rounds:
+                next_round = schedule.outer.exchange(visitor, visitor)  # overlaps the whole round
+            passing = visitor if s + 1 < steps else []
+            pending = schedule.inner.exchange(passing + traveling, passing + (grad_like if traveling else []),
+                                              [x.dtype for x in passing] + (f32 if traveling else []))
+            pieces = step(visitor, schedule.owner(round_, s))
+            received = pending.wait()
+            next_visitor, arrived = received[:len(passing)], received[len(passing):]
+            if s == 0:
+                if arrived:  # the previous round's tour is back at its entry rank
+                    chain = finish_tour(round_ - 1, arrived, chain)
+                entry = own if round_ == 0 else zeros()
+                target = entry
+            else:
+                target = arrived or zeros()
+            for batch, rows, grads in pieces:
+                for acc, grad in zip(target, grads, strict=True):
+                    acc[batch, rows] += grad
+            traveling = target if s > 0 else []
+            if steps == 1:  # a tour of one stop is complete at once
+                chain = finish_tour(round_, [], chain)
+            visitor = next_visitor or (next_round.wait() if round_ + 1 < rounds else visitor)
+    if traveling:
+        chain = finish_tour(rounds - 1, schedule.inner.exchange(traveling, grad_like, f32).wait(), chain)
+    if rounds > 1:
+        for acc, grad in zip(own, chain.wait(), strict=True):
             acc += grad
     return own
 
@@ -135,7 +164,8 @@ def row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.stack(heads, dim=1)
 
 
-def burst_backward(ring: Ring, kernel: AttentionKernel, plan: AttentionPlan, dout, q, k, v, out, lse, scale: float):
+def burst_backward(schedule: Schedule, kernel: AttentionKernel, plan: AttentionPlan, dout, q, k, v, out, lse,
+                   scale: float):
     """The paper's backward: K, V and their gradients stay home; Q, dO, lse, delta travel."""
     delta = row_dot(dout, out)  # [b, h, s]
     dk = torch.zeros_like(k, dtype=torch.float32)
@@ -144,9 +174,9 @@ def burst_backward(ring: Ring, kernel: AttentionKernel, plan: AttentionPlan, dou
     def step(visitor: list[torch.Tensor], owner: int) -> GradPieces:
         vq, vdout, vlse, vdelta = visitor
         pieces = []
-        for seg in plan(owner, ring.rank):
+        for seg in plan(owner, schedule.rank):
             b, rows, cols = seg.batch, seg.q_rows, seg.kv_rows
-            vout = out[b, rows] if owner == ring.rank else output_with_delta(vdout[b, rows], vdelta[b, :, rows])
+            vout = out[b, rows] if owner == schedule.rank else output_with_delta(vdout[b, rows], vdelta[b, :, rows])
             dq_blk, dk_blk, dv_blk = kernel.backward(vdout[b, rows], vq[b, rows], k[b, cols], v[b, cols], vout,
                                                      vlse[b, :, rows].contiguous(), seg.causal, scale)
             dk[b, cols] += dk_blk
@@ -154,18 +184,19 @@ def burst_backward(ring: Ring, kernel: AttentionKernel, plan: AttentionPlan, dou
             pieces.append((b, rows, [dq_blk]))
         return pieces
 
-    (dq,) = circulate(ring, [q, dout, lse, delta], 1, step)
+    (dq,) = circulate(schedule, [q, dout, lse, delta], 1, step)
     return as_result(dq, q.dtype), as_result(dk, k.dtype), as_result(dv, v.dtype)
 
 
-def ring_backward(ring: Ring, kernel: AttentionKernel, plan: AttentionPlan, dout, q, k, v, out, lse, scale: float):
+def ring_backward(schedule: Schedule, kernel: AttentionKernel, plan: AttentionPlan, dout, q, k, v, out, lse,
+                  scale: float):
     """Ring attention's backward: Q, dO and dQ stay home; K, V travel, dK, dV follow them."""
     dq = torch.zeros_like(q, dtype=torch.float32)
 
     def step(visitor: list[torch.Tensor], owner: int) -> GradPieces:
         vk, vv = visitor
         pieces = []
-        for seg in plan(ring.rank, owner):
+        for seg in plan(schedule.rank, owner):
             b, rows, cols = seg.batch, seg.q_rows, seg.kv_rows
             dq_blk, dk_blk, dv_blk = kernel.backward(dout[b, rows], q[b, rows], vk[b, cols], vv[b, cols], out[b, rows],
                                                      lse[b, :, rows].contiguous(), seg.causal, scale)
@@ -173,5 +204,5 @@ def ring_backward(ring: Ring, kernel: AttentionKernel, plan: AttentionPlan, dout
             pieces.append((b, cols, [dk_blk, dv_blk]))
         return pieces
 
-    dk, dv = circulate(ring, [k, v], 2, step)
+    dk, dv = circulate(schedule, [k, v], 2, step)
     return as_result(dq, q.dtype), as_result(dk, k.dtype), as_result(dv, v.dtype)

@@ -5,7 +5,8 @@ import torch
 import torch.distributed as dist
 
 import burst
-from burst.attention import backward_bytes_per_hop, input_signature
+from burst.attention import input_signature
+from burst.cost import backward_bytes_per_hop
 from tests.distributed import run_on_ranks
 
 # max |error| allowed against float64, for inputs ~ N(0, 1)
