@@ -1,0 +1,116 @@
+"""burst_attn's topologies (flat, two-level, ulysses, auto) on simulated nodes of localhost gloo
+ranks, against the float64 reference, with the bytes sent across nodes checked against
+`burst.cost.inter_node_bytes`."""
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import burst
+from burst.attention import input_signature
+from burst.cost import choose_topology, inter_node_bytes
+from tests.distributed import run_on_ranks
+from tests.test_burst_attn import TOLERANCE, make_inputs
+from tests.test_doc_mask import reference
+
+CHUNK = 6  # tokens per zigzag chunk: a sequence of 2W chunks
+
+
+def head_cases(node_size):
+    """MHA, GQA whose kv heads split over a node, GQA where each rank of a node needs one kv head."""
+    q_heads = 2 * node_size
+    return [(q_heads, q_heads), (q_heads, node_size), (q_heads, 1)]
+
+
+def documents(seq):
+    return [[0, 5, CHUNK + 1, seq // 2 + 3, seq], [0, seq - CHUNK - 2, seq]]
+
+
+def check_case(world_size, node_size, topology, causal, heads, mode, docs):
+    seq = 2 * world_size * CHUNK
+    q, k, v, dout = make_inputs(seq, *heads, torch.float32, seed=world_size + node_size, head_dim=8)
+    boundaries = documents(seq) if docs else [[0, seq]] * 2
+    expected = reference(q, k, v, dout, boundaries, causal)
+    lq, lk, lv = (burst.shard_sequence(t).requires_grad_() for t in (q, k, v))
+    out, lse = burst.burst_attn(lq, lk, lv, causal=causal, backward=mode, topology=topology, node_size=node_size,
+                                doc_boundaries=[torch.tensor(b) for b in boundaries] if docs else None,
+                                return_lse=True)
+    forward = (burst.SENT.last_forward, burst.SENT.last_forward_inter_node)
+    out.backward(burst.shard_sequence(dout))
+    backward = (burst.SENT.last_backward, burst.SENT.last_backward_inter_node)
+    got = [burst.gather_sequence(out.detach()), burst.gather_sequence(lse, dim=2)]
+    got += [burst.gather_sequence(t.grad) for t in (lq, lk, lv)]
+    where = f"({world_size // node_size} nodes x {node_size}, {topology}, {causal=}, {heads=}, {mode}, {docs=})"
+    for name, g, e in zip(("out", "lse", "dq", "dk", "dv"), got, expected, strict=True):
+        err = (g.double() - e).abs().max().item()
+        assert err <= TOLERANCE[torch.float32], f"{name}: max error {err:.2e} {where}"
+    check_bytes(world_size, node_size, topology, lq, lk, mode, forward, backward, where)
+
+
+def check_bytes(world_size, node_size, topology, q, k, mode, forward, backward, where):
+    """Inter-node bytes of this rank as the formulas say; flat and two-level send W - 1 blocks in all."""
+    rank = dist.get_rank()
+    resolved = choose_topology(topology, q, k, mode, node_size, world_size)
+    fwd, bwd = inter_node_bytes(resolved, q, k, mode, node_size, world_size, rank)
+    signature = len(input_signature(q, k, k, True, mode, "auto", None)) * 8  # the agreement all-gather, per rank
+    assert forward[1] == fwd + (world_size - node_size) * signature, f"forward inter-node bytes {where}"
+    assert backward[1] == bwd, f"backward inter-node bytes {where}"
+    if resolved != "ulysses":
+        assert forward[0] == (world_size - 1) * (2 * k.numel() * k.element_size() + signature), where
+        hop = burst.cost.backward_bytes_per_hop(q, k, burst.choose_backward(q, k, mode))
+        assert backward[0] == (world_size - 1) * hop, where
+
+
+def _all_cases(rank, world_size, node_sizes):
+    for node_size in node_sizes:
+        for topology, causal, heads, mode in itertools.product(("flat", "two-level", "ulysses", "auto"), (True, False),
+                                                               head_cases(node_size), ("burst", "ring")):
+            check_case(world_size, node_size, topology, causal, heads, mode, docs=causal == (mode == "burst"))
+
+
+@pytest.mark.parametrize("world_size, node_sizes", [(4, (2, 4)), (6, (3, 2))], ids=["2x2,1x4", "2x3,3x2"])
+def test_topologies_match_float64_reference(world_size, node_sizes):
+    run_on_ranks(_all_cases, world_size, args=(node_sizes,), timeout_s=300)
+
+
+def bad_topology_inputs(rank):
+    """(q heads, kv heads, kwargs, expected message) on a world of 4."""
+    return [
+        (4, 4, {"node_size": 3}, "node_size 3 must be a positive divisor of the group's 4 ranks"),
+        (4, 4, {"node_size": 0}, "positive divisor"),
+        (4, 4, {"topology": "mesh"}, "unknown topology 'mesh'"),
+        (6, 6, {"topology": "ulysses", "node_size": 4}, "splits the 6 query heads over the 4 ranks"),
+        (12, 3, {"topology": "ulysses", "node_size": 2}, "equal shares of 12 query and 3 key/value heads"),
+        (4, 4, {"node_size": 2 if rank else 4}, "different inputs on the ranks.*node_size: rank 0 4, rank 1 2"),
+        (4, 4, {"topology": "flat" if rank else "ulysses"}, "topology: rank 0 ulysses, rank 1 flat"),
+    ]
+
+
+def _bad_inputs_raise(rank, world_size):
+    for q_heads, kv_heads, kwargs, message in bad_topology_inputs(rank):
+        q, k = torch.zeros(1, 8, q_heads, 8), torch.zeros(1, 8, kv_heads, 8)
+        with pytest.raises(ValueError, match=message):
+            burst.burst_attn(q, k, k, **kwargs)
+    dist.barrier()  # every rank raised and none is stuck in a send
+
+
+def test_bad_topology_inputs_raise_on_every_rank():
+    run_on_ranks(_bad_inputs_raise, 4, timeout_s=60)
+
+
+def test_auto_picks_the_topology_that_sends_least_across_nodes():
+    def pick(q_heads, kv_heads, node_size, world_size=8):
+        q, k = torch.empty(1, 64, q_heads, 64, dtype=torch.bfloat16), torch.empty(1, 64, kv_heads, 64,
+                                                                                   dtype=torch.bfloat16)
+        return choose_topology("auto", q, k, "auto", node_size, world_size)
+
+    assert pick(8, 8, 8) == "flat"  # one node
+    assert pick(8, 8, 4) == "ulysses"  # the same bytes across nodes as two-level; fewer inside the node
+    assert pick(8, 1, 4) == "two-level"  # ulysses would send each rank's kv head L times over
+    assert pick(6, 6, 4) == "two-level"  # the heads do not split over a node
+    q, k = torch.empty(1, 64, 8, 64), torch.empty(1, 64, 8, 64)
+    flat = [inter_node_bytes("flat", q, k, "burst", 4, 8, r) for r in range(8)]
+    two_level = [inter_node_bytes("two-level", q, k, "burst", 4, 8, r) for r in range(8)]
+    assert sum(map(sum, two_level)) * 7 == sum(map(sum, flat)) * 4  # 2 x 4: 8 x 1 blocks cross instead of 2 x 7
