@@ -136,6 +136,10 @@ def bench_attention_command(
     modes: str = typer.Option("burst,ring", "--modes", help="Backward modes to run: burst, ring, auto."),
     doc_length: int | None = typer.Option(None, "--doc-length",
                                           help="Also run document-masked, packing documents of this many tokens."),
+    topology: str = typer.Option("auto", "--topology", help="flat, two-level, ulysses or auto: how blocks travel "
+                                                            "between nodes (see --node-size)."),
+    node_size: int | None = typer.Option(None, "--node-size", help="Local ranks per simulated node "
+                                                                   "(default: all on one node)."),
     json_path: Path | None = typer.Option(None, "--json", help="Also write the figures to this JSON file."),
 ) -> None:
     """Time burst_attn forward and backward on local ranks against a single process."""
@@ -144,7 +148,8 @@ def bench_attention_command(
     try:
         config = AttentionBenchConfig(nproc=nproc, seq_len=seq_len, heads=heads, kv_heads=kv_heads,
                                       head_dim=head_dim, batch=batch, dtype=dtype, causal=causal, iters=iters,
-                                      modes=[m.strip() for m in modes.split(",") if m.strip()], doc_length=doc_length)
+                                      modes=[m.strip() for m in modes.split(",") if m.strip()], doc_length=doc_length,
+                                      topology=topology, node_size=node_size)
     except ValueError as err:
         typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from None

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from burst.attention import burst_attn, check_backward_mode
 from burst.comm import SENT
 from burst.layout import check_sequence_length, shard_sequence
+from burst.topology import check_topology
 from runtime.launch import run_local, threads_per_process
 from runtime.memory import peak_memory_mib, reset_peak_memory
 from runtime.process import init_worker_process_group, leaving_process_group
@@ -40,6 +41,8 @@ class AttentionBenchConfig:
     modes: list[str] = field(default_factory=lambda: ["burst", "ring"])
     doc_length: int | None = None  # packed documents of this many tokens: masked runs beside unmasked ones
     single_process: bool = True
+    topology: str = "auto"  # how blocks travel between nodes (burst/topology.py)
+    node_size: int | None = None  # local ranks per simulated node (None: all on one node)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -54,6 +57,9 @@ class AttentionBenchConfig:
         for mode in self.modes:
             check_backward_mode(mode, "--modes backward mode")
         check_sequence_length(self.seq_len, self.nproc)
+        check_topology(self.topology, "--topology")
+        if self.node_size is not None and (self.node_size < 1 or self.nproc % self.node_size):
+            raise ValueError(f"--node-size {self.node_size} must divide --nproc {self.nproc}")
         if self.doc_length is not None and not 0 < self.doc_length <= self.seq_len:
             raise ValueError(f"--doc-length must be between 1 and --seq-len {self.seq_len}, got {self.doc_length}")
 
@@ -78,6 +84,7 @@ class BenchRow:
     backward_s: float
     sent_forward_mib: float  # per rank, the largest over ranks
     sent_backward_mib: float
+    sent_inter_node_mib: float  # forward + backward, to ranks on other (simulated) nodes
     peak_memory_mib: float
 
     @property
@@ -98,10 +105,11 @@ def _time_once(q, k, v, dout, config: AttentionBenchConfig, mode: str, masked: b
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     barrier = dist.barrier if dist.is_initialized() else (lambda: None)
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    node_size = config.node_size if dist.is_initialized() else None  # the single-process run is one node
     barrier()
     start = time.perf_counter()
-    out = burst_attn(q, k, v, causal=config.causal, backward=mode,
-                     doc_boundaries=config.doc_boundaries() if masked else None)
+    out = burst_attn(q, k, v, causal=config.causal, backward=mode, topology=config.topology,
+                     node_size=node_size, doc_boundaries=config.doc_boundaries() if masked else None)
     sync()
     barrier()
     middle = time.perf_counter()
@@ -115,18 +123,20 @@ def _measure(config: AttentionBenchConfig, variants: list[tuple[str, str, bool]]
     """Median forward/backward seconds, bytes sent and peak memory of each variant on this rank."""
     times: dict[str, list[tuple[float, float]]] = {name: [] for name, _, _ in variants}
     peaks: dict[str, float] = {}
-    sent: dict[str, tuple[int, int]] = {}
+    sent: dict[str, tuple[int, int, int]] = {}
     for i in range(config.iters + 1):  # the first round warms up
         for name, mode, masked in variants:
             reset_peak_memory(device)
             fwd, bwd = _time_once(*inputs, config, mode, masked, device)
             peaks[name] = max(peaks.get(name, 0.0), peak_memory_mib(device))
-            sent[name] = (SENT.last_forward, SENT.last_backward)
+            sent[name] = (SENT.last_forward, SENT.last_backward,
+                          SENT.last_forward_inter_node + SENT.last_backward_inter_node)
             if i:
                 times[name].append((fwd, bwd))
     return {n: {"forward_s": statistics.median(t[0] for t in times[n]),
                 "backward_s": statistics.median(t[1] for t in times[n]),
-                "sent_forward": sent[n][0], "sent_backward": sent[n][1], "peak_mib": peaks[n]} for n in times}
+                "sent_forward": sent[n][0], "sent_backward": sent[n][1], "sent_inter_node": sent[n][2],
+                "peak_mib": peaks[n]} for n in times}
 
 
 def _worker(config: AttentionBenchConfig) -> dict[str, dict]:
@@ -141,7 +151,7 @@ def _rows(name: str, ranks: int, per_rank: list[dict]) -> BenchRow:
     mib = 2**20
     return BenchRow(name, ranks, max(r["forward_s"] for r in per_rank), max(r["backward_s"] for r in per_rank),
                     max(r["sent_forward"] for r in per_rank) / mib, max(r["sent_backward"] for r in per_rank) / mib,
-                    max(r["peak_mib"] for r in per_rank))
+                    max(r["sent_inter_node"] for r in per_rank) / mib, max(r["peak_mib"] for r in per_rank))
 
 
 def run_attention_bench(config: AttentionBenchConfig) -> list[BenchRow]:
@@ -166,17 +176,21 @@ def print_table(config: AttentionBenchConfig, rows: list[BenchRow]) -> None:
 
     title = (f"burst_attn: {config.seq_len:,} tokens, {config.heads}/{config.kv_heads} heads x {config.head_dim}, "
              f"{config.dtype}, {'causal' if config.causal else 'full'}, batch {config.batch}"
-             + (f", docs of {config.doc_length:,} tokens" if config.doc_length else ""))
+             + (f", docs of {config.doc_length:,} tokens" if config.doc_length else "")
+             + f", topology {config.topology}" + (f", nodes of {config.node_size}" if config.node_size else ""))
     table = Table(title=title)
-    for column in ("run", "fwd s", "bwd s", "total s", "vs single", "sent fwd MiB", "sent bwd MiB", "peak MiB"):
+    for column in ("run", "fwd s", "bwd s", "total s", "vs single", "sent fwd MiB", "sent bwd MiB", "inter-node MiB",
+                   "peak MiB"):
         table.add_column(column, justify="left" if column == "run" else "right")
     single = rows[0].total_s if rows[0].ranks == 1 else None
     for row in rows:
         speedup = f"{single / row.total_s:.2f}x" if single else "-"
         table.add_row(row.name, f"{row.forward_s:.3f}", f"{row.backward_s:.3f}", f"{row.total_s:.3f}", speedup,
-                      f"{row.sent_forward_mib:.1f}", f"{row.sent_backward_mib:.1f}", f"{row.peak_memory_mib:.0f}")
+                      f"{row.sent_forward_mib:.1f}", f"{row.sent_backward_mib:.1f}", f"{row.sent_inter_node_mib:.1f}",
+                      f"{row.peak_memory_mib:.0f}")
     Console().print(table)
-    Console().print("time: the slowest rank; sent: bytes per rank, the largest rank; peak: resident memory of the "
+    Console().print("time: the slowest rank; sent: bytes per rank, the largest rank (inter-node: fwd + bwd to "
+                    "ranks on other nodes); peak: resident memory of the "
                     "largest process on CPU, allocated memory on CUDA", style="dim")
 
 

@@ -11,17 +11,21 @@ import torch.distributed as dist
 from torch import nn
 
 from burst.attention import burst_attn, check_backward_mode
+from burst.topology import check_topology
 
 
 class BurstAttention(nn.Module):
-    def __init__(self, group: dist.ProcessGroup | None = None, backward: str = "auto", kernel: str = "auto"):
+    def __init__(self, group: dist.ProcessGroup | None = None, backward: str = "auto", kernel: str = "auto",
+                 topology: str = "auto", node_size: int | None = None):
         super().__init__()
         check_backward_mode(backward)
+        check_topology(topology)
         self.group, self.backward, self.kernel = group, backward, kernel
+        self.topology, self.node_size = topology, node_size
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_boundaries=None) -> torch.Tensor:
         return burst_attn(q, k, v, causal=True, group=self.group, backward=self.backward, kernel=self.kernel,
-                          doc_boundaries=doc_boundaries)
+                          doc_boundaries=doc_boundaries, topology=self.topology, node_size=self.node_size)
 
     def extra_repr(self) -> str:
-        return f"backward={self.backward!r}, kernel={self.kernel!r}"
+        return f"backward={self.backward!r}, kernel={self.kernel!r}, topology={self.topology!r}"

@@ -39,13 +39,23 @@ def default_node_size(group: dist.ProcessGroup | None) -> int:
     if not local_world or world_size == 1:
         return world_size
     nodes = [global_rank(group, g) // int(local_world) for g in range(world_size)]
-    return nodes.count(nodes[rank])
+    node_size = nodes.count(nodes[rank])
+    if nodes != sorted(nodes) or any(nodes.count(n) != node_size for n in nodes):
+        raise ValueError(f"the group's ranks sit on nodes {nodes} (global rank // LOCAL_WORLD_SIZE): burst_attn needs "
+                         "them node-major with as many ranks on every node; build the group from consecutive ranks, "
+                         "or pass node_size (and topology='flat') explicitly")
+    return node_size
+
+
+def check_topology(topology: str, name: str = "topology") -> None:
+    """Refuse a topology that is not one of TOPOLOGIES; `name` is what the caller calls the setting."""
+    if topology not in TOPOLOGIES:
+        raise ValueError(f"unknown {name} {topology!r}; choose one of {', '.join(TOPOLOGIES)}")
 
 
 def validate_topology(topology: str, node_size, world_size: int) -> None:
     """Raise a ValueError naming the problem; the ranks agree on these (`check_ranks_agree`)."""
-    if topology not in TOPOLOGIES:
-        raise ValueError(f"unknown topology {topology!r}; choose one of {', '.join(TOPOLOGIES)}")
+    check_topology(topology)
     if not isinstance(node_size, int) or node_size < 1 or world_size % node_size != 0:
         raise ValueError(f"node_size {node_size!r} must be a positive divisor of the group's {world_size} ranks "
                          "(the ranks of one node, numbered node-major: group rank = node x node_size + local rank); "

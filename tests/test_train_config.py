@@ -34,6 +34,7 @@ def test_the_saved_toml_reads_back_to_the_same_config(tmp_path):
     ('steps = "ten"\n', {}, "setting 'steps' in"),
     ("seq_len = 1004\ncp = 4\n", {}, "--seq-len 1004 does not split over --cp 4"),
     ('precision = "fp16"\n', {}, "--precision 'fp16' is not one of bf16, fp32"),
+    ('cp_topology = "mesh"\n', {}, "unknown --cp-topology 'mesh'; choose one of auto, flat, two-level, ulysses"),
     ("steps = [\n", {}, "cannot read the config file"),
 ])
 def test_bad_settings_are_refused_with_the_setting_named(tmp_path, text, overrides, message):

@@ -59,6 +59,10 @@ class TrainConfig:
     activation_checkpointing: bool = setting(False, "Recompute each block's activations in backward.")
     attention_backward: str = setting("auto", "BurstAttention backward communication: burst, ring or auto "
                                               "(fewer bytes).")
+    cp_topology: str = setting("auto", "How BurstAttention's blocks travel between nodes: flat (one ring), two-level "
+                                       "(a ring per node, one hop per round across), ulysses (all-to-all over heads "
+                                       "in a node, ring across) or auto (flat on one node, else fewest bytes "
+                                       "across nodes).")
     doc_mask: bool = setting(False, "Attend only within each packed document; positions restart at every document.")
     seed: int = setting(0, "Seed of the initial weights and the data order.")
     out: str | None = setting(None, "Run directory (must be new, unless --resume).", shown="runs/DATE-TIME")
@@ -76,6 +80,7 @@ class TrainConfig:
         # Here, not at the top: `burst --help` builds its options from these fields and must not import torch.
         from burst.attention import check_backward_mode
         from burst.layout import check_sequence_length
+        from burst.topology import check_topology
         from models.config import PRESETS
 
         for name in ("seq_len", "cp", "dp", "batch_size", "grad_accum", "steps", "log_every", "max_bad_steps"):
@@ -103,6 +108,7 @@ class TrainConfig:
         if self.precision not in PRECISIONS:
             raise ValueError(f"--precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
         check_backward_mode(self.attention_backward, "--attention-backward")
+        check_topology(self.cp_topology, "--cp-topology")
         try:
             check_sequence_length(self.seq_len, self.cp)
         except ValueError as err:
@@ -128,7 +134,7 @@ INVOCATION_FIELDS = ("resume", "stop_after")
 # What --resume may change: the parallel layout (DCP reshards the state) and how the run reports and saves.
 # Sequences per step (batch_size x dp x grad_accum) must stay, so the loss and schedule do not change.
 RESUMABLE_CHANGES = ("cp", "dp", "batch_size", "grad_accum", "activation_checkpointing", "attention_backward",
-                     "log_every", "checkpoint_every", "keep", *INVOCATION_FIELDS)
+                     "cp_topology", "log_every", "checkpoint_every", "keep", *INVOCATION_FIELDS)
 
 
 def _accepted_types(name: str) -> tuple[type, ...]:

@@ -38,7 +38,8 @@ def parallelize(model: Transformer, mesh: DeviceMesh | None, config: TrainConfig
         # building the dense [seq, seq] mask the single-process attention would need.
         cp_group = mesh["cp"].get_group() if mesh is not None else None
         for block in model.layers:
-            block.attention.core_attention = burst.BurstAttention(group=cp_group, backward=config.attention_backward)
+            block.attention.core_attention = burst.BurstAttention(group=cp_group, backward=config.attention_backward,
+                                                                      topology=config.cp_topology)
 
     if config.activation_checkpointing:
         for index, block in enumerate(model.layers):
