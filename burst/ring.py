@@ -100,8 +100,9 @@ def circulate(schedule: Schedule, visitor: list[torch.Tensor], num_grads: int, s
     def finish_tour(round_: int, arrived: list[torch.Tensor], chain: Pending) -> Pending:
         """Add the tour's returning part (none for a one-stop tour) to its entry share; pass the sum
         on unless it is the owner's."""
-        for acc, grad in zip(entry, arrived or [0] * num_grads, strict=True):
-            acc += grad
+        if arrived:
+            for acc, grad in zip(entry, arrived, strict=True):
+                acc += grad
         if round_ == 0:
             return chain  # `entry` is `own`
         if round_ > 1:
