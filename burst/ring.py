@@ -40,6 +40,21 @@ def as_result(accumulator: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return accumulator.to(dtype, memory_format=torch.contiguous_format)
 
 
+# Merge and delta work on float32 copies of blocks held in a lower precision. They are made a
+# group of heads at a time, each copy at most this many bytes (or one head, if a head is larger):
+# a bounded temporary, and a number of tensor ops (one kernel launch each on a GPU) that does
+# not grow with the head count.
+FLOAT32_TEMPORARY_BYTES = 64 * 2**20
+
+
+def head_groups(x: torch.Tensor) -> list[slice]:
+    """Slices of the heads of x [b, s, h, d] whose float32 copy fits `FLOAT32_TEMPORARY_BYTES`."""
+    batch, seq, heads, dim = x.shape
+    per_head = batch * seq * dim * 4
+    size = max(1, min(heads, FLOAT32_TEMPORARY_BYTES // max(per_head, 1)))
+    return [slice(start, start + size) for start in range(0, heads, size)]
+
+
 def merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
     """Fold one block's (out, lse) into the running float32 (out, lse), in place.
 
@@ -48,9 +63,9 @@ def merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, b
     Rows that have seen no key yet hold lse = -inf; a block that is fully masked for a row
     (lse_blk = -inf) leaves it unchanged.
     """
-    weight = torch.sigmoid(block_lse - lse).nan_to_num_(0.0)  # [b, h, s]; nan only when both are -inf
-    for h in range(out.shape[2]):  # a head at a time: the float32 copy of the block is 1/heads the size
-        out[:, :, h].lerp_(block_out[:, :, h].float(), weight[:, h].unsqueeze(-1))
+    weight = torch.sigmoid(block_lse - lse).nan_to_num_(0.0).transpose(1, 2).unsqueeze(-1)  # [b, s, h, 1]
+    for heads in head_groups(block_out):  # one group unless the float32 copy would pass the budget
+        out[:, :, heads].lerp_(block_out[:, :, heads].float(), weight[:, :, heads])
     lse.copy_(torch.logaddexp(lse, block_lse))
 
 
@@ -159,10 +174,12 @@ def output_with_delta(dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
 
 
 def row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """rowsum(a * b) in float32: [b, s, h, d] x2 -> [b, h, s], one head at a time so that the
-    float32 temporaries stay 1/heads of the inputs' size."""
-    heads = [(a[:, :, h].float() * b[:, :, h].float()).sum(-1) for h in range(a.shape[2])]  # [b, s] each
-    return torch.stack(heads, dim=1)
+    """rowsum(a * b) in float32: [b, s, h, d] x2 -> [b, h, s], in head groups so that the float32
+    temporaries stay within `FLOAT32_TEMPORARY_BYTES`."""
+    result = torch.empty(a.shape[0], a.shape[2], a.shape[1], dtype=torch.float32, device=a.device)  # [b, h, s]
+    for heads in head_groups(a):
+        torch.sum(a[:, :, heads].float() * b[:, :, heads].float(), dim=-1, out=result.transpose(1, 2)[:, :, heads])
+    return result
 
 
 def burst_backward(schedule: Schedule, kernel: AttentionKernel, plan: AttentionPlan, dout, q, k, v, out, lse,
