@@ -6,6 +6,7 @@ import hashlib
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 from burst.comm import Traffic, gather_from_every_rank
 from burst.cost import choose_backward, choose_topology
@@ -15,6 +16,7 @@ from burst.plan import AttentionPlan, normalize_boundaries
 from burst.ring import burst_backward, ring_backward, ring_forward
 from burst.topology import (
     TOPOLOGIES,
+    Schedule,
     default_node_size,
     make_schedule,
     node_group,
@@ -147,35 +149,124 @@ def kernel_layout(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-class BurstAttnFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, plan, scale, schedule, backward, kernel_name):
-        q, k, v = kernel_layout(q), kernel_layout(k), kernel_layout(v)
-        kernel = select_kernel(q.device, q.dtype, kernel_name, head_dim=q.shape[-1])
-        with torch.autocast(q.device.type, enabled=False):  # the kernels choose their own precision
-            out, lse = ring_forward(schedule, kernel, plan, q, k, v, scale)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.schedule, ctx.kernel, ctx.plan, ctx.scale = schedule, kernel, plan, scale
-        ctx.backward_mode = choose_backward(q, k, backward)
-        ctx.mark_non_differentiable(lse)
-        return out, lse
+# burst_attn's ring is one registered operator, `torch.ops.burst.attention`, with its backward
+# another: activation-checkpointing policies can save its output by name (the ring forward then
+# never runs twice), and torch.compile traces a block around it as one opaque call, with no graph
+# break. Operator arguments are tensors and plain values only: the process group travels by its
+# name, the document boundaries as one int64 tensor (`boundaries_tensor`); another setting is one
+# more plain argument of both operators.
 
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        ctx.schedule.traffic.enter_backward()
-        dout = kernel_layout(dout)
-        run = burst_backward if ctx.backward_mode == "burst" else ring_backward
-        with torch.autocast(q.device.type, enabled=False):
-            dq, dk, dv = run(ctx.schedule, ctx.kernel, ctx.plan, dout.to(q.dtype), q, k, v, out, lse, ctx.scale)
-        return dq, dk, dv, None, None, None, None, None
+
+def group_name(group: dist.ProcessGroup | None) -> str:
+    """The name `torch.ops.burst.attention` takes for `group`; "" is the default group (or a world of one)."""
+    return "" if group is None else group.group_name
+
+
+def resolve_group(name: str) -> dist.ProcessGroup | None:
+    return None if name == "" else _resolve_process_group(name)
+
+
+ROW_END = -1  # follows each row of document offsets in `boundaries_tensor`'s encoding
+
+
+def boundaries_tensor(doc_boundaries) -> torch.Tensor | None:
+    """doc_boundaries (a list of 1-D offsets per batch row, or a 2-D tensor) as one int64 tensor, each
+    row followed by ROW_END. One flat tensor, not a padded 2-D one: a compiled graph then holds one
+    symbolic length, with no guards on which row is the longest, whatever the documents per row."""
+    if doc_boundaries is None:
+        return None
+    if isinstance(doc_boundaries, torch.Tensor) and doc_boundaries.dim() != 2:
+        raise ValueError(f"doc_boundaries as a tensor must be 2-D [batch, offsets], got shape "
+                         f"{tuple(doc_boundaries.shape)}; or pass a list of 1-D tensors, one per batch row")
+    rows = [torch.as_tensor(row, dtype=torch.int64) for row in doc_boundaries]
+    end = torch.tensor([ROW_END], dtype=torch.int64, device=rows[0].device if rows else None)
+    return torch.cat([part for row in rows for part in (row, end)]) if rows else end[:0]
+
+
+def boundary_rows(boundaries: torch.Tensor) -> list[list[int]]:
+    """Inverse of `boundaries_tensor`: the rows as lists of ints."""
+    rows, row = [], []
+    for value in boundaries.tolist():
+        if value == ROW_END:
+            rows.append(row)
+            row = []
+        else:
+            row.append(value)
+    return rows
+
+
+def ring_and_plan(q: torch.Tensor, doc_boundaries: torch.Tensor | None, causal: bool, group: str, topology: str,
+                  node_size: int, traffic: Traffic) -> tuple[Schedule, AttentionPlan]:
+    """The schedule and plan of one call of the operators: "flat" or "two-level" over the group, or
+    "ulysses" for the ring across nodes that ulysses_attn runs on node-sized blocks."""
+    group_ = resolve_group(group)
+    schedule = node_ring_schedule(group_, node_size, traffic) if topology == "ulysses" else \
+        make_schedule(topology, group_, node_size, traffic)
+    rows = None if doc_boundaries is None else \
+        normalize_boundaries(boundary_rows(doc_boundaries), q.shape[0], q.shape[1] * schedule.world_size)
+    return schedule, AttentionPlan(q.shape[1], schedule.world_size, causal, rows)
+
+
+@torch.library.custom_op("burst::attention", mutates_args=())
+def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_boundaries: torch.Tensor | None,
+                 causal: bool, scale: float, group: str, topology: str, node_size: int, backward: str,
+                 kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of the ring; see `burst_attn`, which checks the arguments (group: a `group_name`)."""
+    schedule, plan = ring_and_plan(q, doc_boundaries, causal, group, topology, node_size, Traffic(fresh=False))
+    q, k, v = kernel_layout(q), kernel_layout(k), kernel_layout(v)
+    kernel_ = select_kernel(q.device, q.dtype, kernel, head_dim=q.shape[-1])
+    with torch.autocast(q.device.type, enabled=False):  # the kernels choose their own precision
+        return ring_forward(schedule, kernel_, plan, q, k, v, scale)
+
+
+@attention_op.register_fake
+def _(q, k, v, doc_boundaries, causal, scale, group, topology, node_size, backward, kernel):
+    batch, shard_len, heads, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty(batch, heads, shard_len, dtype=torch.float32)  # contiguous, as made
+
+
+@torch.library.custom_op("burst::attention_backward", mutates_args=())
+def attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                          lse: torch.Tensor, doc_boundaries: torch.Tensor | None, causal: bool, scale: float,
+                          group: str, topology: str, node_size: int, backward: str,
+                          kernel: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of `torch.ops.burst.attention`."""
+    traffic = Traffic(fresh=False)
+    traffic.enter_backward(fresh=topology != "ulysses")  # ulysses' exchange back from the node came first
+    schedule, plan = ring_and_plan(q, doc_boundaries, causal, group, topology, node_size, traffic)
+    # the layout the forward computed in (on CPU a copy: the saved inputs are the caller's)
+    q, k, v, dout = kernel_layout(q), kernel_layout(k), kernel_layout(v), kernel_layout(dout)
+    kernel_ = select_kernel(q.device, q.dtype, kernel, head_dim=q.shape[-1])
+    run = burst_backward if choose_backward(q, k, backward) == "burst" else ring_backward
+    with torch.autocast(q.device.type, enabled=False):
+        return run(schedule, kernel_, plan, dout.to(q.dtype), q, k, v, out, lse, scale)
+
+
+@attention_backward_op.register_fake
+def _(dout, q, k, v, out, lse, doc_boundaries, causal, scale, group, topology, node_size, backward, kernel):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous, as made
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, doc_boundaries, *ctx.settings = inputs
+    ctx.save_for_backward(q, k, v, *output, doc_boundaries)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, out, lse, doc_boundaries = ctx.saved_tensors
+    dq, dk, dv = torch.ops.burst.attention_backward(dout, q, k, v, out, lse, doc_boundaries, *ctx.settings)
+    return dq, dk, dv, *[None] * (len(ctx.settings) + 1)
+
+
+attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def burst_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
                group: dist.ProcessGroup | None = None, softmax_scale: float | None = None,
                backward: str = "auto", kernel: str = "auto", doc_boundaries=None,
-               return_lse: bool = False, topology: str = "auto",
-               node_size: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+               return_lse: bool = False, topology: str = "auto", node_size: int | None = None,
+               check_ranks: bool = True) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact softmax attention of this rank's queries against the whole sharded sequence.
 
     q [batch, local_seq, q_heads, head_dim]; k, v [batch, local_seq, kv_heads, head_dim], each
@@ -198,25 +289,27 @@ def burst_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
     per node, numbered node-major (None: from LOCAL_WORLD_SIZE, else the whole group).
 
     Raises ValueError, on every rank of the group, for bad inputs and for ranks whose inputs
-    disagree (compared in one small all-gather before any ring traffic).
+    disagree. check_ranks: compare the ranks' inputs in one small all-gather before any ring
+    traffic (a blocking collective and a host read per call). Pass False where the ranks are
+    known to agree, as the trainer does between its periodic checks (`BurstAttention.check_ranks`);
+    every rank must pass the same value. Without it, disagreeing ranks may fail alone or hang.
     """
     _, world_size = group_rank_and_size(group)
     node_size = default_node_size(group) if node_size is None else node_size
     traffic = Traffic()
-    check_ranks_agree(group, input_signature(q, k, v, causal, backward, kernel, doc_boundaries, topology, node_size),
-                      q.device, traffic, node_size)
+    if check_ranks:
+        check_ranks_agree(group, input_signature(q, k, v, causal, backward, kernel, doc_boundaries, topology,
+                                                 node_size), q.device, traffic, node_size)
     validate_inputs(q, k, v, world_size, backward, kernel)  # the same verdict on every rank now
     validate_topology(topology, node_size, world_size)
     topology = choose_topology(topology, q, k, backward, node_size, world_size)
-    boundaries = None if doc_boundaries is None else \
-        normalize_boundaries(doc_boundaries, q.shape[0], q.shape[1] * world_size)
+    boundaries = boundaries_tensor(doc_boundaries)  # checked by the operator
     scale = default_scale(q.shape[-1]) if softmax_scale is None else softmax_scale
     if topology == "ulysses":
         return ulysses_attn(q, k, v, group, node_size, causal, boundaries, scale, backward, kernel, traffic,
                             return_lse)
-    schedule = make_schedule(topology, group, node_size, traffic)
-    plan = AttentionPlan(q.shape[1], world_size, causal, boundaries)
-    out, lse = BurstAttnFunction.apply(q, k, v, plan, scale, schedule, backward, kernel)
+    out, lse = torch.ops.burst.attention(q, k, v, boundaries, causal, scale, group_name(group), topology, node_size,
+                                         backward, kernel)
     return (out, lse) if return_lse else out
 
 
@@ -226,11 +319,10 @@ def ulysses_attn(q, k, v, group, node_size: int, causal: bool, boundaries, scale
     ring over the I nodes on node-sized blocks [b, L x C, heads / L, d], and back."""
     q_heads, kv_heads = heads_per_rank(q.shape[2], k.shape[2], node_size)  # raises before any traffic
     heads_group = node_group(group, node_size) if node_size > 1 else None
-    schedule = node_ring_schedule(group, node_size, traffic)
     node_q = to_node(q, q_heads, heads_group, traffic)
     node_k, node_v = (to_node(x, kv_heads, heads_group, traffic) for x in (k, v))
-    plan = AttentionPlan(node_q.shape[1], schedule.world_size, causal, boundaries)
-    out, lse = BurstAttnFunction.apply(node_q, node_k, node_v, plan, scale, schedule, backward, kernel)
+    out, lse = torch.ops.burst.attention(node_q, node_k, node_v, boundaries, causal, scale, group_name(group),
+                                         "ulysses", node_size, backward, kernel)
     out = from_node(out, node_size, heads_group, traffic)
     if not return_lse:
         return out

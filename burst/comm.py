@@ -49,14 +49,18 @@ class Traffic:
     """The bytes of one `burst_attn` call, added to `SENT` as they leave: first its forward's,
     then, from the first call of `enter_backward`, its backward's."""
 
-    def __init__(self) -> None:
+    def __init__(self, fresh: bool = True) -> None:
+        """fresh: a new call, its forward counts start from 0; False: more of a call already counted
+        (the attention operators count into the call that `burst_attn` started)."""
         self.backward = False
-        SENT.last_forward = SENT.last_forward_inter_node = 0
+        if fresh:
+            SENT.last_forward = SENT.last_forward_inter_node = 0
 
-    def enter_backward(self) -> None:
+    def enter_backward(self, fresh: bool = True) -> None:
         if not self.backward:
             self.backward = True
-            SENT.last_backward = SENT.last_backward_inter_node = 0
+            if fresh:
+                SENT.last_backward = SENT.last_backward_inter_node = 0
 
     def count(self, sent: int, inter_node: int) -> None:
         SENT.total += sent

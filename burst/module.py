@@ -22,10 +22,24 @@ class BurstAttention(nn.Module):
         check_topology(topology)
         self.group, self.backward, self.kernel = group, backward, kernel
         self.topology, self.node_size = topology, node_size
+        # Compare the ranks' inputs on every call (burst_attn's check_ranks): a blocking all-gather and
+        # a host read each. A trainer whose ranks agree by construction turns it off between the steps it
+        # checks (`set_rank_checks`), choosing them from a step count every rank shares.
+        self.check_ranks = True
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_boundaries=None) -> torch.Tensor:
         return burst_attn(q, k, v, causal=True, group=self.group, backward=self.backward, kernel=self.kernel,
-                          doc_boundaries=doc_boundaries, topology=self.topology, node_size=self.node_size)
+                          doc_boundaries=doc_boundaries, topology=self.topology, node_size=self.node_size,
+                          check_ranks=self.check_ranks)
 
     def extra_repr(self) -> str:
-        return f"backward={self.backward!r}, kernel={self.kernel!r}, topology={self.topology!r}"
+        return (f"backward={self.backward!r}, kernel={self.kernel!r}, topology={self.topology!r}, "
+                f"check_ranks={self.check_ranks}")
+
+
+def set_rank_checks(model: nn.Module, enabled: bool) -> None:
+    """Turn the ranks' agreement check on or off in every `BurstAttention` of `model`; every rank of
+    a group must pass the same `enabled` (a rank that checks alone waits for the others forever)."""
+    for module in model.modules():
+        if isinstance(module, BurstAttention):
+            module.check_ranks = enabled

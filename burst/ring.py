@@ -37,6 +37,8 @@ def as_result(accumulator: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     Contiguous, whatever the accumulator's memory layout: autograd would otherwise copy a
     gradient whose strides differ from its input's, and the model reshapes the output.
     """
+    if accumulator.dtype == dtype:  # `to` would return it as it is, strides and all
+        return accumulator.contiguous()
     return accumulator.to(dtype, memory_format=torch.contiguous_format)
 
 
