@@ -45,7 +45,7 @@ def rank_batches(dp_rank: int, dp: int, cp_rank: int, cp: int, grad_accum: int) 
     return batches
 
 
-def config_for(cp: int, dp: int, grad_accum: int = 1, activation_checkpointing: bool = False) -> TrainConfig:
+def config_for(cp: int, dp: int, grad_accum: int = 1, activation_checkpointing: str = "none") -> TrainConfig:
     # max_grad_norm 0: no clipping, so the step applies the raw gradient.
     return TrainConfig(model="debug", seq_len=SEQ_LEN, cp=cp, dp=dp, batch_size=ROWS // dp // grad_accum,
                        grad_accum=grad_accum, precision="fp32", max_grad_norm=0.0,
@@ -82,7 +82,7 @@ def _check_ranks(rank, world_size, cp, dp, grad_accum, activation_checkpointing,
 
     blocks = [getattr(b, "_checkpoint_wrapped_module", b) for b in model.layers]
     assert all(isinstance(b.attention.core_attention, burst.BurstAttention) == (cp > 1) for b in blocks)
-    assert all(hasattr(b, "_checkpoint_wrapped_module") == activation_checkpointing for b in model.layers)
+    assert all(hasattr(b, "_checkpoint_wrapped_module") == (activation_checkpointing != "none") for b in model.layers)
     assert all(isinstance(p, DTensor) for p in model.parameters())  # FSDP2 over all ranks
     for name, weights in want_initial.items():  # same seed, same weights, whatever the layout
         assert torch.equal(initial[name], weights), name
@@ -93,10 +93,10 @@ def _check_ranks(rank, world_size, cp, dp, grad_accum, activation_checkpointing,
 
 
 @pytest.mark.parametrize("cp, dp, grad_accum, activation_checkpointing", [
-    (2, 1, 1, False),  # sequence parallel
-    (1, 2, 1, False),  # data parallel
-    (2, 1, 2, True),  # sequence parallel with accumulation and activation checkpointing
-    (2, 2, 1, False),  # both, 4 ranks
+    (2, 1, 1, "none"),  # sequence parallel
+    (1, 2, 1, "full"),  # data parallel
+    (2, 1, 2, "selective"),  # sequence parallel with accumulation and selective activation checkpointing
+    (2, 2, 1, "none"),  # both, 4 ranks
 ])
 def test_parallel_step_matches_one_process(cp, dp, grad_accum, activation_checkpointing):
     run_on_ranks(_check_ranks, world_size=cp * dp, args=(cp, dp, grad_accum, activation_checkpointing, reference()))

@@ -19,7 +19,7 @@ from typing import Any
 
 import tomllib
 
-PRECISIONS = ("bf16", "fp32")
+ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 MAX_LR = 1.0  # AdamW moves each weight by about lr per step: beyond this no run trains
 
 
@@ -54,9 +54,18 @@ class TrainConfig:
     beta1: float = setting(0.9, "AdamW beta1.")
     beta2: float = setting(0.95, "AdamW beta2.")
     max_grad_norm: float = setting(1.0, "Clip the global gradient norm (over all shards) to this; 0: no clipping.")
-    precision: str = setting("bf16", "bf16: bf16 compute over float32 master weights (FSDP2 mixed precision on "
-                                     "CUDA, else autocast); fp32: no autocast.")
-    activation_checkpointing: bool = setting(False, "Recompute each block's activations in backward.")
+    # A run saves the resolved precision (config.toml, with the reason), so it resumes alike on other hardware.
+    precision: str = setting("auto", "bf16: bf16 compute over float32 master weights (FSDP2 mixed precision on "
+                                     "CUDA, else autocast); fp32: no autocast; auto: bf16 where the hardware computes "
+                                     "in bf16 natively (CUDA, CPUs with AVX512-BF16 or AMX), fp32 elsewhere.")
+    # Old config files' true/false read as selective/none (`_upgraded`).
+    activation_checkpointing: str = setting("none", "none; full: recompute each block's activations in backward; "
+                                                    "selective: the same, but keep attention's output, so the ring "
+                                                    "forward never runs twice.")
+    compile: bool = setting(False, "Compile each transformer block with torch.compile (attention stays one opaque "
+                                   "operator).")
+    check_ranks_every: int = setting(100, "Steps between checks that the cp ranks' attention inputs agree (one "
+                                          "all-gather per attention call); the first step always checks.")
     attention_backward: str = setting("auto", "BurstAttention backward communication: burst, ring or auto "
                                               "(fewer bytes).")
     cp_topology: str = setting("auto", "How BurstAttention's blocks travel between nodes: flat (one ring), two-level "
@@ -82,8 +91,10 @@ class TrainConfig:
         from burst.layout import check_sequence_length
         from burst.topology import check_topology
         from models.config import PRESETS
+        from runtime.precision import PRECISIONS
 
-        for name in ("seq_len", "cp", "dp", "batch_size", "grad_accum", "steps", "log_every", "max_bad_steps"):
+        for name in ("seq_len", "cp", "dp", "batch_size", "grad_accum", "steps", "log_every", "max_bad_steps",
+                     "check_ranks_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{flag(name)} {getattr(self, name)} must be at least 1")
         if self.keep < 1:
@@ -107,6 +118,9 @@ class TrainConfig:
                 raise ValueError(f"{flag(name)} {getattr(self, name)} must be in [0, 1), e.g. 0.9 or 0.95")
         if self.precision not in PRECISIONS:
             raise ValueError(f"--precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
+        if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
+            raise ValueError(f"--activation-checkpointing {self.activation_checkpointing!r} is not one of "
+                             f"{', '.join(ACTIVATION_CHECKPOINTING)}")
         check_backward_mode(self.attention_backward, "--attention-backward")
         check_topology(self.cp_topology, "--cp-topology")
         try:
@@ -134,7 +148,8 @@ INVOCATION_FIELDS = ("resume", "stop_after")
 # What --resume may change: the parallel layout (DCP reshards the state) and how the run reports and saves.
 # Sequences per step (batch_size x dp x grad_accum) must stay, so the loss and schedule do not change.
 RESUMABLE_CHANGES = ("cp", "dp", "batch_size", "grad_accum", "activation_checkpointing", "attention_backward",
-                     "cp_topology", "log_every", "checkpoint_every", "keep", *INVOCATION_FIELDS)
+                     "cp_topology", "compile", "check_ranks_every", "log_every", "checkpoint_every", "keep",
+                     *INVOCATION_FIELDS)
 
 
 def _accepted_types(name: str) -> tuple[type, ...]:
@@ -156,13 +171,20 @@ def _checked(values: dict[str, Any], source: str) -> dict[str, Any]:
     return values
 
 
+def _upgraded(values: dict[str, Any]) -> dict[str, Any]:
+    """Settings of an older config file in today's form: activation_checkpointing was a switch."""
+    if isinstance(values.get("activation_checkpointing"), bool):
+        values["activation_checkpointing"] = "selective" if values["activation_checkpointing"] else "none"
+    return values
+
+
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
     """Defaults, replaced by the settings of the TOML file at `path`, replaced by `overrides` (flags)."""
     values: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
         try:
-            values.update(_checked(tomllib.loads(path.read_text()), str(path)))
+            values.update(_checked(_upgraded(tomllib.loads(path.read_text())), str(path)))
         except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as err:
             raise ValueError(f"cannot read the config file {path}: {err}") from None
         in_file = [name for name in INVOCATION_FIELDS if name in values]
@@ -187,8 +209,9 @@ def to_toml(config: TrainConfig) -> str:
     return "\n".join(lines) + "\n"
 
 
-def save_config(config: TrainConfig, path: Path) -> None:
-    path.write_text(to_toml(config))
+def save_config(config: TrainConfig, path: Path, notes: str = "") -> None:
+    """Write `config` to `path`, after `notes` (say, why a setting has its value) as TOML comments."""
+    path.write_text("".join(f"# {line}\n" for line in notes.splitlines()) + to_toml(config))
 
 
 def load_run_config(out: str | Path, overrides: dict[str, Any]) -> TrainConfig:

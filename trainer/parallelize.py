@@ -2,9 +2,13 @@
 
 1. sequence parallelism: every block's `attention.core_attention` becomes a `burst.BurstAttention`
    over the mesh's "cp" dimension (when cp > 1, or for document masking); the model code never knows;
-2. activation checkpointing: each block is wrapped to recompute its activations in backward;
-   it wraps the blocks before FSDP so that FSDP's per-block units see the recomputation;
-3. FSDP2: `fully_shard` on every block, then on the root, over the flattened dp x cp mesh (when
+2. activation checkpointing: each block is wrapped to recompute its activations in backward
+   ("full"), or all of them but attention's output ("selective": the ring forward, the costliest
+   part of a long-context block, never runs twice); it wraps the blocks before FSDP so that FSDP's
+   per-block units see the recomputation;
+3. compilation (--compile): each block, checkpoint wrapper included, becomes `torch.compile`d;
+   attention is one opaque operator (`torch.ops.burst.attention`) in its graph;
+4. FSDP2: `fully_shard` on every block, then on the root, over the flattened dp x cp mesh (when
    world > 1). Parameters, gradients and optimizer state are sharded over all ranks: cp ranks hold
    the same weights, so they share the sharding with the dp ranks. With bf16 on CUDA, parameters are
    gathered and used in bf16 over float32 master weights (see `mixed_precision_policy`).
@@ -15,6 +19,7 @@ seed (or checkpoint) gives the same weights whatever the cp x dp layout.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -22,6 +27,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 import burst
 from models import ModelConfig, Transformer, init_model, load_model
@@ -31,7 +37,7 @@ from trainer.config import TrainConfig
 def parallelize(model: Transformer, mesh: DeviceMesh | None, config: TrainConfig) -> Transformer:
     """Apply BurstAttention, activation checkpointing and FSDP2 to `model` in place (see the module docstring).
 
-    mesh: the ("dp", "cp") DeviceMesh, or None for a single process (only checkpointing applies).
+    mesh: the ("dp", "cp") DeviceMesh, or None for a single process (checkpointing and compilation apply).
     """
     if config.doc_mask or (mesh is not None and mesh["cp"].size() > 1):
         # With document masking BurstAttention serves cp = 1 too: it skips masked blocks instead of
@@ -41,9 +47,13 @@ def parallelize(model: Transformer, mesh: DeviceMesh | None, config: TrainConfig
             block.attention.core_attention = burst.BurstAttention(group=cp_group, backward=config.attention_backward,
                                                                       topology=config.cp_topology)
 
-    if config.activation_checkpointing:
+    if config.activation_checkpointing != "none":
         for index, block in enumerate(model.layers):
-            model.layers[index] = checkpoint_wrapper(block)  # non-reentrant torch.utils.checkpoint
+            model.layers[index] = checkpoint_wrapper(block, **checkpoint_options(config.activation_checkpointing))
+
+    if config.compile:
+        for block in model.layers:
+            block.compile()  # in place: parameter names, and so checkpoints, stay as they are
 
     if mesh is not None and mesh.size() > 1:
         shard_mesh = mesh["dp", "cp"]._flatten("dp_cp")  # 1-D mesh of every rank (torchtitan does the same)
@@ -76,6 +86,30 @@ def mixed_precision_policy(config: TrainConfig, device_type: str) -> MixedPrecis
     if config.precision == "bf16" and device_type == "cuda":
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return MixedPrecisionPolicy()
+
+
+# Attention outputs that selective checkpointing keeps: BurstAttention's operator and the fused
+# single-process kernels LocalAttention reaches through scaled_dot_product_attention (cp = 1, no
+# document mask). Their backward needs the output and its log-sum-exp, which these ops return.
+SAVED_OPS = {
+    torch.ops.burst.attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+}
+
+
+def keep_attention(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """The selective policy: save attention's output, recompute everything else."""
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def checkpoint_options(mode: str) -> dict:
+    """checkpoint_wrapper's keyword arguments for --activation-checkpointing `mode` ("full" or "selective")."""
+    if mode == "full":
+        return {}
+    return {"context_fn": functools.partial(create_selective_checkpoint_contexts, keep_attention)}
 
 
 def initial_state_dict(model_config: ModelConfig, seed: int, checkpoint: Path | None) -> dict[str, torch.Tensor]:

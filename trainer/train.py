@@ -15,6 +15,7 @@ with finite weights: a checkpoint is never a diverged model.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import shutil
@@ -30,6 +31,7 @@ from rich.console import Console
 from rich.table import Table
 from torch.distributed.tensor import DTensor
 
+from burst.module import set_rank_checks
 from checkpoints.training import complete_checkpoints, remove_interrupted_saves
 from data import Batch, SequenceLoader, TokenStore
 from data.store import TOKENIZER_FILE
@@ -79,15 +81,36 @@ def forward_backward(model: Transformer, batch: Batch, global_count: torch.Tenso
     tokens, labels, positions = (t.to(device, non_blocking=True) for t in (batch.tokens, batch.labels,
                                                                            batch.positions))  # [b, seq / cp]
     doc_boundaries = batch.doc_boundaries if config.doc_mask else None  # offsets over the full sequence
+    if config.compile and doc_boundaries is not None:
+        for offsets in doc_boundaries:  # documents per row vary from batch to batch: one graph for any count
+            torch._dynamo.maybe_mark_dynamic(offsets, 0)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.precision == "bf16"):
         loss_sum, _ = model.loss(tokens, labels, positions, doc_boundaries)
     (loss_sum / global_count).backward()
     return loss_sum.detach()
 
 
+def checks_ranks(step: int, first_step: int, every: int) -> bool:
+    """Whether optimizer step `step` (1-based) compares the cp ranks' attention inputs: the first step of
+    this invocation and every `every` steps. Every rank counts the same steps, so all check together."""
+    return step == first_step or step % every == 0
+
+
 def train_step(model: Transformer, optimizer: torch.optim.Optimizer, micro_batches: list[Batch],
-               config: TrainConfig, env: Distributed) -> StepResult:
-    """One optimizer step over `micro_batches` (grad_accum of them), unless the loss or gradient is not finite."""
+               config: TrainConfig, env: Distributed, check_ranks: bool = False) -> StepResult:
+    """One optimizer step over `micro_batches` (grad_accum of them), unless the loss or gradient is not finite.
+
+    check_ranks: compare the cp ranks' attention inputs in every attention call of this step (one
+    all-gather and host read each; see `burst.burst_attn`). A compiled model takes such a step eagerly,
+    so that its graphs never hold the check (nor recompile for it).
+    """
+    set_rank_checks(model, check_ranks)
+    with torch.compiler.set_stance("force_eager") if check_ranks and config.compile else contextlib.nullcontext():
+        return _train_step(model, optimizer, micro_batches, config, env)
+
+
+def _train_step(model: Transformer, optimizer: torch.optim.Optimizer, micro_batches: list[Batch],
+                config: TrainConfig, env: Distributed) -> StepResult:
     # Known before any backward, so every micro-batch is scaled by the step's global token count.
     global_count = all_reduce(torch.tensor(float(sum(b.num_tokens for b in micro_batches)), device=env.device))
     global_count.clamp_(min=1.0)
@@ -121,7 +144,7 @@ def print_config(plan: RunPlan, console: Console) -> None:
     table.add_column(style="bold")
     table.add_column()
     for name, value in dataclasses.asdict(plan.config).items():
-        table.add_row(name, str(value))
+        table.add_row(name, f"{value} ({plan.precision_reason})" if name == "precision" else str(value))
     model = plan.model_config
     table.add_row("model shape", f"dim {model.dim}, {model.n_layers} layers, {model.n_heads} heads "
                                  f"({model.n_kv_heads} kv), vocabulary {model.vocab_size}")
@@ -149,7 +172,8 @@ def run(plan: RunPlan, env: Distributed) -> None:
     store = TokenStore(config.data)
     if env.is_main:
         out.mkdir(parents=True, exist_ok=True)
-        save_config(config, out / "config.toml")  # on --resume: the layout this invocation runs with
+        # on --resume: the layout this invocation runs with
+        save_config(config, out / "config.toml", notes=f"precision {config.precision}: {plan.precision_reason}")
         shutil.copyfile(store.tokenizer_path, out / TOKENIZER_FILE)  # exports and `burst eval` check data by it
         print_config(plan, console)
 
@@ -190,13 +214,15 @@ def run(plan: RunPlan, env: Distributed) -> None:
         metrics.message(f"resumed from {plan.resume_from} (step {state.step}) in "
                         f"{time.perf_counter() - load_started:.2f} s")
     last_step = min(config.steps, config.stop_after or config.steps)
+    first_step = state.step + 1
     started, first_loss, stop_reason, signalled = time.perf_counter(), None, None, None
     try:
         with StopRequest() as stop_request:
             while state.step < last_step and stop_reason is None and signalled is None:
                 step_started = time.perf_counter()
                 lr = schedule.get_last_lr()[0]
-                result = train_step(model, optimizer, [next(loader) for _ in range(config.grad_accum)], config, env)
+                result = train_step(model, optimizer, [next(loader) for _ in range(config.grad_accum)], config, env,
+                                    checks_ranks(state.step + 1, first_step, config.check_ranks_every))
                 schedule.step()
                 state.step += 1
                 state.tokens += config.tokens_per_step
