@@ -21,7 +21,7 @@ from data import SequenceLoader, TokenStore, default_store
 from data.store import TOKENIZER_FILE
 from models import PRESETS, ModelConfig
 from models.checkpoint import is_native_checkpoint, read_config
-from runtime.precision import resolve_precision
+from runtime.precision import Precision, resolve_precision
 from trainer.checkpoint import check_model_config
 from trainer.config import TrainConfig
 
@@ -36,8 +36,8 @@ class RunPlan:
     config: TrainConfig
     model_config: ModelConfig
     checkpoint: Path | None  # native checkpoint directory to load; None: fresh weights from config.seed
+    precision: Precision  # config.precision ("auto": chosen by this machine's hardware) and why
     resume_from: Path | None = None  # training checkpoint to continue from (--resume), checked
-    precision_reason: str = ""  # why config.precision, resolved from "auto", is what it is
 
 
 def default_run_dir() -> str:
@@ -128,10 +128,8 @@ def plan_run(config: TrainConfig, world_size: int) -> RunPlan:
     SequenceLoader(store.split("train"), config.seq_len, config.batch_size, dp_size=config.dp, cp_size=config.cp)
     check_sequence_fits(config, store, model_config)
     resume_from = check_resume(config, Path(out), model_config) if config.resume else None
-    # Resolved here, so the run records (config.toml) and resumes with what it ran with, on any machine.
     precision = resolve_precision(config.precision, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    return RunPlan(dataclasses.replace(config, data=data, out=out, precision=precision.name), model_config,
-                   checkpoint, resume_from, precision.reason)
+    return RunPlan(dataclasses.replace(config, data=data, out=out), model_config, checkpoint, precision, resume_from)
 
 
 def check_resume(config: TrainConfig, out: Path, model_config: ModelConfig) -> Path:

@@ -139,16 +139,16 @@ def weights_are_finite(model: Transformer, env: Distributed) -> bool:
     return all_reduce(non_finite, op=dist.ReduceOp.MAX).item() == 0
 
 
-def print_config(plan: RunPlan, console: Console) -> None:
+def print_config(plan: RunPlan, config: TrainConfig, console: Console) -> None:
     table = Table(title="burst train", show_header=False, title_justify="left")
     table.add_column(style="bold")
     table.add_column()
-    for name, value in dataclasses.asdict(plan.config).items():
-        table.add_row(name, f"{value} ({plan.precision_reason})" if name == "precision" else str(value))
+    for name, value in dataclasses.asdict(config).items():
+        table.add_row(name, f"{value} ({plan.precision.reason})" if name == "precision" else str(value))
     model = plan.model_config
     table.add_row("model shape", f"dim {model.dim}, {model.n_layers} layers, {model.n_heads} heads "
                                  f"({model.n_kv_heads} kv), vocabulary {model.vocab_size}")
-    table.add_row("tokens per step", f"{plan.config.tokens_per_step:,}")
+    table.add_row("tokens per step", f"{config.tokens_per_step:,}")
     console.print(table)
 
 
@@ -168,14 +168,16 @@ def train(config: TrainConfig) -> None:
 
 
 def run(plan: RunPlan, env: Distributed) -> None:
-    config, out, console = plan.config, Path(plan.config.out), Console()
+    # The precision this machine resolved "auto" to: the run records it, so a resume elsewhere keeps it.
+    config = dataclasses.replace(plan.config, precision=plan.precision.name)
+    out, console = Path(config.out), Console()
     store = TokenStore(config.data)
     if env.is_main:
         out.mkdir(parents=True, exist_ok=True)
         # on --resume: the layout this invocation runs with
-        save_config(config, out / "config.toml", notes=f"precision {config.precision}: {plan.precision_reason}")
+        save_config(config, out / "config.toml", notes=f"precision {config.precision}: {plan.precision.reason}")
         shutil.copyfile(store.tokenizer_path, out / TOKENIZER_FILE)  # exports and `burst eval` check data by it
-        print_config(plan, console)
+        print_config(plan, config, console)
 
     model = build_model(plan.model_config, env.mesh, config, env.device, plan.checkpoint)
     optimizer = build_optimizer(model, config)
