@@ -97,7 +97,8 @@ def eval_command(
     passkey_depths: str | None = typer.Option(None, "--passkey-depths", help="Needle depths (0,0.25,0.5,0.75,1)."),
     passkey_trials: int | None = typer.Option(None, "--passkey-trials", help="Samples per cell; 0 skips (5)."),
     cp: int | None = typer.Option(None, "--cp", help="Context-parallel ranks, started here or by torchrun (1)."),
-    precision: str | None = typer.Option(None, "--precision", help="Weights dtype: fp32 or bf16 (fp32)."),
+    precision: str | None = typer.Option(None, "--precision", help="Weights dtype: fp32, bf16 or auto (bf16 where "
+                                                                   "the hardware has it natively) (fp32)."),
     json_path: Path | None = typer.Option(None, "--json", help="Write the results here, and a PNG plot beside."),
     force: bool = typer.Option(False, "--force", help="Replace the --json file (and its PNG) if they exist."),
 ) -> None:
@@ -130,7 +131,8 @@ def bench_attention_command(
     kv_heads: int | None = typer.Option(None, "--kv-heads", help="Key/value heads (default: --heads)."),
     head_dim: int = typer.Option(64, "--head-dim"),
     batch: int = typer.Option(1, "--batch"),
-    dtype: str = typer.Option("bf16", "--dtype", help="bf16, fp16 or fp32."),
+    dtype: str = typer.Option("auto", "--dtype", help="bf16, fp16, fp32 or auto (bf16 where the hardware has it "
+                                                      "natively, else fp32)."),
     causal: bool = typer.Option(True, "--causal/--non-causal"),
     iters: int = typer.Option(2, "--iters", help="Timed iterations after one warm-up."),
     modes: str = typer.Option("burst,ring", "--modes", help="Backward modes to run: burst, ring, auto."),

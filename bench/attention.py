@@ -22,6 +22,7 @@ from burst.layout import check_sequence_length, shard_sequence
 from burst.topology import check_topology
 from runtime.launch import run_local, threads_per_process
 from runtime.memory import peak_memory_mib, reset_peak_memory
+from runtime.precision import resolve_precision
 from runtime.process import init_worker_process_group, leaving_process_group
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -35,7 +36,7 @@ class AttentionBenchConfig:
     kv_heads: int | None = None  # None: same as heads (MHA)
     head_dim: int = 64
     batch: int = 1
-    dtype: str = "bf16"
+    dtype: str = "auto"  # a key of DTYPES, or "auto" (runtime/precision.py), resolved on construction
     causal: bool = True
     iters: int = 2
     modes: list[str] = field(default_factory=lambda: ["burst", "ring"])
@@ -43,10 +44,14 @@ class AttentionBenchConfig:
     single_process: bool = True
     topology: str = "auto"  # how blocks travel between nodes (burst/topology.py)
     node_size: int | None = None  # local ranks per simulated node (None: all on one node)
+    dtype_reason: str = ""  # why "auto" became `dtype`
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
+        if self.dtype not in (*DTYPES, "auto"):
+            raise ValueError(f"unknown dtype {self.dtype!r}; choose one of auto, {', '.join(DTYPES)}")
+        if self.dtype == "auto":
+            chosen = resolve_precision("auto", torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+            self.dtype, self.dtype_reason = chosen.name, chosen.reason
         for flag, value in (("--nproc", self.nproc), ("--iters", self.iters), ("--heads", self.heads),
                             ("--kv-heads", self.kv_heads), ("--head-dim", self.head_dim), ("--batch", self.batch)):
             if value is not None and value < 1:
@@ -189,6 +194,8 @@ def print_table(config: AttentionBenchConfig, rows: list[BenchRow]) -> None:
                       f"{row.sent_forward_mib:.1f}", f"{row.sent_backward_mib:.1f}", f"{row.sent_inter_node_mib:.1f}",
                       f"{row.peak_memory_mib:.0f}")
     Console().print(table)
+    if config.dtype_reason:
+        Console().print(f"dtype {config.dtype}: {config.dtype_reason}", style="dim")
     Console().print("time: the slowest rank; sent: bytes per rank, the largest rank (inter-node: fwd + bwd to "
                     "ranks on other nodes); peak: resident memory of the "
                     "largest process on CPU, allocated memory on CUDA", style="dim")

@@ -34,6 +34,7 @@ from evaluation.perplexity import (
 from evaluation.report import tables, write_files
 from evaluation.result import EvalResult
 from runtime.launch import first_failure, run_local, under_torchrun
+from runtime.precision import resolve_precision
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -57,10 +58,13 @@ class EvalConfig:
     passkey_depths: list[float] = field(default_factory=lambda: list(DEFAULT_DEPTHS))
     passkey_trials: int = 5  # samples (different passkeys) per cell; 0 skips passkey retrieval
     cp: int = 1  # context-parallel ranks: started here, or by torchrun
-    precision: str = "fp32"  # a key of PRECISIONS: the dtype the weights are cast to
+    # a key of PRECISIONS, the dtype the weights are cast to; "auto": bf16 where the hardware computes in
+    # bf16 natively (runtime/precision.py), resolved on construction (`precision_reason` says why)
+    precision: str = "fp32"
     json_path: Path | None = None  # also write JSON here, and the loss-by-position PNG beside it
     force: bool = False  # replace an existing json_path (and its PNG)
     seed: int = 0  # of the passkeys
+    precision_reason: str = ""  # why `precision` is what it is (set on construction)
 
     def __post_init__(self) -> None:
         """Refuse values that cannot work, naming the flag; the checks that need files come later."""
@@ -78,8 +82,10 @@ class EvalConfig:
             raise ValueError(f"--buckets {self.buckets} must be between 1 and --seq-len {self.seq_len}")
         if self.positions not in POSITION_MODES:
             raise ValueError(f"--positions {self.positions!r} is not one of {', '.join(POSITION_MODES)}")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"--precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
+        if self.precision not in (*PRECISIONS, "auto"):
+            raise ValueError(f"--precision {self.precision!r} is not one of auto, {', '.join(PRECISIONS)}")
+        chosen = resolve_precision(self.precision, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+        self.precision, self.precision_reason = chosen.name, chosen.reason
         if self.passkey_trials < 0:
             raise ValueError(f"--passkey-trials {self.passkey_trials} must be >= 0 (0 skips passkey retrieval)")
         if self.passkey_lengths is None:
@@ -184,6 +190,7 @@ def evaluate(config: EvalConfig, console: Console | None = None) -> EvalResult:
             say(f"[yellow]warning:[/] {warning}")
         model = inputs.checkpoint.model(device, PRECISIONS[config.precision])
         use_burst_attention(model, group)
+        say(f"weights in {config.precision} ({config.precision_reason})")
         say(f"perplexity: {inputs.sequences} x {config.seq_len:,} tokens of {inputs.store.directory} (val), "
             f"positions {config.positions}")
         perplexity = evaluate_perplexity(model, inputs.store.split("val"), config.seq_len, inputs.sequences,

@@ -33,3 +33,17 @@ def test_cpu_flags_reads_the_flags_line(tmp_path):
     cpuinfo.write_text("processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: fpu avx2 avx512_bf16\nbugs\t: none\n")
     assert cpu_flags(cpuinfo) == {"fpu", "avx2", "avx512_bf16"}
     assert cpu_flags(tmp_path / "missing") == set()
+
+
+@pytest.mark.parametrize("flags, expected", [(set(), "fp32"), ({"amx_bf16"}, "bf16")])
+def test_bench_and_eval_resolve_auto_the_same_way(flags, expected, monkeypatch):
+    from bench.attention import AttentionBenchConfig
+    from evaluation.run import EvalConfig
+    from runtime import precision
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(precision, "cpu_flags", lambda: flags)
+    bench = AttentionBenchConfig(dtype="auto")
+    evaluation = EvalConfig(checkpoint="unused", precision="auto", passkey_trials=0)
+    assert bench.dtype == evaluation.precision == expected
+    assert bench.dtype_reason == evaluation.precision_reason == resolve_precision("auto", CPU, flags).reason
