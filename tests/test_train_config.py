@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from models import ModelConfig, Transformer
-from trainer.config import TrainConfig, load_config, to_toml
+from trainer.config import TrainConfig, load_config, save_config, to_toml
 from trainer.optim import build_optimizer, lr_factor
 
 
@@ -26,6 +26,8 @@ def test_the_saved_toml_reads_back_to_the_same_config(tmp_path):
     path.write_text(to_toml(config))
     assert load_config(path) == config
     assert "data" not in to_toml(TrainConfig())  # None: left out, the default again on reading
+    save_config(config, path, notes="precision bf16: auto: this CPU computes in bf16 natively\nsecond line")
+    assert path.read_text().startswith("# precision bf16: auto:") and load_config(path) == config
 
 
 @pytest.mark.parametrize("text, overrides, message", [
