@@ -105,10 +105,11 @@ def save_checkpoint(out: Path, step: int, model: torch.nn.Module, optimizer: tor
 
 
 def forget_metrics_after(out: Path, step: int) -> None:
-    """Drop the rows of OUT/metrics.jsonl past `step`: a resumed run trains those steps again and logs them anew."""
+    """Drop the rows of OUT/metrics.jsonl past `step`: a resumed run trains those steps again and logs them anew.
+    Event rows (start-ups, restarts) stay: they are the run's history."""
     path = out / "metrics.jsonl"
     if path.is_file():
-        rows = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
+        rows = [line for line in path.read_text().splitlines() if json.loads(line).get("step", 0) <= step]
         path.write_text("".join(row + "\n" for row in rows))
 
 

@@ -38,8 +38,8 @@ def setting(default: Any, help: str, shown: str | None = None) -> Any:
 class TrainConfig:
     """Everything a training run depends on. Global batch = batch_size x dp x grad_accum sequences of seq_len."""
 
-    model: str = setting("tiny", "Preset (debug, tiny, llama3-8b, ...: models.PRESETS) or a native checkpoint "
-                                 "directory to start from.")
+    model: str = setting("tiny", "Preset (debug, tiny, llama3-8b, ...: models.PRESETS) or a native or Hugging "
+                                 "Face checkpoint directory to start from.")
     data: str | None = setting(None, "Token store directory from `burst prepare`.", shown="the embedded stdlib corpus")
     seq_len: int = setting(1024, "Tokens per sequence, split over the --cp ranks.")
     cp: int = setting(1, "Sequence-parallel degree: ranks that share one sequence (BurstAttention).")

@@ -16,11 +16,12 @@ from pathlib import Path
 
 import torch
 
-from checkpoints.training import resolve_checkpoint, step_of
+from checkpoints.training import is_run_or_checkpoint, resolve_checkpoint, step_of
 from data import SequenceLoader, TokenStore, default_store
 from data.store import TOKENIZER_FILE
 from models import PRESETS, ModelConfig
-from models.checkpoint import is_native_checkpoint, read_config
+from models.checkpoint import is_native_checkpoint
+from models.convert import is_hf_checkpoint, read_checkpoint
 from trainer.checkpoint import check_model_config
 from trainer.config import TrainConfig
 
@@ -34,7 +35,7 @@ class RunPlan:
 
     config: TrainConfig
     model_config: ModelConfig
-    checkpoint: Path | None  # native checkpoint directory to load; None: fresh weights from config.seed
+    checkpoint: Path | None  # native or Hugging Face checkpoint directory to load; None: fresh weights from seed
     resume_from: Path | None = None  # training checkpoint to continue from (--resume), checked
 
 
@@ -69,11 +70,14 @@ def model_and_store(config: TrainConfig, store: TokenStore) -> tuple[ModelConfig
     path = Path(config.model)
     if not path.is_dir():
         raise ValueError(f"--model {config.model!r} is neither a preset ({', '.join(PRESETS)}) nor a directory")
-    if not is_native_checkpoint(path):
-        raise ValueError(f"--model {path} is not a native checkpoint directory (config.json with the model's "
-                         f"fields and safetensors weights); convert a Hugging Face model first with "
+    if is_run_or_checkpoint(path):
+        raise ValueError(f"--model {path} is a training run or checkpoint: continue it with "
+                         f"`burst train --resume --out RUN`, or start from its weights after "
                          f"`burst convert-checkpoint {path} OUT --to burst`")
-    model_config = read_config(path)
+    if not (is_native_checkpoint(path) or is_hf_checkpoint(path)):
+        raise ValueError(f"--model {path} is not a model checkpoint directory (a native or Hugging Face LLaMA "
+                         f"config.json with safetensors weights)")
+    model_config = read_checkpoint(path).config  # validated from the file headers, no tensor read
     if (path / TOKENIZER_FILE).is_file():
         store.check_tokenizer(path / TOKENIZER_FILE, path)
     if store.vocab_size != model_config.vocab_size:

@@ -129,22 +129,35 @@ def print_config(plan: RunPlan, console: Console) -> None:
     console.print(table)
 
 
+def report_model_ready(model: Transformer, env: Distributed, started: float, metrics: Metrics | None) -> None:
+    """Report (rank 0) the start-up: parameters, seconds since `started`, the largest rank's peak host memory."""
+    host_peak = peak_memory_mib(torch.device("cpu"))  # the process's peak resident memory, also on CUDA runs
+    peak = all_reduce(torch.tensor(host_peak, device=env.device), op=dist.ReduceOp.MAX).item()
+    if metrics is not None:
+        parameters = sum(p.numel() for p in model.parameters())  # global counts, also of sharded DTensors
+        seconds = time.perf_counter() - started
+        metrics.event("model_ready", {"parameters": parameters, "seconds": seconds, "peak_host_mib": peak},
+                      f"model ready: {parameters:,} parameters, {seconds:.1f} s, peak host memory {peak:,.0f} MiB "
+                      f"(largest rank)")
+
+
 def train(config: TrainConfig) -> None:
     """Train with `config` as one rank of the process group the environment describes (or as a single process).
 
     Raises ValueError on a bad config before any work, and TrainingStopped when the run cannot continue.
     """
+    started = time.perf_counter()
     plan = plan_run(config, environment_world_size())  # every rank checks before joining the group
     config = plan.config
     env = init_distributed(config)
     if env.mesh is None:
-        run(plan, env)
+        run(plan, env, started)
         return
     with leaving_process_group():
-        run(plan, env)
+        run(plan, env, started)
 
 
-def run(plan: RunPlan, env: Distributed) -> None:
+def run(plan: RunPlan, env: Distributed, started: float) -> None:
     config, out, console = plan.config, Path(plan.config.out), Console()
     store = TokenStore(config.data)
     if env.is_main:
@@ -153,13 +166,15 @@ def run(plan: RunPlan, env: Distributed) -> None:
         shutil.copyfile(store.tokenizer_path, out / TOKENIZER_FILE)  # exports and `burst eval` check data by it
         print_config(plan, console)
 
-    model = build_model(plan.model_config, env.mesh, config, env.device, plan.checkpoint)
+    # A resumed run builds no initial weights: its checkpoint's load fills every shard.
+    model = build_model(plan.model_config, env.mesh, config, env.device, plan.checkpoint,
+                        fill=plan.resume_from is None)
     optimizer = build_optimizer(model, config)
     schedule = build_schedule(optimizer, config)
     loader = SequenceLoader(store.split("train"), config.seq_len, config.batch_size,
                             dp_rank=env.dp_rank, dp_size=config.dp, cp_rank=env.cp_rank, cp_size=config.cp,
                             seed=config.seed, reset_positions=config.doc_mask)
-    state, load_started = TrainState(), time.perf_counter()
+    state = TrainState()
     if plan.resume_from is not None:
         saved = load_checkpoint(plan.resume_from, model, optimizer, env.device)
         schedule.load_state_dict(saved["schedule"])
@@ -186,11 +201,11 @@ def run(plan: RunPlan, env: Distributed) -> None:
         return path
 
     metrics = Metrics(out, config.steps, console) if env.is_main else None
+    report_model_ready(model, env, started, metrics)
     if metrics is not None and plan.resume_from is not None:
-        metrics.message(f"resumed from {plan.resume_from} (step {state.step}) in "
-                        f"{time.perf_counter() - load_started:.2f} s")
+        metrics.message(f"resumed from {plan.resume_from} (step {state.step})")
     last_step = min(config.steps, config.stop_after or config.steps)
-    started, first_loss, stop_reason, signalled = time.perf_counter(), None, None, None
+    loop_started, first_loss, stop_reason, signalled = time.perf_counter(), None, None, None
     try:
         with StopRequest() as stop_request:
             while state.step < last_step and stop_reason is None and signalled is None:
@@ -236,7 +251,7 @@ def run(plan: RunPlan, env: Distributed) -> None:
             what = f"stopped by {signalled} after step {state.step}" if signalled else \
                 f"stopped after step {state.step} (--stop-after)" if state.step < config.steps else "done"
             metrics.message(f"{what}: {state.step} steps, {state.tokens:,} tokens; this invocation "
-                            f"{time.perf_counter() - started:.1f} s, loss {first_loss:.4f} -> {result.loss:.4f}; "
+                            f"{time.perf_counter() - loop_started:.1f} s, loss {first_loss:.4f} -> {result.loss:.4f}; "
                             f"checkpoint {path}")
             if state.step < config.steps:
                 metrics.message(f"continue with: burst train --resume --out {out}")
