@@ -70,6 +70,8 @@ class TrainConfig:
     max_bad_steps: int = setting(3, "Non-finite steps in a row that end the run.")
     checkpoint_every: int = setting(0, "Steps between training checkpoints (0: only at the end and when stopped).")
     keep: int = setting(2, "Newest complete checkpoints to keep; older ones are deleted once a newer one is complete.")
+    async_checkpoint: bool = setting(False, "Write checkpoints in the background while training goes on (at most "
+                                            "one save in flight).")
     # This invocation only (not written to config.toml):
     resume: bool = setting(False, "Continue the run in --out from its newest complete checkpoint, with its "
                                   "config.toml (cp, dp may change).")
@@ -134,7 +136,7 @@ INVOCATION_FIELDS = ("resume", "stop_after")
 # What --resume may change: the parallel layout (DCP reshards the state) and how the run reports and saves.
 # Sequences per step (batch_size x dp x grad_accum) must stay, so the loss and schedule do not change.
 RESUMABLE_CHANGES = ("cp", "dp", "batch_size", "grad_accum", "activation_checkpointing", "attention_backward",
-                     "cp_topology", "log_every", "checkpoint_every", "keep", *INVOCATION_FIELDS)
+                     "cp_topology", "log_every", "checkpoint_every", "keep", "async_checkpoint", *INVOCATION_FIELDS)
 
 
 def _accepted_types(name: str) -> tuple[type, ...]:

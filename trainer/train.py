@@ -36,13 +36,14 @@ from data.store import TOKENIZER_FILE
 from models import Transformer
 from runtime.memory import peak_memory_mib
 from runtime.process import all_reduce, leaving_process_group
-from trainer.checkpoint import forget_metrics_after, load_checkpoint, save_checkpoint
+from trainer.checkpoint import forget_metrics_after, load_checkpoint
 from trainer.config import TrainConfig, save_config
 from trainer.distributed import Distributed, environment_world_size, init_distributed
 from trainer.metrics import Metrics
 from trainer.optim import build_optimizer, build_schedule
 from trainer.parallelize import build_model
 from trainer.preflight import RunPlan, plan_run
+from trainer.saving import CheckpointSaver, Saved
 from trainer.signals import StopRequest, TrainingInterrupted
 
 
@@ -184,21 +185,26 @@ def run(plan: RunPlan, env: Distributed, started: float) -> None:
             remove_interrupted_saves(out)
             forget_metrics_after(out, state.step)  # steps past the checkpoint are trained again
 
-    def save() -> Path:
+    def report_saved(saved: Saved) -> None:
+        if metrics is not None:
+            size = sum(f.stat().st_size for f in saved.path.iterdir())
+            metrics.event("checkpoint_saved", {"checkpoint": saved.path.name, "seconds": saved.seconds,
+                                               "blocked_s": saved.blocked_s},
+                          f"saved {saved.path.name}: {size / 2**20:,.1f} MiB in {saved.seconds:.2f} s "
+                          f"(training waited {saved.blocked_s:.2f} s)")
+
+    saver = CheckpointSaver(out, plan.model_config, env.device, config.keep, config.async_checkpoint, report_saved)
+
+    def save() -> None:
         if not weights_are_finite(model, env):
+            saver.wait()  # a save in flight holds earlier, finite weights: it completes
             newest = complete_checkpoints(out)
             raise TrainingStopped(
                 f"the weights hold non-finite values at step {state.step}: a step with a finite loss and gradient "
                 f"overflowed them; no checkpoint is saved, the newest finite one is "
                 f"{newest[-1] if newest else 'none (start a new run)'}. Try a lower --lr or a longer --warmup")
-        save_started = time.perf_counter()
         train_state = {"train": state.state_dict(), "schedule": schedule.state_dict(), "loader": loader.state_dict()}
-        path = save_checkpoint(out, state.step, model, optimizer, train_state, plan.model_config, env.device,
-                               config.keep)
-        if metrics is not None:
-            size = sum(f.stat().st_size for f in path.iterdir())
-            metrics.message(f"saved {path.name}: {size / 2**20:,.1f} MiB in {time.perf_counter() - save_started:.2f} s")
-        return path
+        saver.start(state.step, model, optimizer, train_state)
 
     metrics = Metrics(out, config.steps, console) if env.is_main else None
     report_model_ready(model, env, started, metrics)
@@ -241,9 +247,12 @@ def run(plan: RunPlan, env: Distributed, started: float) -> None:
                 elif config.checkpoint_every and state.step % config.checkpoint_every == 0 \
                         and state.step < last_step and stop_reason is None:
                     save()
+                saver.poll()  # an asynchronous save whose files are written becomes complete
             # Every run that finishes or stops gets here, its model and optimizer holding the last good
             # state: the one place for the run's final checkpoint (signals still only set the flag).
-            path = save()
+            saver.wait()
+            save()
+            path = saver.wait()
         if stop_reason is not None:
             raise TrainingStopped(f"{stop_reason}. The weights of the last applied step, checked finite, are saved "
                                   f"in {path}")
