@@ -72,6 +72,10 @@ class TrainConfig:
     keep: int = setting(2, "Newest complete checkpoints to keep; older ones are deleted once a newer one is complete.")
     async_checkpoint: bool = setting(False, "Write checkpoints in the background while training goes on (at most "
                                             "one save in flight).")
+    max_restarts: int = setting(0, "Times the launcher restarts the workers after one dies; they continue from the "
+                                   "newest complete checkpoint. Under torchrun, pass torchrun's own --max-restarts.")
+    timeout: float = setting(30.0, "Minutes a collective may wait for a rank (a hung or dead one) before the run "
+                                   "ends with an error.")
     # This invocation only (not written to config.toml):
     resume: bool = setting(False, "Continue the run in --out from its newest complete checkpoint, with its "
                                   "config.toml (cp, dp may change).")
@@ -96,9 +100,11 @@ class TrainConfig:
         for name in ("lr", "min_lr_ratio", "weight_decay", "beta1", "beta2", "max_grad_norm"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{flag(name)} {getattr(self, name)} must be a finite number")
-        for name in ("lr", "warmup", "weight_decay", "max_grad_norm", "checkpoint_every"):
+        for name in ("lr", "warmup", "weight_decay", "max_grad_norm", "checkpoint_every", "max_restarts"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{flag(name)} {getattr(self, name)} must not be negative")
+        if not 0 < self.timeout < math.inf:
+            raise ValueError(f"--timeout {self.timeout} minutes must be a positive number")
         if self.lr > MAX_LR:
             raise ValueError(f"--lr {self.lr} would wreck the weights in one step (AdamW moves each weight by about "
                              f"--lr per step; 1e-4 to 1e-2 are usual); pass at most {MAX_LR}")
@@ -136,7 +142,8 @@ INVOCATION_FIELDS = ("resume", "stop_after")
 # What --resume may change: the parallel layout (DCP reshards the state) and how the run reports and saves.
 # Sequences per step (batch_size x dp x grad_accum) must stay, so the loss and schedule do not change.
 RESUMABLE_CHANGES = ("cp", "dp", "batch_size", "grad_accum", "activation_checkpointing", "attention_backward",
-                     "cp_topology", "log_every", "checkpoint_every", "keep", "async_checkpoint", *INVOCATION_FIELDS)
+                     "cp_topology", "log_every", "checkpoint_every", "keep", "async_checkpoint", "max_restarts",
+                     "timeout", *INVOCATION_FIELDS)
 
 
 def _accepted_types(name: str) -> tuple[type, ...]:

@@ -18,8 +18,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from runtime.process import init_worker_process_group, worker_device
 from trainer.config import TrainConfig
 
-TIMEOUT = datetime.timedelta(minutes=30)  # a 1M-token step on a slow link can take minutes
-
 
 @dataclass
 class Distributed:
@@ -52,6 +50,7 @@ def init_distributed(config: TrainConfig) -> Distributed:
     world_size = environment_world_size()
     if world_size == 1:
         return Distributed(0, 1, worker_device(), None)
-    device = init_worker_process_group(TIMEOUT)
+    # The default, 30 minutes, allows for a 1M-token step on a slow link.
+    device = init_worker_process_group(datetime.timedelta(minutes=config.timeout))
     mesh = init_device_mesh(device.type, (config.dp, config.cp), mesh_dim_names=("dp", "cp"))
     return Distributed(dist.get_rank(), world_size, device, mesh)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from checkpoints.training import is_run_or_checkpoint, resolve_checkpoint, step_of
+from checkpoints.training import complete_checkpoints, is_run_or_checkpoint, resolve_checkpoint, step_of
 from data import SequenceLoader, TokenStore, default_store
 from data.store import TOKENIZER_FILE
 from models import PRESETS, ModelConfig
@@ -37,6 +37,7 @@ class RunPlan:
     model_config: ModelConfig
     checkpoint: Path | None  # native or Hugging Face checkpoint directory to load; None: fresh weights from seed
     resume_from: Path | None = None  # training checkpoint to continue from (--resume), checked
+    restart: int = 0  # how many times the launcher restarted the workers of this run (0: the first start)
 
 
 def default_run_dir() -> str:
@@ -111,14 +112,23 @@ def check_sequence_fits(config: TrainConfig, store: TokenStore, model_config: Mo
                          f"or --batch-size, or raise --cp")
 
 
-def plan_run(config: TrainConfig, world_size: int) -> RunPlan:
+def restart_count() -> int:
+    """How many times the elastic agent (our launcher or torchrun) has restarted this process's workers."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def plan_run(config: TrainConfig, world_size: int, restart: int = 0) -> RunPlan:
     """Check `config` for a run on `world_size` processes and resolve its defaults; raises ValueError.
 
+    restart > 0: the workers were restarted after one died. The run continues from its newest complete
+    checkpoint exactly as --resume would, or starts over when it has none yet (its directory is its own).
     Prepares the embedded corpus when no --data is given (once, in the calling process).
     """
     check_world_size(config, world_size)
     out = config.out or default_run_dir()
-    if not config.resume:
+    if restart and complete_checkpoints(Path(out)):
+        config = dataclasses.replace(config, resume=True)
+    if not config.resume and not restart:
         check_run_dir(Path(out))
     data = config.data or str(default_store())
     try:
@@ -130,7 +140,7 @@ def plan_run(config: TrainConfig, world_size: int) -> RunPlan:
     SequenceLoader(store.split("train"), config.seq_len, config.batch_size, dp_size=config.dp, cp_size=config.cp)
     check_sequence_fits(config, store, model_config)
     resume_from = check_resume(config, Path(out), model_config) if config.resume else None
-    return RunPlan(dataclasses.replace(config, data=data, out=out), model_config, checkpoint, resume_from)
+    return RunPlan(dataclasses.replace(config, data=data, out=out), model_config, checkpoint, resume_from, restart)
 
 
 def check_resume(config: TrainConfig, out: Path, model_config: ModelConfig) -> Path:

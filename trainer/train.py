@@ -42,7 +42,7 @@ from trainer.distributed import Distributed, environment_world_size, init_distri
 from trainer.metrics import Metrics
 from trainer.optim import build_optimizer, build_schedule
 from trainer.parallelize import build_model
-from trainer.preflight import RunPlan, plan_run
+from trainer.preflight import RunPlan, plan_run, restart_count
 from trainer.saving import CheckpointSaver, Saved
 from trainer.signals import StopRequest, TrainingInterrupted
 
@@ -148,7 +148,7 @@ def train(config: TrainConfig) -> None:
     Raises ValueError on a bad config before any work, and TrainingStopped when the run cannot continue.
     """
     started = time.perf_counter()
-    plan = plan_run(config, environment_world_size())  # every rank checks before joining the group
+    plan = plan_run(config, environment_world_size(), restart_count())  # every rank checks before joining
     config = plan.config
     env = init_distributed(config)
     if env.mesh is None:
@@ -181,9 +181,9 @@ def run(plan: RunPlan, env: Distributed, started: float) -> None:
         schedule.load_state_dict(saved["schedule"])
         loader.load_state_dict(saved["loader"])
         state.load_state_dict(saved["train"])
-        if env.is_main:
-            remove_interrupted_saves(out)
-            forget_metrics_after(out, state.step)  # steps past the checkpoint are trained again
+    if env.is_main and (plan.resume_from is not None or plan.restart):
+        remove_interrupted_saves(out)
+        forget_metrics_after(out, state.step)  # steps past the checkpoint (or all: none) are trained again
 
     def report_saved(saved: Saved) -> None:
         if metrics is not None:
@@ -208,7 +208,11 @@ def run(plan: RunPlan, env: Distributed, started: float) -> None:
 
     metrics = Metrics(out, config.steps, console) if env.is_main else None
     report_model_ready(model, env, started, metrics)
-    if metrics is not None and plan.resume_from is not None:
+    if metrics is not None and plan.restart:
+        metrics.event("restart", {"attempt": plan.restart, "from_step": state.step},
+                      f"restart {plan.restart} of the workers after one died: "
+                      + (f"continuing from step {state.step}" if state.step else "starting over (no checkpoint yet)"))
+    elif metrics is not None and plan.resume_from is not None:
         metrics.message(f"resumed from {plan.resume_from} (step {state.step})")
     last_step = min(config.steps, config.stop_after or config.steps)
     loop_started, first_loss, stop_reason, signalled = time.perf_counter(), None, None, None

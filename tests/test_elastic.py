@@ -1,0 +1,54 @@
+"""Elastic restarts through the real command line: a worker killed from outside, the launcher restarting the
+workers, and the run continuing from its newest complete checkpoint to the losses of an uninterrupted run."""
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from tests.test_checkpoint import COMMON, REPO, losses, train_command
+from tests.test_train import events, metrics
+from tests.test_train import store as store  # noqa: F401  (the module-scoped token store fixture)
+
+
+def workers_of(launcher: int) -> list[int]:
+    """The worker processes the launcher `launcher` started (spawned children, not the resource tracker)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == launcher and b"spawn_main" in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except (ValueError, OSError):  # not a process, or one that just ended
+            continue
+    return sorted(found)
+
+
+def kill_a_worker_after(command: list[str], out: Path, step: int) -> subprocess.CompletedProcess:
+    """Run `command`, SIGKILL one of its workers once OUT/metrics.jsonl shows `step`, and let it finish."""
+    with open(out.with_suffix(".log"), "w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        deadline = time.monotonic() + 240
+        while process.poll() is None and time.monotonic() < deadline:
+            if (out / "metrics.jsonl").is_file() and any(row["step"] >= step for row in metrics(out)):
+                os.kill(workers_of(process.pid)[-1], signal.SIGKILL)
+                break
+            time.sleep(0.01)
+        process.wait(timeout=240)
+    return subprocess.CompletedProcess(command, process.returncode, out.with_suffix(".log").read_text())
+
+
+def test_a_killed_worker_is_restarted_and_the_run_ends_with_the_losses_of_an_uninterrupted_one(store, tmp_path):
+    common = [*COMMON, "--data", store, "--steps", 12, "--checkpoint-every", 4, "--cp", 2]
+    (tmp_path / "restarts.toml").write_text("max_restarts = 1\n")
+    whole = subprocess.run(train_command(*common, "--out", tmp_path / "whole"), capture_output=True, text=True,
+                           timeout=240, cwd=REPO)
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    killed = kill_a_worker_after(train_command(*common, "--config", tmp_path / "restarts.toml",
+                                               "--out", tmp_path / "run"), tmp_path / "run", step=6)
+    assert killed.returncode == 0, killed.stdout[-3000:]
+    restarts = events(tmp_path / "run", "restart")
+    assert [(r["attempt"], r["from_step"]) for r in restarts] in ([(1, 4)], [(1, 8)]), restarts
+    assert losses(tmp_path / "run") == losses(tmp_path / "whole")  # all 12 steps, bit for bit
+    assert len(events(tmp_path / "run", "model_ready")) == 2  # the first start and the restart
