@@ -41,12 +41,11 @@ def kill_a_worker_after(command: list[str], out: Path, step: int) -> subprocess.
 
 def test_a_killed_worker_is_restarted_and_the_run_ends_with_the_losses_of_an_uninterrupted_one(store, tmp_path):
     common = [*COMMON, "--data", store, "--steps", 12, "--checkpoint-every", 4, "--cp", 2]
-    (tmp_path / "restarts.toml").write_text("max_restarts = 1\n")
     whole = subprocess.run(train_command(*common, "--out", tmp_path / "whole"), capture_output=True, text=True,
                            timeout=240, cwd=REPO)
     assert whole.returncode == 0, whole.stderr[-2000:]
-    killed = kill_a_worker_after(train_command(*common, "--config", tmp_path / "restarts.toml",
-                                               "--out", tmp_path / "run"), tmp_path / "run", step=6)
+    killed = kill_a_worker_after(train_command(*common, "--max-restarts", 1, "--out", tmp_path / "run"),
+                                 tmp_path / "run", step=6)
     assert killed.returncode == 0, killed.stdout[-3000:]
     restarts = events(tmp_path / "run", "restart")
     assert [(r["attempt"], r["from_step"]) for r in restarts] in ([(1, 4)], [(1, 8)]), restarts
