@@ -1,15 +1,23 @@
-"""Elastic restarts through the real command line: a worker killed from outside, the launcher restarting the
-workers, and the run continuing from its newest complete checkpoint to the losses of an uninterrupted run."""
+"""Surviving failures: a worker killed from outside, the launcher restarting the workers, and the run continuing
+from its newest complete checkpoint to the losses of an uninterrupted run (through the real command line); a
+rank that hangs named once a collective times out."""
 
+import datetime
 import os
 import signal
 import subprocess
 import time
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tests.distributed import free_port
 from tests.test_checkpoint import COMMON, REPO, losses, train_command
 from tests.test_train import events, metrics
 from tests.test_train import store as store  # noqa: F401  (the module-scoped token store fixture)
+from trainer.distributed import Distributed, is_collective_timeout, unresponsive_ranks
 
 
 def workers_of(launcher: int) -> list[int]:
@@ -51,3 +59,25 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_with_the_losses_of_an_uni
     assert [(r["attempt"], r["from_step"]) for r in restarts] in ([(1, 4)], [(1, 8)]), restarts
     assert losses(tmp_path / "run") == losses(tmp_path / "whole")  # all 12 steps, bit for bit
     assert len(events(tmp_path / "run", "model_ready")) == 2  # the first start and the restart
+
+
+def _hang(rank: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=2))
+    env = Distributed(rank, 2, torch.device("cpu"), None, dist.new_group(backend="gloo"))
+    if rank == 1:
+        time.sleep(8)  # stuck past the group's 2 s timeout, as in a deadlock
+    else:
+        try:
+            dist.all_reduce(torch.ones(1))
+        except RuntimeError as err:
+            assert is_collective_timeout(err), err
+            answer = unresponsive_ranks(env, datetime.timedelta(seconds=1))
+            assert "Ranks 1 failed to pass monitoredBarrier" in answer, answer
+        else:
+            raise AssertionError("the collective with a hung rank did not time out")
+    dist.destroy_process_group()  # no barrier: the group's connections broke with the timeout
+
+
+def test_a_collective_with_a_hung_rank_times_out_and_the_hung_rank_is_named():
+    mp.spawn(_hang, args=(free_port(),), nprocs=2, join=True)

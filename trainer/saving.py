@@ -1,6 +1,7 @@
 """Writing a run's training checkpoints: synchronously, or in the background while training goes on.
 
-    saver = CheckpointSaver(out, model_config, device, keep=2, asynchronous=True, on_saved=report)
+    saver = CheckpointSaver(out, model_config, device, keep=2, asynchronous=True, group=env.cpu_group,
+                            on_saved=report)
     saver.start(step, model, optimizer, train_state)   # returns once the state is copied (asynchronous)
     saver.poll()                                        # each step: completes a save whose files are written
     saver.wait()                                        # before the next save and before the run ends
@@ -61,15 +62,17 @@ class _Pending:
 
 class CheckpointSaver:
     """Saves the checkpoints of the run in `out`, on every rank (start, poll and wait are called by all ranks
-    at the same steps); `on_saved` is called on every rank when a checkpoint is complete."""
+    at the same steps); `on_saved` is called on every rank when a checkpoint is complete.
+
+    group: a gloo group of every rank, apart from the training step's, for the background save's
+    collectives (plans, results); None in a single process.
+    """
 
     def __init__(self, out: Path, model_config: ModelConfig, device: torch.device, keep: int, asynchronous: bool,
-                 on_saved: Callable[[Saved], None]) -> None:
+                 group: dist.ProcessGroup | None, on_saved: Callable[[Saved], None]) -> None:
         self.out, self.model_config, self.device, self.keep = out, model_config, device, keep
-        self.asynchronous, self.on_saved = asynchronous, on_saved
+        self.asynchronous, self.group, self.on_saved = asynchronous, group, on_saved
         self.rank = dist.get_rank() if dist.is_initialized() else 0
-        # The background save's collectives (plans, results) get a group of their own (a collective call).
-        self.group = dist.new_group(backend="gloo") if asynchronous and dist.is_initialized() else None
         self._pending: _Pending | None = None
 
     def start(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,

@@ -16,6 +16,7 @@ with finite weights: a checkpoint is never a diverged model.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import math
 import shutil
 import signal
@@ -38,7 +39,13 @@ from runtime.memory import peak_memory_mib
 from runtime.process import all_reduce, leaving_process_group
 from trainer.checkpoint import forget_metrics_after, load_checkpoint
 from trainer.config import TrainConfig, save_config
-from trainer.distributed import Distributed, environment_world_size, init_distributed
+from trainer.distributed import (
+    Distributed,
+    environment_world_size,
+    init_distributed,
+    is_collective_timeout,
+    unresponsive_ranks,
+)
 from trainer.metrics import Metrics
 from trainer.optim import build_optimizer, build_schedule
 from trainer.parallelize import build_model
@@ -155,7 +162,17 @@ def train(config: TrainConfig) -> None:
         run(plan, env, started)
         return
     with leaving_process_group():
-        run(plan, env, started)
+        try:
+            run(plan, env, started)
+        except RuntimeError as err:
+            if not is_collective_timeout(err):
+                raise
+            # The other ranks have waited --timeout already: a minute more tells a hung rank from a slow one.
+            answer = unresponsive_ranks(env, min(datetime.timedelta(minutes=config.timeout),
+                                                 datetime.timedelta(minutes=1)))
+            raise TrainingStopped(f"a collective waited longer than --timeout {config.timeout:g} minutes ({err}); "
+                                  f"{answer}. That rank hung (a deadlock, a stuck device or file system) or is "
+                                  f"too slow: look at its log, or raise --timeout for very long steps") from err
 
 
 def run(plan: RunPlan, env: Distributed, started: float) -> None:
@@ -193,7 +210,8 @@ def run(plan: RunPlan, env: Distributed, started: float) -> None:
                           f"saved {saved.path.name}: {size / 2**20:,.1f} MiB in {saved.seconds:.2f} s "
                           f"(training waited {saved.blocked_s:.2f} s)")
 
-    saver = CheckpointSaver(out, plan.model_config, env.device, config.keep, config.async_checkpoint, report_saved)
+    saver = CheckpointSaver(out, plan.model_config, env.device, config.keep, config.async_checkpoint, env.cpu_group,
+                            report_saved)
 
     def save() -> None:
         if not weights_are_finite(model, env):
