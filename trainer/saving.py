@@ -2,18 +2,21 @@
 
     saver = CheckpointSaver(out, model_config, device, keep=2, asynchronous=True, group=env.cpu_group,
                             on_saved=report)
-    saver.start(step, model, optimizer, train_state)   # returns once the state is copied (asynchronous)
+    saver.start(step, model, optimizer, train_state)   # asynchronous: returns at once
     saver.poll()                                        # each step: completes a save whose files are written
     saver.wait()                                        # before the next save and before the run ends
+    saver.close()
 
 Every rank writes its shards into `step-N.tmp-<id>` (DCP); rank 0 then writes COMPLETE and renames the
 directory to `step-N`, and only then deletes checkpoints past --keep. A kill at any point leaves the
 previous checkpoint whole and a tmp directory that readers ignore and --resume deletes.
 
-Asynchronous saves use DCP's async_save: the state is copied to CPU memory (the only time the loop
-waits), and a background thread writes it, on a process group of its own so its collectives never
-interleave with the training step's. At most one save is in flight: starting another, or ending the
-run, waits for it. DCP writes .metadata on rank 0 only after gathering every rank's write results,
+Asynchronous saves use DCP's async_save: one background thread copies the state to CPU memory
+(staging) while the next step's forward and backward run, and another writes the copy, on a process
+group of its own so its collectives never interleave with the training step's. The weights and the
+optimizer state change only in optimizer.step(), so a hook before it waits for the copy: that wait,
+and the hand-over, are all the loop waits. At most one save is in flight: starting another, or
+ending the run, waits for it. DCP writes .metadata on rank 0 only after gathering every rank's write results,
 so rank 0's save finishing means every rank's files are there; each rank's RNG file is written
 before its shards are handed over, so it is there too.
 """
@@ -33,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from checkpoints.training import MARKER, STATE_NAME, checkpoint_dir, complete_checkpoints
@@ -53,7 +57,8 @@ class Saved:
 
 @dataclass
 class _Pending:
-    future: Future
+    future: Future  # the files are written
+    staged: Future  # the state is copied: the optimizer may change it again
     step: int
     tmp: Path
     started: float
@@ -74,10 +79,16 @@ class CheckpointSaver:
         self.asynchronous, self.group, self.on_saved = asynchronous, group, on_saved
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self._pending: _Pending | None = None
+        self._hooked: set[int] = set()  # the optimizers whose step() waits for the staging copy
+        # One stager for the run: it keeps its CPU buffers from one save to the next (pinned on CUDA).
+        self._stager = DefaultStager(StagingOptions(use_pinned_memory=device.type == "cuda", use_shared_memory=False,
+                                                    use_async_staging=True,
+                                                    use_non_blocking_copy=device.type == "cuda")) \
+            if asynchronous else None
 
     def start(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
               train_state: dict[str, Any]) -> None:
-        """Save checkpoint `step`; asynchronously: return once the state is copied, the files follow.
+        """Save checkpoint `step`; asynchronously: return at once, the copy and the files follow.
 
         `train_state` (rank 0's) is the JSON-able rest of the run: TrainState, schedule and loader states.
         """
@@ -96,14 +107,26 @@ class CheckpointSaver:
         model_state, optimizer_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optimizer": optimizer_state}
         if self.asynchronous:
-            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group,
-                                    no_dist=not dist.is_initialized())
+            if id(optimizer) not in self._hooked:
+                optimizer.register_step_pre_hook(lambda *_: self._wait_for_staging())
+                self._hooked.add(id(optimizer))
+            response = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group,
+                                      async_stager=self._stager, no_dist=not dist.is_initialized())
+            future, staged = response.upload_completion, response.staging_completion
         else:
             future = Future()
             future.set_result(dcp.save(state, checkpoint_id=str(tmp), no_dist=not dist.is_initialized()))
-        self._pending = _Pending(future, step, tmp, started, time.perf_counter() - started)
+            staged = future
+        self._pending = _Pending(future, staged, step, tmp, started, time.perf_counter() - started)
         if not self.asynchronous:
             self.wait()
+
+    def _wait_for_staging(self) -> None:
+        """Before optimizer.step(): the save in flight must have copied the state it changes."""
+        if self._pending is not None and not self._pending.staged.done():
+            waited = time.perf_counter()
+            self._pending.staged.result()
+            self._pending.blocked_s += time.perf_counter() - waited
 
     def poll(self) -> None:
         """Complete the save in flight if its files are written (no waiting, no collective)."""
@@ -130,3 +153,8 @@ class CheckpointSaver:
             dist.barrier()  # no rank goes on (or exits) before the checkpoint is complete
         self.on_saved(Saved(final, time.perf_counter() - pending.started, blocked_s))
         return final
+
+    def close(self) -> None:
+        """Release the staging buffers (the run's last save is waited for first, by `wait`)."""
+        if self._stager is not None:
+            self._stager.close()

@@ -289,5 +289,6 @@ def run(plan: RunPlan, env: Distributed, started: float) -> None:
         if signalled:
             raise TrainingInterrupted(signalled)
     finally:
+        saver.close()
         if metrics is not None:
             metrics.close()
