@@ -13,6 +13,8 @@ def test_async_saves_stop_and_resume_exactly_and_keep_the_newest(store, tmp_path
                           "--out", tmp_path / "run")
     assert whole.returncode == 0 and stopped.returncode == 0, whole.stderr[-2000:] + stopped.stderr[-2000:]
     assert steps_of(tmp_path / "run") == [6, 7]  # --keep 2 held while saves completed in the background
+    report = "".join(stopped.stdout.split())  # the console wraps long paths
+    assert f"checkpoint{tmp_path / 'run' / 'checkpoints' / 'step-000007'}" in report, stopped.stdout[-2000:]
     saved = events(tmp_path / "run", "checkpoint_saved")
     assert [row["checkpoint"] for row in saved] == ["step-000002", "step-000004", "step-000006", "step-000007"]
     assert all(0 <= row["blocked_s"] <= row["seconds"] for row in saved)

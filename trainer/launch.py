@@ -39,7 +39,7 @@ def launch(config: TrainConfig) -> None:
     if torch.cuda.is_available() and torch.cuda.device_count() < config.world_size:
         raise ValueError(f"cp x dp = {config.world_size} ranks need {config.world_size} GPUs, this machine has "
                          f"{torch.cuda.device_count()}; use torchrun to run on several machines")
-    if config.world_size == 1:
+    if config.world_size == 1 and not config.max_restarts:  # a single process runs here, unless it may restart
         train(config)
         return
     try:

@@ -79,6 +79,7 @@ class CheckpointSaver:
         self.asynchronous, self.group, self.on_saved = asynchronous, group, on_saved
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self._pending: _Pending | None = None
+        self.newest: Path | None = None  # the directory of the newest save this saver completed
         self._hooked: set[int] = set()  # the optimizers whose step() waits for the staging copy
         # One stager for the run: it keeps its CPU buffers from one save to the next (pinned on CUDA).
         self._stager = DefaultStager(StagingOptions(use_pinned_memory=device.type == "cuda", use_shared_memory=False,
@@ -133,11 +134,11 @@ class CheckpointSaver:
         if self._pending is not None and self._pending.future.done():
             self.wait()
 
-    def wait(self) -> Path | None:
-        """Wait for the save in flight and complete it; returns its directory (None: none was in flight)."""
+    def wait(self) -> None:
+        """Wait for the save in flight, if any, and complete it."""
         pending, self._pending = self._pending, None
         if pending is None:
-            return None
+            return
         waited = time.perf_counter()
         pending.future.result()  # raises the background save's error, if any
         blocked_s = pending.blocked_s + time.perf_counter() - waited
@@ -151,8 +152,8 @@ class CheckpointSaver:
                 shutil.rmtree(old)
         if not self.asynchronous and dist.is_initialized():
             dist.barrier()  # no rank goes on (or exits) before the checkpoint is complete
+        self.newest = final
         self.on_saved(Saved(final, time.perf_counter() - pending.started, blocked_s))
-        return final
 
     def close(self) -> None:
         """Release the staging buffers (the run's last save is waited for first, by `wait`)."""

@@ -274,7 +274,8 @@ def run(plan: RunPlan, env: Distributed, started: float) -> None:
             # state: the one place for the run's final checkpoint (signals still only set the flag).
             saver.wait()
             save()
-            path = saver.wait()
+            saver.wait()
+            path = saver.newest
         if stop_reason is not None:
             raise TrainingStopped(f"{stop_reason}. The weights of the last applied step, checked finite, are saved "
                                   f"in {path}")
