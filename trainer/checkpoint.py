@@ -42,9 +42,10 @@ def check_model_config(path: Path, model_config: ModelConfig) -> None:
                          + "; resume with the run's own settings (its config.toml), or start a new run")
 
 
-# ---- save ------------------------------------------------------------------------------------------------------
+# ---- RNG states and metrics (saving itself is trainer/saving.py) -------------------------------------------------
 
 def rng_state(device: torch.device) -> dict[str, Any]:
+    """This rank's RNG states (torch CPU and CUDA, Python's random) as JSON-able values, for its rng-N.json."""
     def encode(t: torch.Tensor) -> str:
         return base64.b64encode(t.numpy().tobytes()).decode()
 
@@ -64,8 +65,6 @@ def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     random.setstate((version, tuple(internal), gauss))
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(decode(state["cuda"]), device)
-
-
 
 
 def forget_metrics_after(out: Path, step: int) -> None:
