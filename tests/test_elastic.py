@@ -17,7 +17,9 @@ from tests.distributed import free_port
 from tests.test_checkpoint import COMMON, REPO, losses, train_command
 from tests.test_train import events, metrics
 from tests.test_train import store as store  # noqa: F401  (the module-scoped token store fixture)
+from trainer.config import load_config
 from trainer.distributed import Distributed, is_collective_timeout, unresponsive_ranks
+from trainer.train import train
 
 
 def workers_of(launcher: int) -> list[int]:
@@ -81,3 +83,14 @@ def _hang(rank: int, port: int) -> None:
 
 def test_a_collective_with_a_hung_rank_times_out_and_the_hung_rank_is_named():
     mp.spawn(_hang, args=(free_port(),), nprocs=2, join=True)
+
+
+def test_a_restart_after_the_last_checkpoint_was_saved_has_nothing_left_to_do(store, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    done = subprocess.run(train_command(*COMMON, "--data", store, "--steps", 2, "--out", out), capture_output=True,
+                          text=True, timeout=240, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    before = (out / "metrics.jsonl").read_text()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # as in a worker the agent restarted
+    train(load_config(out / "config.toml", {"out": str(out)}))
+    assert (out / "metrics.jsonl").read_text() == before  # no step trained again, no restart logged

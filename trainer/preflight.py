@@ -117,6 +117,12 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
+def invocation_done(config: TrainConfig) -> bool:
+    """Whether the run in config.out already has a complete checkpoint of this invocation's last step."""
+    complete = complete_checkpoints(Path(config.out)) if config.out else []
+    return bool(complete) and step_of(complete[-1]) >= min(config.steps, config.stop_after or config.steps)
+
+
 def plan_run(config: TrainConfig, world_size: int, restart: int = 0) -> RunPlan:
     """Check `config` for a run on `world_size` processes and resolve its defaults; raises ValueError.
 

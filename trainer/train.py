@@ -49,7 +49,7 @@ from trainer.distributed import (
 from trainer.metrics import Metrics
 from trainer.optim import build_optimizer, build_schedule
 from trainer.parallelize import build_model
-from trainer.preflight import RunPlan, plan_run, restart_count
+from trainer.preflight import RunPlan, invocation_done, plan_run, restart_count
 from trainer.saving import CheckpointSaver, Saved
 from trainer.signals import StopRequest, TrainingInterrupted
 
@@ -155,6 +155,8 @@ def train(config: TrainConfig) -> None:
     Raises ValueError on a bad config before any work, and TrainingStopped when the run cannot continue.
     """
     started = time.perf_counter()
+    if restart_count() and invocation_done(config):
+        return  # the worker that died had saved this invocation's last checkpoint: nothing is left to do
     plan = plan_run(config, environment_world_size(), restart_count())  # every rank checks before joining
     config = plan.config
     env = init_distributed(config)
