@@ -167,7 +167,7 @@ def train(config: TrainConfig) -> None:
         try:
             run(plan, env, started)
         except RuntimeError as err:
-            if not is_collective_timeout(err):
+            if isinstance(err, TrainingStopped) or not is_collective_timeout(err):
                 raise
             # The other ranks have waited --timeout already: a minute more tells a hung rank from a slow one.
             answer = unresponsive_ranks(env, min(datetime.timedelta(minutes=config.timeout),
