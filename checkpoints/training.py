@@ -8,7 +8,7 @@
         COMPLETE                       written last, by rank 0, once every rank's files are there
 
 A save writes into `step-N.tmp-<id>` and renames it to `step-N` once COMPLETE is there
-(trainer/checkpoint.py); readers ignore tmp directories. This module is the layout, the listing of
+(trainer/saving.py); readers ignore tmp directories. This module is the layout, the listing of
 complete checkpoints, their checks, and reading the model weights out of one in a single process.
 It lives below trainer/ and evaluation/ (which must not import each other) and outside models/
 (which knows native and Hugging Face model directories only).

@@ -106,6 +106,9 @@ class ModelConfig:
         return cls(**fields)
 
 
+LLAMA32_ROPE_SCALING = RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                   original_max_position_embeddings=8192)
+
 PRESETS: dict[str, ModelConfig] = {
     # GQA (4 heads share 2 kv heads) so that tests exercise it.
     "debug": ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=4096, multiple_of=32,
@@ -123,4 +126,12 @@ PRESETS: dict[str, ModelConfig] = {
                                rope_scaling=RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                                         original_max_position_embeddings=8192),
                                max_seq_len=131072),
+    # The small LLaMA-3.2 models people fine-tune for long context on few GPUs: tied embeddings and
+    # the LLaMA-3 rope scaling stretched 32-fold (from 8K to 128K positions).
+    "llama3.2-1b": ModelConfig(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256,
+                               ffn_hidden_dim=8192, norm_eps=1e-5, rope_theta=500000.0,
+                               rope_scaling=LLAMA32_ROPE_SCALING, max_seq_len=131072, tie_embeddings=True),
+    "llama3.2-3b": ModelConfig(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, vocab_size=128256,
+                               ffn_hidden_dim=8192, norm_eps=1e-5, rope_theta=500000.0,
+                               rope_scaling=LLAMA32_ROPE_SCALING, max_seq_len=131072, tie_embeddings=True),
 }

@@ -26,6 +26,7 @@ from models.storage import (
     DEFAULT_MAX_SHARD_BYTES,
     atomic_directory,
     read_json,
+    read_rows,
     read_tensors,
     tensor_files,
     tensor_shapes,
@@ -71,11 +72,16 @@ def rename(name: str, table: dict[str, str]) -> str:
 
 @dataclass
 class Checkpoint:
-    """A validated source checkpoint: its config, its tensors, streamed under native names, and its tokenizer."""
+    """A validated source checkpoint: its config, its tensors, streamed under native names, and its tokenizer.
+
+    `rows(name, rows)` reads only rows `rows` (dim 0) of one tensor, by native name, for a rank that
+    keeps a shard of it; None where the format cannot (training checkpoints: resume those instead).
+    """
 
     config: ModelConfig
     tensors: Callable[[], Iterator[tuple[str, torch.Tensor]]]
     tokenizer: Path | None = None  # the tokenizer.model the model was trained with, when the source keeps one
+    rows: Callable[[str, range], torch.Tensor] | None = None
 
 
 def tokenizer_beside(directory: Path) -> Path | None:
@@ -156,7 +162,8 @@ def read_hf(src: Path) -> Checkpoint:
     expected = {rename(name, NATIVE_TO_HF): shape for name, shape in expected_shapes(config).items()}
     check_tensor_shapes(tensor_shapes(files), expected, str(src))
     return Checkpoint(config, lambda: ((rename(name, HF_TO_NATIVE), t) for name, t in read_tensors(files)),
-                      tokenizer_beside(src))
+                      tokenizer_beside(src),
+                      lambda name, rows: read_rows(files[rename(name, NATIVE_TO_HF)], rename(name, NATIVE_TO_HF), rows))
 
 
 def write_hf(checkpoint: Checkpoint, dst: Path, max_shard_bytes: int) -> None:
@@ -177,7 +184,8 @@ def read_native(src: Path) -> Checkpoint:
     config = read_config(src)
     files = tensor_files(src)
     check_tensor_shapes(tensor_shapes(files), expected_shapes(config), str(src))
-    return Checkpoint(config, lambda: read_tensors(files), tokenizer_beside(src))
+    return Checkpoint(config, lambda: read_tensors(files), tokenizer_beside(src),
+                      lambda name, rows: read_rows(files[name], name, rows))
 
 
 def write_native(checkpoint: Checkpoint, dst: Path, max_shard_bytes: int) -> None:

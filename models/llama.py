@@ -10,7 +10,7 @@ Build on the meta device, then materialise and initialise:
     with torch.device("meta"):
         model = Transformer(config)
     model.to_empty(device="cuda")
-    model.init_weights()
+    model.init_weights(seed=0)
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from torch import nn
 
 from models.attention import LocalAttention
 from models.config import ModelConfig
+from models.init import initial_rows
 from models.loss import chunked_cross_entropy
 
 
@@ -142,23 +143,11 @@ class Transformer(nn.Module):
         return self.tok_embeddings.weight if self.output is None else self.output.weight
 
     @torch.no_grad()
-    def init_weights(self) -> None:
-        """Initialise in place (works on materialised meta tensors and on FSDP-sharded parameters).
-
-        Embeddings and linear weights ~ normal(0, init_std); the projections that write into the
-        residual stream (attention.wo, feed_forward.w2) use init_std / sqrt(2 * n_layers) so the
-        residual variance does not grow with depth (GPT-2); RMSNorm weights are 1. There are no
-        buffers to recompute: rotary frequencies are derived from the config on every call.
-        """
-        std = self.config.init_std
-        residual_std = std / math.sqrt(2 * self.config.n_layers)
+    def init_weights(self, seed: int = 0) -> None:
+        """Initialise in place from `seed` (on materialised meta tensors too); the rule and the drawing,
+        which gives the same weights whatever the sharding, are in models/init.py."""
         for name, param in self.named_parameters():
-            if name.endswith("norm.weight"):
-                nn.init.ones_(param)
-            elif name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
-                nn.init.normal_(param, mean=0.0, std=residual_std)
-            else:
-                nn.init.normal_(param, mean=0.0, std=std)
+            param.copy_(initial_rows(self.config, name, tuple(param.shape), seed, range(param.shape[0])))
 
     def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                       doc_boundaries: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
@@ -197,6 +186,5 @@ def init_model(config: ModelConfig, seed: int = 0, device: torch.device | str = 
     with torch.device("meta"):
         model = Transformer(config)
     model.to_empty(device=device)
-    torch.manual_seed(seed)
-    model.init_weights()
+    model.init_weights(seed)
     return model

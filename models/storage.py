@@ -105,6 +105,17 @@ def read_tensors(files: dict[str, Path], device: str | torch.device = "cpu") -> 
                                          f"the file is corrupt: re-download or re-export it") from err
 
 
+def read_rows(file: Path, name: str, rows: range) -> torch.Tensor:
+    """Rows `rows` (along dim 0) of tensor `name` in `file`, reading only those: a rank of a sharded run
+    reads its shard alone. The file is mapped only during the call, so its pages do not stay resident."""
+    with open_safetensors(file) as f:
+        try:
+            return f.get_slice(name)[rows.start:rows.stop]
+        except Exception as err:
+            raise ValueError(f"{file}: rows {rows.start}..{rows.stop} of tensor {name!r} cannot be read ({err}); "
+                             f"the file is corrupt: re-download or re-export it") from err
+
+
 def write_tensors(tensors: Iterable[tuple[str, torch.Tensor]], directory: Path,
                   max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
     """Write tensors as model.safetensors, or as numbered shards plus an index once they exceed max_shard_bytes.

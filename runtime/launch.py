@@ -23,12 +23,17 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
-def run_local(fn: Callable[..., Any], nproc: int, args: tuple = ()) -> dict[int, Any]:
-    """Run fn(*args) on `nproc` local processes; return {rank: result}. A failure on any
-    rank raises torch's ChildFailedError naming the rank, with its traceback (see first_failure)."""
+def run_local(fn: Callable[..., Any], nproc: int, args: tuple = (), max_restarts: int = 0) -> dict[int, Any]:
+    """Run fn(*args) on `nproc` local processes; return {rank: result}. When a rank fails, all are
+    stopped and started again, up to `max_restarts` times (each sees TORCHELASTIC_RESTART_COUNT);
+    a failure past that raises torch's ChildFailedError naming the rank, with its traceback (see first_failure)."""
+    if max_restarts:
+        # Restarted workers sharing the agent's store can read the previous attempt's addresses and fail to
+        # connect (pytorch/pytorch#135712): give each attempt a store of its own, hosted by its rank 0.
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"burst-{uuid.uuid4().hex[:8]}",
-                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, start_method="spawn",
-                          monitor_interval=0.1)
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=max_restarts,
+                          start_method="spawn", monitor_interval=0.1)
     logging.disable(logging.ERROR)  # the agent logs a worker's failure as pages of tracebacks; callers report it once
     try:
         return elastic_launch(config, fn)(*args)

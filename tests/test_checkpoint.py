@@ -85,11 +85,12 @@ def kill_during_save(command: list[str], out: Path, step: int) -> int:
         return process.wait(timeout=240)
 
 
-def test_a_kill_during_a_save_keeps_the_previous_checkpoint_which_resumes(store, tmp_path):
+@pytest.mark.parametrize("flags", [[], ["--async-checkpoint"]])
+def test_a_kill_during_a_save_keeps_the_previous_checkpoint_which_resumes(store, tmp_path, flags):
     for attempt in range(5):  # a save that ends between two looks is not caught: run again
         out = tmp_path / f"run{attempt}"
-        killed = kill_during_save(train_command(*COMMON, "--data", store, "--steps", 6, "--checkpoint-every", 2,
-                                                "--out", out), out, step=4)
+        killed = kill_during_save(train_command(*COMMON, *flags, "--data", store, "--steps", 6,
+                                                "--checkpoint-every", 2, "--out", out), out, step=4)
         if killed == -signal.SIGKILL:
             break
     assert killed == -signal.SIGKILL, out.with_suffix(".log").read_text()[-2000:]

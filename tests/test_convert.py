@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from cli import app
 from data import Tokenizer, train_tokenizer
-from models import convert_checkpoint, load_model
+from models import ModelConfig, convert_checkpoint, load_model
 from models.convert import config_from_hf
 from models.llama import rope_inv_freq
 
@@ -107,6 +107,38 @@ def test_sharded_checkpoints(tmp_path):
     convert_checkpoint(tmp_path / "burst", tmp_path / "hf2", to="hf", max_shard_bytes=60_000)
     reloaded = LlamaForCausalLM.from_pretrained(tmp_path / "hf2").eval()
     assert torch.equal(hf_logits(reloaded, tokens), hf_logits(hf_model, tokens))
+
+
+# The model-defining fields of the published config.json of meta-llama/Llama-3.2-1B and -3B.
+LLAMA32_COMMON = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256,
+                      intermediate_size=8192, num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=500000.0,
+                      rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                      max_position_embeddings=131072, tie_word_embeddings=True, hidden_act="silu",
+                      attention_bias=False, mlp_bias=False, initializer_range=0.02)
+LLAMA32 = {"llama3.2-1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, head_dim=64),
+           "llama3.2-3b": dict(hidden_size=3072, num_hidden_layers=28, num_attention_heads=24, head_dim=128)}
+
+
+@pytest.mark.parametrize("name", list(LLAMA32))
+def test_llama32_presets_are_the_published_models_and_match_transformers(tmp_path, name):
+    published = {**LLAMA32_COMMON, **LLAMA32[name]}
+    assert config_from_hf(published, name) == ModelConfig.from_name(name)
+    # A scaled-down copy with the same structure: tied embeddings, the heads per kv head, the 32-fold
+    # llama3 scaling (from 16 positions, so SEQ_LEN reaches past it).
+    heads_per_kv = published["num_attention_heads"] // published["num_key_value_heads"]
+    small = {**published, "hidden_size": 32 * heads_per_kv, "num_attention_heads": 2 * heads_per_kv,
+             "num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 2, "intermediate_size": 96,
+             "vocab_size": 300, "rope_scaling": {**published["rope_scaling"], "original_max_position_embeddings": 16}}
+    torch.manual_seed(0)
+    hf_model = LlamaForCausalLM(LlamaConfig(**small)).eval()
+    hf_model.save_pretrained(tmp_path / "hf")
+    convert_checkpoint(tmp_path / "hf", tmp_path / "burst", to="burst")
+    model = load_model(tmp_path / "burst")
+    assert model.output is None and model.config.rope_scaling.factor == 32.0
+    tokens = torch.randint(0, 300, (2, SEQ_LEN))
+    with torch.no_grad():
+        assert (model(tokens) - hf_logits(hf_model, tokens)).abs().max() <= 1e-4
 
 
 def edit_weights(path, edit) -> None:

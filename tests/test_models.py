@@ -27,6 +27,8 @@ def test_preset_sizes_and_real_hyperparameters():
     assert count_params(ModelConfig.from_name("llama2-7b")) == 6_738_415_616
     assert count_params(ModelConfig.from_name("llama2-13b")) == 13_015_864_320
     assert count_params(ModelConfig.from_name("llama3-8b")) == 8_030_261_248
+    assert count_params(ModelConfig.from_name("llama3.2-1b")) == 1_235_814_400  # tied: one [vocab, dim] matrix
+    assert count_params(ModelConfig.from_name("llama3.2-3b")) == 3_212_749_824
     assert [ModelConfig.from_name(n).ffn_hidden_dim for n in ("llama2-7b", "llama2-13b", "llama3.1-8b")] == \
         [11008, 13824, 14336]
     assert ModelConfig.from_name("llama3.1-8b").rope_scaling.factor == 8.0

@@ -42,7 +42,14 @@ def burst_train(*args: str, timeout: float = 240) -> subprocess.CompletedProcess
 
 
 def metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    """The step rows of OUT/metrics.jsonl."""
+    return [row for row in events(out, None) if "step" in row]
+
+
+def events(out: Path, name: str | None) -> list[dict]:
+    """The event rows named `name` of OUT/metrics.jsonl (None: every row)."""
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [row for row in rows if name is None or row.get("event") == name]
 
 
 def relative_gap(a: list[float], b: list[float]) -> float:
@@ -123,7 +130,7 @@ def test_bad_configs_are_refused_before_any_work(store, tmp_path, monkeypatch, c
         "tokenizer": "was prepared with another tokenizer than the model",
         "vocabulary": "has a vocabulary of 320 tokens but the model",
         "occupied": "already holds another run",
-        "not a model": "is not a native checkpoint directory",
+        "not a model": "is not a model checkpoint directory",
     }[case]
     if case == "world":  # as under torchrun with 3 processes
         monkeypatch.setenv("RANK", "0")

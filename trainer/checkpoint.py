@@ -2,10 +2,10 @@
 atomically, resumable on any layout. Their layout (OUT/checkpoints/step-N/...), listing and checks live in
 checkpoints/training.py, which `burst eval` and `burst convert-checkpoint` read them through.
 
-Every rank writes into `step-N.tmp-<id>`; after a barrier rank 0 writes COMPLETE and renames the
-directory to `step-N`. A kill during the save leaves a tmp directory that readers ignore and
-`--resume` deletes, and the previous checkpoint untouched: older checkpoints are deleted (--keep)
-only after the new one is complete.
+Every rank writes into `step-N.tmp-<id>`; once all are written rank 0 writes COMPLETE and renames
+the directory to `step-N` (trainer/saving.py, which also saves in the background). A kill during the
+save leaves a tmp directory that readers ignore and `--resume` deletes, and the previous checkpoint
+untouched: older checkpoints are deleted (--keep) only after the new one is complete.
 
 DCP stores each tensor with its global shape, whatever the sharding it was saved from, so a run
 saved with cp x dp ranks resumes on another layout, and one process without a process group reads
@@ -17,10 +17,7 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import random
-import shutil
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +26,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from checkpoints.training import MARKER, STATE_NAME, checkpoint_dir, complete_checkpoints
-from models.checkpoint import CONFIG_NAME, read_config
+from checkpoints.training import STATE_NAME
+from models.checkpoint import read_config
 from models.config import ModelConfig
-from models.storage import read_json, write_json
+from models.storage import read_json
 
 
 def check_model_config(path: Path, model_config: ModelConfig) -> None:
@@ -45,9 +42,10 @@ def check_model_config(path: Path, model_config: ModelConfig) -> None:
                          + "; resume with the run's own settings (its config.toml), or start a new run")
 
 
-# ---- save ------------------------------------------------------------------------------------------------------
+# ---- RNG states and metrics (saving itself is trainer/saving.py) -------------------------------------------------
 
-def _rng_state(device: torch.device) -> dict[str, Any]:
+def rng_state(device: torch.device) -> dict[str, Any]:
+    """This rank's RNG states (torch CPU and CUDA, Python's random) as JSON-able values, for its rng-N.json."""
     def encode(t: torch.Tensor) -> str:
         return base64.b64encode(t.numpy().tobytes()).decode()
 
@@ -69,46 +67,12 @@ def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state(decode(state["cuda"]), device)
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def save_checkpoint(out: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    train_state: dict[str, Any], model_config: ModelConfig, device: torch.device, keep: int) -> Path:
-    """Save checkpoint `step` of the run in `out` on every rank (a collective); returns its directory.
-
-    `train_state` (rank 0's) is the JSON-able rest of the run: TrainState, schedule and loader states.
-    """
-    final = checkpoint_dir(out, step)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    tag = [uuid.uuid4().hex[:8]]
-    if dist.is_initialized():
-        dist.broadcast_object_list(tag, src=0)  # every rank writes into the same tmp directory
-    tmp = final.with_name(f"{final.name}.tmp-{tag[0]}")
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(tmp),
-             no_dist=not dist.is_initialized())
-    write_json(_rng_state(device), tmp / f"rng-{rank:05d}.json")
-    _barrier()  # every rank's files are written
-    if rank == 0:
-        write_json(model_config.to_dict(), tmp / CONFIG_NAME)
-        write_json(train_state, tmp / STATE_NAME)
-        write_json({"step": step}, tmp / MARKER)
-        if final.exists():  # a checkpoint of this step from an earlier invocation: the new one replaces it
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        for old in complete_checkpoints(out)[:-keep]:
-            shutil.rmtree(old)
-    _barrier()  # no rank goes on (or exits) before the checkpoint is complete
-    return final
-
-
 def forget_metrics_after(out: Path, step: int) -> None:
-    """Drop the rows of OUT/metrics.jsonl past `step`: a resumed run trains those steps again and logs them anew."""
+    """Drop the rows of OUT/metrics.jsonl past `step`: a resumed run trains those steps again and logs them anew.
+    Event rows (start-ups, restarts) stay: they are the run's history."""
     path = out / "metrics.jsonl"
     if path.is_file():
-        rows = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
+        rows = [line for line in path.read_text().splitlines() if json.loads(line).get("step", 0) <= step]
         path.write_text("".join(row + "\n" for row in rows))
 
 

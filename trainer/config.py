@@ -38,8 +38,8 @@ def setting(default: Any, help: str, shown: str | None = None) -> Any:
 class TrainConfig:
     """Everything a training run depends on. Global batch = batch_size x dp x grad_accum sequences of seq_len."""
 
-    model: str = setting("tiny", "Preset (debug, tiny, llama3-8b, ...: models.PRESETS) or a native checkpoint "
-                                 "directory to start from.")
+    model: str = setting("tiny", "Preset (debug, tiny, llama3-8b, ...: models.PRESETS) or a native or Hugging "
+                                 "Face checkpoint directory to start from.")
     data: str | None = setting(None, "Token store directory from `burst prepare`.", shown="the embedded stdlib corpus")
     seq_len: int = setting(1024, "Tokens per sequence, split over the --cp ranks.")
     cp: int = setting(1, "Sequence-parallel degree: ranks that share one sequence (BurstAttention).")
@@ -79,6 +79,12 @@ class TrainConfig:
     max_bad_steps: int = setting(3, "Non-finite steps in a row that end the run.")
     checkpoint_every: int = setting(0, "Steps between training checkpoints (0: only at the end and when stopped).")
     keep: int = setting(2, "Newest complete checkpoints to keep; older ones are deleted once a newer one is complete.")
+    async_checkpoint: bool = setting(False, "Write checkpoints in the background while training goes on (at most "
+                                            "one save in flight).")
+    max_restarts: int = setting(0, "Times the launcher restarts the workers after one dies; they continue from the "
+                                   "newest complete checkpoint. Under torchrun, pass torchrun's own --max-restarts.")
+    timeout: float = setting(30.0, "Minutes a collective may wait for a rank (a hung or dead one) before the run "
+                                   "ends with an error.")
     # This invocation only (not written to config.toml):
     resume: bool = setting(False, "Continue the run in --out from its newest complete checkpoint, with its "
                                   "config.toml (cp, dp may change).")
@@ -105,9 +111,11 @@ class TrainConfig:
         for name in ("lr", "min_lr_ratio", "weight_decay", "beta1", "beta2", "max_grad_norm"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{flag(name)} {getattr(self, name)} must be a finite number")
-        for name in ("lr", "warmup", "weight_decay", "max_grad_norm", "checkpoint_every"):
+        for name in ("lr", "warmup", "weight_decay", "max_grad_norm", "checkpoint_every", "max_restarts"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{flag(name)} {getattr(self, name)} must not be negative")
+        if not 0 < self.timeout < math.inf:
+            raise ValueError(f"--timeout {self.timeout} minutes must be a positive number")
         if self.lr > MAX_LR:
             raise ValueError(f"--lr {self.lr} would wreck the weights in one step (AdamW moves each weight by about "
                              f"--lr per step; 1e-4 to 1e-2 are usual); pass at most {MAX_LR}")
@@ -149,7 +157,7 @@ INVOCATION_FIELDS = ("resume", "stop_after")
 # Sequences per step (batch_size x dp x grad_accum) must stay, so the loss and schedule do not change.
 RESUMABLE_CHANGES = ("cp", "dp", "batch_size", "grad_accum", "activation_checkpointing", "attention_backward",
                      "cp_topology", "compile", "check_ranks_every", "log_every", "checkpoint_every", "keep",
-                     *INVOCATION_FIELDS)
+                     "async_checkpoint", "max_restarts", "timeout", *INVOCATION_FIELDS)
 
 
 def _accepted_types(name: str) -> tuple[type, ...]:

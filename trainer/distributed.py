@@ -3,6 +3,10 @@
 torchrun, or `burst train`'s own launcher, describes the group in the environment (RANK, WORLD_SIZE,
 LOCAL_RANK, MASTER_ADDR, ...). CPU ranks use gloo; CUDA ranks use NCCL with one GPU per local rank.
 A single process has no process group and no mesh.
+
+Every rank also joins a second, gloo group on the CPU (`cpu_group`), for work beside the training
+step: background checkpoint saves, and finding the rank that hangs when a collective times out
+(--timeout): a monitored barrier, which only gloo has, names the ranks that do not answer.
 """
 
 from __future__ import annotations
@@ -18,8 +22,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from runtime.process import init_worker_process_group, worker_device
 from trainer.config import TrainConfig
 
-TIMEOUT = datetime.timedelta(minutes=30)  # a 1M-token step on a slow link can take minutes
-
 
 @dataclass
 class Distributed:
@@ -29,6 +31,7 @@ class Distributed:
     world_size: int
     device: torch.device
     mesh: DeviceMesh | None  # ("dp", "cp"); None when the run is a single process
+    cpu_group: dist.ProcessGroup | None = None  # gloo, every rank; None when the run is a single process
 
     @property
     def dp_rank(self) -> int:
@@ -52,6 +55,23 @@ def init_distributed(config: TrainConfig) -> Distributed:
     world_size = environment_world_size()
     if world_size == 1:
         return Distributed(0, 1, worker_device(), None)
-    device = init_worker_process_group(TIMEOUT)
+    # The default, 30 minutes, allows for a 1M-token step on a slow link.
+    device = init_worker_process_group(datetime.timedelta(minutes=config.timeout))
     mesh = init_device_mesh(device.type, (config.dp, config.cp), mesh_dim_names=("dp", "cp"))
-    return Distributed(dist.get_rank(), world_size, device, mesh)
+    return Distributed(dist.get_rank(), world_size, device, mesh, dist.new_group(backend="gloo"))
+
+
+def is_collective_timeout(err: BaseException) -> bool:
+    """Whether `err` is a collective that waited past the process group's timeout (gloo: "Timed out waiting
+    ...", NCCL: "... timeout")."""
+    return isinstance(err, RuntimeError) and ("timed out" in str(err).lower() or "timeout" in str(err).lower())
+
+
+def unresponsive_ranks(env: Distributed, timeout: datetime.timedelta) -> str:
+    """Which ranks do not answer within `timeout`, in the words of a monitored barrier over every rank (rank 0:
+    "Ranks 1 failed to pass monitoredBarrier ..."; another rank names rank 0 when rank 0 is the one that hangs)."""
+    try:
+        dist.monitored_barrier(group=env.cpu_group, timeout=timeout, wait_all_ranks=True)
+    except RuntimeError as err:
+        return str(err)
+    return "every rank answers now (the wait was long, not stuck)"

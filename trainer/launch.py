@@ -2,9 +2,11 @@
 
     burst train --cp 2                      # this process starts 2 workers (torch's elastic launcher)
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \
-        --rdzv-id JOB --no-python burst train --cp 8 --dp 2 --out runs/job   # every node runs this
+        --rdzv-id JOB --max-restarts 3 --no-python burst train --cp 8 --dp 2 --out runs/job   # on every node
 
-Every worker runs `train(config)`, which joins the process group (see distributed.py).
+Every worker runs `train(config)`, which joins the process group (see distributed.py). When a worker
+dies, the agent (this process, or torchrun on each node) stops the others and starts them all again,
+up to --max-restarts times; the new workers continue the run from its newest complete checkpoint.
 """
 
 from __future__ import annotations
@@ -37,11 +39,12 @@ def launch(config: TrainConfig) -> None:
     if torch.cuda.is_available() and torch.cuda.device_count() < config.world_size:
         raise ValueError(f"cp x dp = {config.world_size} ranks need {config.world_size} GPUs, this machine has "
                          f"{torch.cuda.device_count()}; use torchrun to run on several machines")
-    if config.world_size == 1:
+    if config.world_size == 1 and not config.max_restarts:  # a single process runs here, unless it may restart
         train(config)
         return
     try:
-        run_local(train, config.world_size, (config,))  # torch's elastic launcher, as `torchrun --standalone`
+        # torch's elastic launcher, as `torchrun --standalone --max-restarts N`
+        run_local(train, config.world_size, (config,), max_restarts=config.max_restarts)
     except ChildFailedError as err:
         raise worker_failure(err) from None
     except SignalException as err:

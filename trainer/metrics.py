@@ -2,6 +2,7 @@
 
     metrics = Metrics(out, total_steps)
     metrics.log(step, {"loss": 2.31, "lr": 1e-3, ...})
+    metrics.event("model_ready", {"seconds": 4.2, ...}, "model ready: ...")   # a line with "event", no "step"
     metrics.close()
 """
 
@@ -67,6 +68,12 @@ class Metrics:
             recent = self._step_times[-20:]
             eta = datetime.timedelta(seconds=round(sum(recent) / len(recent) * (self.total_steps - step)))
             print(f"{line}  eta {eta}", flush=True)
+
+    def event(self, name: str, values: dict[str, Any], text: str) -> None:
+        """Record something that happened to the run, not a step's metrics (start-up, a restart), and print `text`."""
+        self._jsonl.write(json.dumps({"event": name, **values}) + "\n")
+        self._jsonl.flush()
+        self.message(text)
 
     def message(self, text: str) -> None:
         """A line that is not a step's metrics (a warning, the end of the run)."""

@@ -13,8 +13,10 @@
    the same weights, so they share the sharding with the dp ranks. With bf16 on CUDA, parameters are
    gathered and used in bf16 over float32 master weights (see `mixed_precision_policy`).
 
-`build_model` goes meta -> parallelize -> materialise -> load the full initial weights, so the same
-seed (or checkpoint) gives the same weights whatever the cp x dp layout.
+`build_model` goes meta -> parallelize -> materialise -> fill each rank's shard: no rank ever holds
+the whole model. Fresh weights are drawn row-range by row-range (models/init.py) and checkpoints are
+read slice by slice (safetensors), so the same seed or checkpoint gives the same weights whatever the
+cp x dp layout. A resumed run fills nothing here: the training checkpoint's load writes every shard.
 """
 
 from __future__ import annotations
@@ -23,14 +25,17 @@ import functools
 from pathlib import Path
 
 import torch
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX, checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 import burst
-from models import ModelConfig, Transformer, init_model, load_model
+from models import ModelConfig, Transformer
+from models.convert import Checkpoint, read_checkpoint
+from models.init import initial_rows
 from trainer.config import TrainConfig
 
 
@@ -112,25 +117,48 @@ def checkpoint_options(mode: str) -> dict:
     return {"context_fn": functools.partial(create_selective_checkpoint_contexts, keep_attention)}
 
 
-def initial_state_dict(model_config: ModelConfig, seed: int, checkpoint: Path | None) -> dict[str, torch.Tensor]:
-    """Full float32 weights on the CPU: the checkpoint's, or `init_weights()` drawn from `seed`.
+def model_name(name: str) -> str:
+    """The Transformer's own name of a parameter of the parallelized model (without wrapper prefixes)."""
+    return name.replace(_CHECKPOINT_PREFIX, "")
 
-    Every rank draws the same full tensors, so initialisation does not depend on how they are sharded.
+
+def local_rows(param: torch.Tensor) -> tuple[torch.Tensor, range]:
+    """The part of `param` this rank holds, and the rows (dim 0) of the whole parameter it covers.
+
+    FSDP2 shards every parameter along dim 0 (Shard(0) over the flattened mesh); a rank past the end
+    of a parameter with fewer rows than ranks holds no rows.
     """
-    if checkpoint is not None:
-        return load_model(checkpoint, dtype=torch.float32).state_dict()
-    return init_model(model_config, seed).state_dict()
+    if not isinstance(param, DTensor):
+        return param, range(param.shape[0])
+    local = param.to_local()
+    _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    if tuple(local.shape[1:]) != tuple(param.shape[1:]):
+        raise NotImplementedError(f"a parameter sharded beyond dim 0 ({param.placements}) cannot be filled by rows")
+    return local, range(offset[0], offset[0] + local.shape[0])
+
+
+@torch.no_grad()
+def fill_initial_weights(model: Transformer, seed: int, checkpoint: Checkpoint | None) -> None:
+    """Write this rank's rows of every parameter: the checkpoint's (read alone), or fresh ones from `seed`."""
+    for name, param in model.named_parameters():
+        name = model_name(name)
+        local, rows = local_rows(param)
+        if checkpoint is not None:
+            values = checkpoint.rows(name, rows)
+        else:
+            values = initial_rows(model.config, name, tuple(param.shape), seed, rows)
+        local.copy_(values)  # [len(rows), *shape[1:]], cast to float32 (the master weights) on `device`
 
 
 def build_model(model_config: ModelConfig, mesh: DeviceMesh | None, config: TrainConfig, device: torch.device,
-                checkpoint: Path | None = None) -> Transformer:
-    """The parallelized model on `device`, holding the initial weights (float32 master weights)."""
+                checkpoint: Path | None = None, fill: bool = True) -> Transformer:
+    """The parallelized model on `device` holding its initial weights (float32 master weights): those of
+    `checkpoint` (native or Hugging Face), or drawn from config.seed; left empty with fill=False (to resume)."""
     with torch.device("meta"):
         model = Transformer(model_config)
     parallelize(model, mesh, config)
     model.to_empty(device=device)
-    # Takes full tensors and keeps each rank's shard; knows the activation checkpointing wrapper's names.
-    set_model_state_dict(model, initial_state_dict(model_config, config.seed, checkpoint),
-                         options=StateDictOptions(full_state_dict=True))
+    if fill:
+        fill_initial_weights(model, config.seed, read_checkpoint(checkpoint) if checkpoint is not None else None)
     return model
 

@@ -16,11 +16,12 @@ from pathlib import Path
 
 import torch
 
-from checkpoints.training import resolve_checkpoint, step_of
+from checkpoints.training import complete_checkpoints, is_run_or_checkpoint, resolve_checkpoint, step_of
 from data import SequenceLoader, TokenStore, default_store
 from data.store import TOKENIZER_FILE
 from models import PRESETS, ModelConfig
-from models.checkpoint import is_native_checkpoint, read_config
+from models.checkpoint import is_native_checkpoint
+from models.convert import is_hf_checkpoint, read_checkpoint
 from runtime.precision import Precision, resolve_precision
 from trainer.checkpoint import check_model_config
 from trainer.config import TrainConfig
@@ -35,9 +36,10 @@ class RunPlan:
 
     config: TrainConfig
     model_config: ModelConfig
-    checkpoint: Path | None  # native checkpoint directory to load; None: fresh weights from config.seed
+    checkpoint: Path | None  # native or Hugging Face checkpoint directory to load; None: fresh weights from seed
     precision: Precision  # config.precision ("auto": chosen by this machine's hardware) and why
     resume_from: Path | None = None  # training checkpoint to continue from (--resume), checked
+    restart: int = 0  # how many times the launcher restarted the workers of this run (0: the first start)
 
 
 def default_run_dir() -> str:
@@ -71,11 +73,14 @@ def model_and_store(config: TrainConfig, store: TokenStore) -> tuple[ModelConfig
     path = Path(config.model)
     if not path.is_dir():
         raise ValueError(f"--model {config.model!r} is neither a preset ({', '.join(PRESETS)}) nor a directory")
-    if not is_native_checkpoint(path):
-        raise ValueError(f"--model {path} is not a native checkpoint directory (config.json with the model's "
-                         f"fields and safetensors weights); convert a Hugging Face model first with "
+    if is_run_or_checkpoint(path):
+        raise ValueError(f"--model {path} is a training run or checkpoint: continue it with "
+                         f"`burst train --resume --out RUN`, or start from its weights after "
                          f"`burst convert-checkpoint {path} OUT --to burst`")
-    model_config = read_config(path)
+    if not (is_native_checkpoint(path) or is_hf_checkpoint(path)):
+        raise ValueError(f"--model {path} is not a model checkpoint directory (a native or Hugging Face LLaMA "
+                         f"config.json with safetensors weights)")
+    model_config = read_checkpoint(path).config  # validated from the file headers, no tensor read
     if (path / TOKENIZER_FILE).is_file():
         store.check_tokenizer(path / TOKENIZER_FILE, path)
     if store.vocab_size != model_config.vocab_size:
@@ -109,14 +114,29 @@ def check_sequence_fits(config: TrainConfig, store: TokenStore, model_config: Mo
                          f"or --batch-size, or raise --cp")
 
 
-def plan_run(config: TrainConfig, world_size: int) -> RunPlan:
+def restart_count() -> int:
+    """How many times the elastic agent (our launcher or torchrun) has restarted this process's workers."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def invocation_done(config: TrainConfig) -> bool:
+    """Whether the run in config.out already has a complete checkpoint of this invocation's last step."""
+    complete = complete_checkpoints(Path(config.out)) if config.out else []
+    return bool(complete) and step_of(complete[-1]) >= min(config.steps, config.stop_after or config.steps)
+
+
+def plan_run(config: TrainConfig, world_size: int, restart: int = 0) -> RunPlan:
     """Check `config` for a run on `world_size` processes and resolve its defaults; raises ValueError.
 
+    restart > 0: the workers were restarted after one died. The run continues from its newest complete
+    checkpoint exactly as --resume would, or starts over when it has none yet (its directory is its own).
     Prepares the embedded corpus when no --data is given (once, in the calling process).
     """
     check_world_size(config, world_size)
     out = config.out or default_run_dir()
-    if not config.resume:
+    if restart and complete_checkpoints(Path(out)):
+        config = dataclasses.replace(config, resume=True)
+    if not config.resume and not restart:
         check_run_dir(Path(out))
     data = config.data or str(default_store())
     try:
@@ -129,7 +149,8 @@ def plan_run(config: TrainConfig, world_size: int) -> RunPlan:
     check_sequence_fits(config, store, model_config)
     resume_from = check_resume(config, Path(out), model_config) if config.resume else None
     precision = resolve_precision(config.precision, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    return RunPlan(dataclasses.replace(config, data=data, out=out), model_config, checkpoint, precision, resume_from)
+    return RunPlan(dataclasses.replace(config, data=data, out=out), model_config, checkpoint, precision, resume_from,
+                   restart)
 
 
 def check_resume(config: TrainConfig, out: Path, model_config: ModelConfig) -> Path:

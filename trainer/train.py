@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import math
 import shutil
 import signal
@@ -38,13 +39,20 @@ from data.store import TOKENIZER_FILE
 from models import Transformer
 from runtime.memory import peak_memory_mib
 from runtime.process import all_reduce, leaving_process_group
-from trainer.checkpoint import forget_metrics_after, load_checkpoint, save_checkpoint
+from trainer.checkpoint import forget_metrics_after, load_checkpoint
 from trainer.config import TrainConfig, save_config
-from trainer.distributed import Distributed, environment_world_size, init_distributed
+from trainer.distributed import (
+    Distributed,
+    environment_world_size,
+    init_distributed,
+    is_collective_timeout,
+    unresponsive_ranks,
+)
 from trainer.metrics import Metrics
 from trainer.optim import build_optimizer, build_schedule
 from trainer.parallelize import build_model
-from trainer.preflight import RunPlan, plan_run
+from trainer.preflight import RunPlan, invocation_done, plan_run, restart_count
+from trainer.saving import CheckpointSaver, Saved
 from trainer.signals import StopRequest, TrainingInterrupted
 
 
@@ -152,22 +160,47 @@ def print_config(plan: RunPlan, config: TrainConfig, console: Console) -> None:
     console.print(table)
 
 
+def report_model_ready(model: Transformer, env: Distributed, started: float, metrics: Metrics | None) -> None:
+    """Report (rank 0) the start-up: parameters, seconds since `started`, the largest rank's peak host memory."""
+    host_peak = peak_memory_mib(torch.device("cpu"))  # the process's peak resident memory, also on CUDA runs
+    peak = all_reduce(torch.tensor(host_peak, device=env.device), op=dist.ReduceOp.MAX).item()
+    if metrics is not None:
+        parameters = sum(p.numel() for p in model.parameters())  # global counts, also of sharded DTensors
+        seconds = time.perf_counter() - started
+        metrics.event("model_ready", {"parameters": parameters, "seconds": seconds, "peak_host_mib": peak},
+                      f"model ready: {parameters:,} parameters, {seconds:.1f} s, peak host memory {peak:,.0f} MiB "
+                      f"(largest rank)")
+
+
 def train(config: TrainConfig) -> None:
     """Train with `config` as one rank of the process group the environment describes (or as a single process).
 
     Raises ValueError on a bad config before any work, and TrainingStopped when the run cannot continue.
     """
-    plan = plan_run(config, environment_world_size())  # every rank checks before joining the group
+    started = time.perf_counter()
+    if restart_count() and invocation_done(config):
+        return  # the worker that died had saved this invocation's last checkpoint: nothing is left to do
+    plan = plan_run(config, environment_world_size(), restart_count())  # every rank checks before joining
     config = plan.config
     env = init_distributed(config)
     if env.mesh is None:
-        run(plan, env)
+        run(plan, env, started)
         return
     with leaving_process_group():
-        run(plan, env)
+        try:
+            run(plan, env, started)
+        except RuntimeError as err:
+            if isinstance(err, TrainingStopped) or not is_collective_timeout(err):
+                raise
+            # The other ranks have waited --timeout already: a minute more tells a hung rank from a slow one.
+            answer = unresponsive_ranks(env, min(datetime.timedelta(minutes=config.timeout),
+                                                 datetime.timedelta(minutes=1)))
+            raise TrainingStopped(f"a collective waited longer than --timeout {config.timeout:g} minutes ({err}); "
+                                  f"{answer}. That rank hung (a deadlock, a stuck device or file system) or is "
+                                  f"too slow: look at its log, or raise --timeout for very long steps") from err
 
 
-def run(plan: RunPlan, env: Distributed) -> None:
+def run(plan: RunPlan, env: Distributed, started: float) -> None:
     # The precision this machine resolved "auto" to: the run records it, so a resume elsewhere keeps it.
     config = dataclasses.replace(plan.config, precision=plan.precision.name)
     out, console = Path(config.out), Console()
@@ -179,45 +212,57 @@ def run(plan: RunPlan, env: Distributed) -> None:
         shutil.copyfile(store.tokenizer_path, out / TOKENIZER_FILE)  # exports and `burst eval` check data by it
         print_config(plan, config, console)
 
-    model = build_model(plan.model_config, env.mesh, config, env.device, plan.checkpoint)
+    # A resumed run builds no initial weights: its checkpoint's load fills every shard.
+    model = build_model(plan.model_config, env.mesh, config, env.device, plan.checkpoint,
+                        fill=plan.resume_from is None)
     optimizer = build_optimizer(model, config)
     schedule = build_schedule(optimizer, config)
     loader = SequenceLoader(store.split("train"), config.seq_len, config.batch_size,
                             dp_rank=env.dp_rank, dp_size=config.dp, cp_rank=env.cp_rank, cp_size=config.cp,
                             seed=config.seed, reset_positions=config.doc_mask)
-    state, load_started = TrainState(), time.perf_counter()
+    state = TrainState()
     if plan.resume_from is not None:
         saved = load_checkpoint(plan.resume_from, model, optimizer, env.device)
         schedule.load_state_dict(saved["schedule"])
         loader.load_state_dict(saved["loader"])
         state.load_state_dict(saved["train"])
-        if env.is_main:
-            remove_interrupted_saves(out)
-            forget_metrics_after(out, state.step)  # steps past the checkpoint are trained again
+    if env.is_main and (plan.resume_from is not None or plan.restart):
+        remove_interrupted_saves(out)
+        forget_metrics_after(out, state.step)  # steps past the checkpoint (or all: none) are trained again
 
-    def save() -> Path:
+    def report_saved(saved: Saved) -> None:
+        if metrics is not None:
+            size = sum(f.stat().st_size for f in saved.path.iterdir())
+            metrics.event("checkpoint_saved", {"checkpoint": saved.path.name, "seconds": saved.seconds,
+                                               "blocked_s": saved.blocked_s},
+                          f"saved {saved.path.name}: {size / 2**20:,.1f} MiB in {saved.seconds:.2f} s "
+                          f"(training waited {saved.blocked_s:.2f} s)")
+
+    saver = CheckpointSaver(out, plan.model_config, env.device, config.keep, config.async_checkpoint, env.cpu_group,
+                            report_saved)
+
+    def save() -> None:
         if not weights_are_finite(model, env):
+            saver.wait()  # a save in flight holds earlier, finite weights: it completes
             newest = complete_checkpoints(out)
             raise TrainingStopped(
                 f"the weights hold non-finite values at step {state.step}: a step with a finite loss and gradient "
                 f"overflowed them; no checkpoint is saved, the newest finite one is "
                 f"{newest[-1] if newest else 'none (start a new run)'}. Try a lower --lr or a longer --warmup")
-        save_started = time.perf_counter()
         train_state = {"train": state.state_dict(), "schedule": schedule.state_dict(), "loader": loader.state_dict()}
-        path = save_checkpoint(out, state.step, model, optimizer, train_state, plan.model_config, env.device,
-                               config.keep)
-        if metrics is not None:
-            size = sum(f.stat().st_size for f in path.iterdir())
-            metrics.message(f"saved {path.name}: {size / 2**20:,.1f} MiB in {time.perf_counter() - save_started:.2f} s")
-        return path
+        saver.start(state.step, model, optimizer, train_state)
 
     metrics = Metrics(out, config.steps, console) if env.is_main else None
-    if metrics is not None and plan.resume_from is not None:
-        metrics.message(f"resumed from {plan.resume_from} (step {state.step}) in "
-                        f"{time.perf_counter() - load_started:.2f} s")
+    report_model_ready(model, env, started, metrics)
+    if metrics is not None and plan.restart:
+        metrics.event("restart", {"attempt": plan.restart, "from_step": state.step},
+                      f"restart {plan.restart} of the workers after one died: "
+                      + (f"continuing from step {state.step}" if state.step else "starting over (no checkpoint yet)"))
+    elif metrics is not None and plan.resume_from is not None:
+        metrics.message(f"resumed from {plan.resume_from} (step {state.step})")
     last_step = min(config.steps, config.stop_after or config.steps)
     first_step = state.step + 1
-    started, first_loss, stop_reason, signalled = time.perf_counter(), None, None, None
+    loop_started, first_loss, stop_reason, signalled = time.perf_counter(), None, None, None
     try:
         with StopRequest() as stop_request:
             while state.step < last_step and stop_reason is None and signalled is None:
@@ -254,9 +299,13 @@ def run(plan: RunPlan, env: Distributed) -> None:
                 elif config.checkpoint_every and state.step % config.checkpoint_every == 0 \
                         and state.step < last_step and stop_reason is None:
                     save()
+                saver.poll()  # an asynchronous save whose files are written becomes complete
             # Every run that finishes or stops gets here, its model and optimizer holding the last good
             # state: the one place for the run's final checkpoint (signals still only set the flag).
-            path = save()
+            saver.wait()
+            save()
+            saver.wait()
+            path = saver.newest
         if stop_reason is not None:
             raise TrainingStopped(f"{stop_reason}. The weights of the last applied step, checked finite, are saved "
                                   f"in {path}")
@@ -264,12 +313,13 @@ def run(plan: RunPlan, env: Distributed) -> None:
             what = f"stopped by {signalled} after step {state.step}" if signalled else \
                 f"stopped after step {state.step} (--stop-after)" if state.step < config.steps else "done"
             metrics.message(f"{what}: {state.step} steps, {state.tokens:,} tokens; this invocation "
-                            f"{time.perf_counter() - started:.1f} s, loss {first_loss:.4f} -> {result.loss:.4f}; "
+                            f"{time.perf_counter() - loop_started:.1f} s, loss {first_loss:.4f} -> {result.loss:.4f}; "
                             f"checkpoint {path}")
             if state.step < config.steps:
                 metrics.message(f"continue with: burst train --resume --out {out}")
         if signalled:
             raise TrainingInterrupted(signalled)
     finally:
+        saver.close()
         if metrics is not None:
             metrics.close()

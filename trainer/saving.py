@@ -1,0 +1,161 @@
+"""Writing a run's training checkpoints: synchronously, or in the background while training goes on.
+
+    saver = CheckpointSaver(out, model_config, device, keep=2, asynchronous=True, group=env.cpu_group,
+                            on_saved=report)
+    saver.start(step, model, optimizer, train_state)   # asynchronous: returns at once
+    saver.poll()                                        # each step: completes a save whose files are written
+    saver.wait()                                        # before the next save and before the run ends
+    saver.close()
+
+Every rank writes its shards into `step-N.tmp-<id>` (DCP); rank 0 then writes COMPLETE and renames the
+directory to `step-N`, and only then deletes checkpoints past --keep. A kill at any point leaves the
+previous checkpoint whole and a tmp directory that readers ignore and --resume deletes.
+
+Asynchronous saves use DCP's async_save: one background thread copies the state to CPU memory
+(staging) while the next step's forward and backward run, and another writes the copy, on a process
+group of its own so its collectives never interleave with the training step's. The weights and the
+optimizer state change only in optimizer.step(), so a hook before it waits for the copy: that wait,
+and the hand-over, are all the loop waits. At most one save is in flight: starting another, or
+ending the run, waits for it. DCP writes .metadata on rank 0 only after gathering every rank's write results,
+so rank 0's save finishing means every rank's files are there; each rank's RNG file is written
+before its shards are handed over, so it is there too.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+from checkpoints.training import MARKER, STATE_NAME, checkpoint_dir, complete_checkpoints
+from models.checkpoint import CONFIG_NAME
+from models.config import ModelConfig
+from models.storage import write_json
+from trainer.checkpoint import rng_state
+
+
+@dataclass(frozen=True)
+class Saved:
+    """A checkpoint that became complete."""
+
+    path: Path
+    seconds: float  # from the start of the save to its completion
+    blocked_s: float  # how long the training loop waited for it
+
+
+@dataclass
+class _Pending:
+    future: Future  # the files are written
+    staged: Future  # the state is copied: the optimizer may change it again
+    step: int
+    tmp: Path
+    started: float
+    blocked_s: float
+
+
+class CheckpointSaver:
+    """Saves the checkpoints of the run in `out`, on every rank (start, poll and wait are called by all ranks
+    at the same steps); `on_saved` is called on every rank when a checkpoint is complete.
+
+    group: a gloo group of every rank, apart from the training step's, for the background save's
+    collectives (plans, results); None in a single process.
+    """
+
+    def __init__(self, out: Path, model_config: ModelConfig, device: torch.device, keep: int, asynchronous: bool,
+                 group: dist.ProcessGroup | None, on_saved: Callable[[Saved], None]) -> None:
+        self.out, self.model_config, self.device, self.keep = out, model_config, device, keep
+        self.asynchronous, self.group, self.on_saved = asynchronous, group, on_saved
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self._pending: _Pending | None = None
+        self.newest: Path | None = None  # the directory of the newest save this saver completed
+        self._hooked: set[int] = set()  # the optimizers whose step() waits for the staging copy
+        # One stager for the run: it keeps its CPU buffers from one save to the next (pinned on CUDA).
+        self._stager = DefaultStager(StagingOptions(use_pinned_memory=device.type == "cuda", use_shared_memory=False,
+                                                    use_async_staging=True,
+                                                    use_non_blocking_copy=device.type == "cuda")) \
+            if asynchronous else None
+
+    def start(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+              train_state: dict[str, Any]) -> None:
+        """Save checkpoint `step`; asynchronously: return at once, the copy and the files follow.
+
+        `train_state` (rank 0's) is the JSON-able rest of the run: TrainState, schedule and loader states.
+        """
+        self.wait()  # at most one save in flight
+        started = time.perf_counter()
+        tag = [uuid.uuid4().hex[:8]]
+        if dist.is_initialized():
+            dist.broadcast_object_list(tag, src=0)  # every rank writes into the same tmp directory
+        final = checkpoint_dir(self.out, step)
+        tmp = final.with_name(f"{final.name}.tmp-{tag[0]}")
+        tmp.mkdir(parents=True, exist_ok=True)
+        write_json(rng_state(self.device), tmp / f"rng-{self.rank:05d}.json")
+        if self.rank == 0:
+            write_json(self.model_config.to_dict(), tmp / CONFIG_NAME)
+            write_json(train_state, tmp / STATE_NAME)
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optimizer": optimizer_state}
+        if self.asynchronous:
+            if id(optimizer) not in self._hooked:
+                optimizer.register_step_pre_hook(lambda *_: self._wait_for_staging())
+                self._hooked.add(id(optimizer))
+            response = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group,
+                                      async_stager=self._stager, no_dist=not dist.is_initialized())
+            future, staged = response.upload_completion, response.staging_completion
+        else:
+            future = Future()
+            future.set_result(dcp.save(state, checkpoint_id=str(tmp), no_dist=not dist.is_initialized()))
+            staged = future
+        self._pending = _Pending(future, staged, step, tmp, started, time.perf_counter() - started)
+        if not self.asynchronous:
+            self.wait()
+
+    def _wait_for_staging(self) -> None:
+        """Before optimizer.step(): the save in flight must have copied the state it changes."""
+        if self._pending is not None and not self._pending.staged.done():
+            waited = time.perf_counter()
+            self._pending.staged.result()
+            self._pending.blocked_s += time.perf_counter() - waited
+
+    def poll(self) -> None:
+        """Complete the save in flight if its files are written (no waiting, no collective)."""
+        if self._pending is not None and self._pending.future.done():
+            self.wait()
+
+    def wait(self) -> None:
+        """Wait for the save in flight, if any, and complete it."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        waited = time.perf_counter()
+        pending.future.result()  # raises the background save's error, if any
+        blocked_s = pending.blocked_s + time.perf_counter() - waited
+        final = checkpoint_dir(self.out, pending.step)
+        if self.rank == 0:
+            write_json({"step": pending.step}, pending.tmp / MARKER)
+            if final.exists():  # a checkpoint of this step from an earlier invocation: the new one replaces it
+                shutil.rmtree(final)
+            os.replace(pending.tmp, final)
+            for old in complete_checkpoints(self.out)[:-self.keep]:
+                shutil.rmtree(old)
+        if not self.asynchronous and dist.is_initialized():
+            dist.barrier()  # no rank goes on (or exits) before the checkpoint is complete
+        self.newest = final
+        self.on_saved(Saved(final, time.perf_counter() - pending.started, blocked_s))
+
+    def close(self) -> None:
+        """Release the staging buffers (the run's last save is waited for first, by `wait`)."""
+        if self._stager is not None:
+            self._stager.close()
