@@ -71,7 +71,7 @@ def find_input_files(inputs: Sequence[str | Path], report: InputReport) -> list[
                 else:
                     found.append(path)
         elif item.is_file():
-            if kind_of(item) not in ("jsonl", "parquet") and _looks_binary(item):
+            if kind_of(item) not in ("jsonl", "parquet") and looks_binary(item):
                 raise ValueError(f"input {item} is not UTF-8 text (it looks binary); pass text or source files, "
                                  f".jsonl(.gz) or .parquet, or directories holding them")
             found = [item]
@@ -89,7 +89,7 @@ def find_input_files(inputs: Sequence[str | Path], report: InputReport) -> list[
     return files
 
 
-def _looks_binary(path: Path) -> bool:
+def looks_binary(path: Path) -> bool:
     """Whether the start of `path` holds a NUL byte or is not UTF-8 (a sequence cut at the end is fine)."""
     with open(path, "rb") as f:
         head = f.read(SNIFF_BYTES)

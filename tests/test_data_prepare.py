@@ -18,6 +18,7 @@ import data.corpus
 from cli import app
 from data import Tokenizer, TokenStore, default_store, prepare, train_tokenizer
 from data.prepare import summary_table
+from data.sources import InputReport, find_input_files
 from data.store import METADATA_FILE, TOKENS_FILE, token_dtype
 
 prepare_module = sys.modules["data.prepare"]  # `data.prepare` names the function
@@ -210,6 +211,15 @@ def test_default_store_prepares_once_under_concurrent_callers(tmp_path, monkeypa
     store = TokenStore(paths[0])
     assert store.num_documents >= 20 and store.vocab_size == 500
     assert default_store(tmp_path, progress=False) == paths[0] and len(calls) == 1
+
+
+def test_every_file_of_the_embedded_corpus_is_one_prepare_accepts():
+    """The default corpus names its files one by one, and prepare refuses a named file that is not
+    UTF-8: the standard library's encoding tests (module_koi8_r.py, ...) must be left out, or the
+    README's first `burst train` fails on a fresh machine."""
+    sources = data.corpus.stdlib_sources()
+    assert len(sources) > 500
+    assert find_input_files(sources, InputReport()) == sources  # raises on a binary or non-UTF-8 file
 
 
 def test_parquet_rows_are_documents_and_bad_rows_are_counted(tmp_path, tokenizer):
