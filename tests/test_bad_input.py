@@ -295,16 +295,31 @@ def test_a_sequence_whose_activations_cannot_fit_is_refused_before_any_work(smal
         preflight.plan_run(config, world_size=1)
 
 
-def test_a_run_that_failed_during_start_up_does_not_block_a_rerun(store, tmp_path):
+def test_a_truncated_model_is_refused_before_the_run_directory_is_made(store, tmp_path):
     config = dataclasses.replace(ModelConfig.from_name("debug"), vocab_size=TokenStore(store).vocab_size)
     broken = tmp_path / "model"
     save_model(Transformer(config), config, broken)
     (broken / "model.safetensors").write_bytes((broken / "model.safetensors").read_bytes()[:1000])
     out = tmp_path / "run"
-    common = ["--data", store, "--seq-len", 128, "--steps", 1, "--precision", "fp32", "--out", out]
-    refused(invoke("train", "--model", broken, *common), "model.safetensors")
+    refused(invoke("train", "--model", broken, "--data", store, "--seq-len", 128, "--steps", 1, "--out", out),
+            "model.safetensors")
+    assert not out.exists()  # the file headers are read (and checked) before any work
+
+
+def test_a_run_that_failed_during_start_up_does_not_block_a_rerun(store, tmp_path, monkeypatch):
+    import trainer.train
+
+    def failing_build_model(*args, **kwargs):
+        raise ValueError("start-up failed while building the model")
+
+    out = tmp_path / "run"
+    common = ["--model", "debug", "--data", store, "--seq-len", 128, "--steps", 1, "--precision", "fp32",
+              "--out", out]
+    with monkeypatch.context() as patch:
+        patch.setattr(trainer.train, "build_model", failing_build_model)
+        refused(invoke("train", *common), "start-up failed while building the model")
     assert (out / "config.toml").is_file()  # it failed after the run directory was made
-    done = invoke("train", "--model", "debug", *common)
+    done = invoke("train", *common)
     assert done.exit_code == 0, done.output
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-000001"]
 
