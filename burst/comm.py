@@ -7,7 +7,10 @@ sent and the fresh receive buffers are distinct). Every rank posts the same sequ
 batches, so messages between a pair of ranks match in order on gloo and NCCL alike. A ring
 may run on its own process group (`channel`): the two-level ring sends across nodes on one,
 so that a slow inter-node transfer never queues behind the fast inner-ring traffic (on CUDA,
-NCCL gives each communicator its own stream).
+NCCL gives each communicator its own stream). A ring may also receive on another process
+group than it sends on (`receive_channel`): between two nodes, where the next and the previous
+rank are the same, gloo's one TCP connection per pair would otherwise carry bulk data both
+ways (see `burst.topology.cross_node_ring`).
 
 On CUDA, NCCL runs the transfers on its own stream and `Pending.wait()` makes the current
 stream wait on an event: there is no device-wide or host synchronisation in the loop.
@@ -104,13 +107,15 @@ def nbytes(tensors: list[torch.Tensor]) -> int:
 class Ring:
     """This rank's link in a ring of ranks of `group`: it sends to `next_rank` and receives from
     `prev_rank` (ranks of `group`), over `channel` (a process group holding both; `group` by
-    default). Ranks are numbered node-major, `node_size` to a node, which says whether the
-    sends leave the node."""
+    default), receiving over `receive_channel` when given. Ranks are numbered node-major,
+    `node_size` to a node, which says whether the sends leave the node."""
 
     def __init__(self, group: dist.ProcessGroup | None, next_rank: int, prev_rank: int, node_size: int,
-                 traffic: Traffic, channel: dist.ProcessGroup | None = None) -> None:
+                 traffic: Traffic, channel: dist.ProcessGroup | None = None,
+                 receive_channel: dist.ProcessGroup | None = None) -> None:
         rank, _ = group_rank_and_size(group)
         self.channel = group if channel is None else channel
+        self.receive_channel = self.channel if receive_channel is None else receive_channel
         self.next, self.prev = global_rank(group, next_rank), global_rank(group, prev_rank)
         self.leaves_node = next_rank // node_size != rank // node_size
         self.traffic = traffic
@@ -125,11 +130,13 @@ class Ring:
         received = [torch.empty_like(t, dtype=dt) for t, dt in zip(incoming_like, dtypes, strict=True)]  # same strides
         sending = [wire_view(t) for t in outgoing]
         # look the functions up now, not at import: the benchmark harness wraps them to count bytes
-        ops = [dist.P2POp(dist.isend, t, self.next, self.channel) for t in sending]
-        ops += [dist.P2POp(dist.irecv, wire_view(t), self.prev, self.channel) for t in received]
+        sends = [dist.P2POp(dist.isend, t, self.next, self.channel) for t in sending]
+        receives = [dist.P2POp(dist.irecv, wire_view(t), self.prev, self.receive_channel) for t in received]
+        # one batch per process group (batch_isend_irecv takes one); on NCCL each is one grouped launch
+        batches = [sends + receives] if self.receive_channel is self.channel else [sends, receives]
         sent = nbytes(sending)
         self.traffic.count(sent, sent if self.leaves_node else 0)
-        return Pending(dist.batch_isend_irecv(ops), received, sending)
+        return Pending([work for ops in batches if ops for work in dist.batch_isend_irecv(ops)], received, sending)
 
 
 def gather_from_every_rank(group: dist.ProcessGroup | None, values: list[int], device: torch.device,

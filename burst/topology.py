@@ -62,16 +62,16 @@ def validate_topology(topology: str, node_size, world_size: int) -> None:
                          "pass node_size=None to read it from LOCAL_WORLD_SIZE")
 
 
-_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+_GROUPS: dict[tuple[tuple[int, ...], str], dist.ProcessGroup] = {}
 
 
-def _subgroup(ranks: list[int]) -> dist.ProcessGroup:
-    """The process group of these global ranks, created once. Only the members call `new_group`
-    (use_local_synchronization), and each rank creates its node group before its cross-node
-    group, so every rank follows one global creation order."""
-    key = tuple(ranks)
+def _subgroup(ranks: list[int], purpose: str = "") -> dist.ProcessGroup:
+    """The process group of these global ranks for `purpose`, created once. Only the members call
+    `new_group` (use_local_synchronization), and each rank creates its node group before its
+    cross-node groups, so every rank follows one global creation order."""
+    key = (tuple(ranks), purpose)
     if key not in _GROUPS:
-        _GROUPS[key] = dist.new_group(list(key), use_local_synchronization=True)
+        _GROUPS[key] = dist.new_group(list(key[0]), use_local_synchronization=True)
     return _GROUPS[key]
 
 
@@ -82,10 +82,26 @@ def node_group(group: dist.ProcessGroup | None, node_size: int) -> dist.ProcessG
     return _subgroup([global_rank(group, g) for g in range(first, first + node_size)])
 
 
-def cross_node_group(group: dist.ProcessGroup | None, node_size: int) -> dist.ProcessGroup:
-    """The ranks with this rank's local index on every node: the communicator of the slow hops."""
+def cross_node_ring(group: dist.ProcessGroup | None, node_size: int, traffic: Traffic) -> Ring:
+    """This rank's link to the ranks with its local index on the next and previous nodes, on
+    communicators of its own: the slow hops never queue behind inner-ring traffic.
+
+    Between two nodes the next and the previous rank are the same. gloo joins a pair of ranks by
+    one TCP connection, and one that carries bulk data both ways ran at half the link's rate on
+    the simulated cluster (0.55-0.57 MiB/s per direction against 1.02-1.13 with a connection per
+    direction, 10 Mbit/s; each side's acknowledgments wait behind its own paced data). So each
+    direction gets its own process group there: node 0 sends on the first, node 1 on the second.
+    NCCL's connections are one-way already.
+    """
     rank, world_size = group_rank_and_size(group)
-    return _subgroup([global_rank(group, g) for g in range(rank % node_size, world_size, node_size)])
+    nodes = world_size // node_size
+    members = [global_rank(group, g) for g in range(rank % node_size, world_size, node_size)]
+    channel = receive_channel = _subgroup(members, "cross-node")
+    if nodes == 2 and dist.get_backend(channel) == "gloo":
+        eastward, westward = _subgroup(members, "cross-node"), _subgroup(members, "cross-node, second direction")
+        channel, receive_channel = (eastward, westward) if rank < node_size else (westward, eastward)
+    return Ring(group, (rank + node_size) % world_size, (rank - node_size) % world_size, node_size, traffic,
+                channel=channel, receive_channel=receive_channel)
 
 
 @dataclass
@@ -120,23 +136,21 @@ def make_schedule(topology: str, group: dist.ProcessGroup | None, node_size: int
     """The schedule of "flat" or "two-level" over `group` (ranks numbered in `group`)."""
     rank, world_size = group_rank_and_size(group)
     nodes = world_size // node_size
-    if topology == "flat" or nodes == 1 or node_size == 1:
+    if node_size == 1 and nodes > 1:  # a rank per node: every hop leaves the node
+        return Schedule(rank, 1, world_size, cross_node_ring(group, node_size, traffic))
+    if topology == "flat" or nodes == 1:
         return Schedule(rank, 1, world_size,
                         Ring(group, (rank + 1) % world_size, (rank - 1) % world_size, node_size, traffic))
     node, local = divmod(rank, node_size)
     inner = Ring(group, node * node_size + (local + 1) % node_size, node * node_size + (local - 1) % node_size,
                  node_size, traffic)
-    outer = Ring(group, (rank + node_size) % world_size, (rank - node_size) % world_size, node_size, traffic,
-                 channel=cross_node_group(group, node_size))
-    return Schedule(rank, nodes, node_size, inner, outer)
+    return Schedule(rank, nodes, node_size, inner, cross_node_ring(group, node_size, traffic))
 
 
 def node_ring_schedule(group: dist.ProcessGroup | None, node_size: int, traffic: Traffic) -> Schedule:
     """Ulysses' ring: one rank per node (those with this rank's local index), positions = nodes."""
     rank, world_size = group_rank_and_size(group)
     nodes = world_size // node_size
-    node = rank // node_size
-    channel = cross_node_group(group, node_size) if nodes > 1 else None
-    inner = Ring(group, (rank + node_size) % world_size, (rank - node_size) % world_size, node_size, traffic,
-                 channel=channel)
-    return Schedule(node, 1, nodes, inner)
+    if nodes == 1:  # a ring of one: no traffic
+        return Schedule(0, 1, 1, Ring(group, rank, rank, node_size, traffic))
+    return Schedule(rank // node_size, 1, nodes, cross_node_ring(group, node_size, traffic))

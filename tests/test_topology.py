@@ -114,3 +114,44 @@ def test_auto_picks_the_topology_that_sends_least_across_nodes():
     flat = [inter_node_bytes("flat", q, k, "burst", 4, 8, r) for r in range(8)]
     two_level = [inter_node_bytes("two-level", q, k, "burst", 4, 8, r) for r in range(8)]
     assert sum(map(sum, two_level)) * 7 == sum(map(sum, flat)) * 4  # 2 x 4: 8 x 1 blocks cross instead of 2 x 7
+
+
+def _record_sends(rank, world_size, node_size, topology):
+    """Every (process group, sender, receiver) of one forward and backward, gathered from all ranks."""
+    sends = []
+    post = dist.batch_isend_irecv
+
+    def recording(ops):
+        sends.extend((op.group.group_name, rank, op.peer) for op in ops if op.op is dist.isend)
+        return post(ops)
+
+    dist.batch_isend_irecv = recording
+    try:
+        q, k, v, dout = (burst.shard_sequence(t).requires_grad_() for t in make_inputs(8 * world_size, 4, 4,
+                                                                                         torch.float32, seed=0))
+        burst.burst_attn(q, k, v, causal=True, topology=topology, node_size=node_size).backward(dout.detach())
+    finally:
+        dist.batch_isend_irecv = post
+    every = [None] * world_size
+    dist.all_gather_object(every, sends)
+    return [send for rank_sends in every for send in rank_sends]
+
+
+def _cross_node_connections_carry_one_direction(rank, world_size):
+    cases = [(1, "flat"), (1, "two-level")] + ([(2, "two-level"), (2, "ulysses")] if world_size == 4 else [])
+    for node_size, topology in cases:
+        sends = _record_sends(rank, world_size, node_size, topology)
+        directions = {}
+        for group_name, sender, receiver in sends:
+            if sender // node_size != receiver // node_size:
+                directions.setdefault((group_name, frozenset((sender, receiver))), set()).add((sender, receiver))
+        assert directions, f"no cross-node sends recorded ({node_size=}, {topology})"
+        both_ways = {key: ways for key, ways in directions.items() if len(ways) > 1}
+        assert not both_ways, f"connections carrying data both ways ({node_size=}, {topology}): {both_ways}"
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_cross_node_connections_carry_one_direction(world_size):
+    """Between two nodes each rank's next and previous rank are the same; a gloo connection that
+    carries bulk data both ways runs at half rate, so each direction has its own process group."""
+    run_on_ranks(_cross_node_connections_carry_one_direction, world_size, timeout_s=120)
