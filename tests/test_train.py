@@ -169,3 +169,39 @@ def test_doc_mask_cp2_gives_the_loss_curve_of_one_process(store, tmp_path):
     assert losses["mask1"][-1] < losses["mask1"][0] - 0.5, losses["mask1"]  # it learns
     # the mask changes what the model sees: the same data and seed without it gives another curve
     assert relative_gap(losses["plain"], losses["mask1"]) > 1e-3, losses
+
+
+def torchrun_nodes(nodes: int, per_node: int, *args: str, timeout: float = 240) -> list[subprocess.CompletedProcess]:
+    """`burst train ARGS` as `nodes` torchrun node groups of `per_node` ranks on localhost, as a cluster
+    would start it (LOCAL_WORLD_SIZE = per_node, so the topology sees `nodes` nodes)."""
+    from tests.distributed import free_port
+
+    port = free_port()
+    launches = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes),
+                                  "--node-rank", str(node), "--nproc-per-node", str(per_node),
+                                  "--master-addr", "127.0.0.1", "--master-port", str(port),
+                                  "cli.py", "train", *map(str, args)],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 cwd=Path(__file__).parents[1])
+                for node in range(nodes)]
+    done = []
+    for launch in launches:
+        stdout, stderr = launch.communicate(timeout=timeout)
+        done.append(subprocess.CompletedProcess(launch.args, launch.returncode, stdout, stderr))
+    return done
+
+
+def test_two_nodes_give_the_loss_curve_of_one_node(store, tmp_path):
+    """cp 4 over 2 nodes x 2 ranks, with the two-level ring and with Ulysses, trains as cp 4 on one node."""
+    common = ["--model", "debug", "--data", store, "--seq-len", 512, "--steps", 3, "--lr", 0.01, "--precision", "fp32",
+              "--doc-mask", "--cp", 4]
+    one_node = burst_train(*common, "--cp-topology", "flat", "--out", tmp_path / "flat")
+    assert one_node.returncode == 0, one_node.stderr[-3000:]
+    reference = [r["loss"] for r in metrics(tmp_path / "flat")]
+    for topology in ("two-level", "ulysses"):
+        out = tmp_path / topology
+        for node, done in enumerate(torchrun_nodes(2, 2, *common, "--cp-topology", topology, "--out", out)):
+            assert done.returncode == 0, f"node {node}: {done.stderr[-3000:]}"
+        losses = [r["loss"] for r in metrics(out)]
+        assert relative_gap(losses, reference) <= 1e-5, (topology, losses, reference)
+        assert f'cp_topology = "{topology}"' in (out / "config.toml").read_text()
