@@ -87,9 +87,9 @@ def cross_node_ring(group: dist.ProcessGroup | None, node_size: int, traffic: Tr
     communicators of its own: the slow hops never queue behind inner-ring traffic.
 
     Between two nodes the next and the previous rank are the same. gloo joins a pair of ranks by
-    one TCP connection, and one that carries bulk data both ways ran at half the link's rate on
-    the simulated cluster (0.55-0.57 MiB/s per direction against 1.02-1.13 with a connection per
-    direction, 10 Mbit/s; each side's acknowledgments wait behind its own paced data). So each
+    one TCP connection, and one that carries bulk data both ways often ran at half the link's rate
+    on the simulated cluster (0.55-0.57 MiB/s per direction in 7 of 11 tries at 10 Mbit/s, against
+    1.02-1.13 in every try with a connection per direction: benchmarks/link_directions.py). So each
     direction gets its own process group there: node 0 sends on the first, node 1 on the second.
     NCCL's connections are one-way already.
     """
@@ -98,8 +98,8 @@ def cross_node_ring(group: dist.ProcessGroup | None, node_size: int, traffic: Tr
     members = [global_rank(group, g) for g in range(rank % node_size, world_size, node_size)]
     channel = receive_channel = _subgroup(members, "cross-node")
     if nodes == 2 and dist.get_backend(channel) == "gloo":
-        eastward, westward = _subgroup(members, "cross-node"), _subgroup(members, "cross-node, second direction")
-        channel, receive_channel = (eastward, westward) if rank < node_size else (westward, eastward)
+        other_direction = _subgroup(members, "cross-node, second direction")
+        channel, receive_channel = (channel, other_direction) if rank < node_size else (other_direction, channel)
     return Ring(group, (rank + node_size) % world_size, (rank - node_size) % world_size, node_size, traffic,
                 channel=channel, receive_channel=receive_channel)
 
