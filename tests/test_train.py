@@ -6,6 +6,7 @@ import math
 import random
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -177,17 +178,23 @@ def torchrun_nodes(nodes: int, per_node: int, *args: str, timeout: float = 240) 
     from tests.distributed import free_port
 
     port = free_port()
+    logs = [tempfile.TemporaryFile("w+") for _ in range(nodes)]  # files, not pipes: no node blocks on a full pipe
     launches = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes),
                                   "--node-rank", str(node), "--nproc-per-node", str(per_node),
                                   "--master-addr", "127.0.0.1", "--master-port", str(port),
                                   "cli.py", "train", *map(str, args)],
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                 cwd=Path(__file__).parents[1])
-                for node in range(nodes)]
+                                 stdout=log, stderr=subprocess.STDOUT, text=True, cwd=Path(__file__).parents[1])
+                for node, log in enumerate(logs)]
+    try:
+        codes = [launch.wait(timeout=timeout) for launch in launches]
+    finally:  # a hung node must not outlive the test
+        for launch in launches:
+            launch.kill()
     done = []
-    for launch in launches:
-        stdout, stderr = launch.communicate(timeout=timeout)
-        done.append(subprocess.CompletedProcess(launch.args, launch.returncode, stdout, stderr))
+    for launch, code, log in zip(launches, codes, logs, strict=True):
+        log.seek(0)
+        done.append(subprocess.CompletedProcess(launch.args, code, "", log.read()))
+        log.close()
     return done
 
 
