@@ -182,7 +182,7 @@ def _train_command(config: Path | None = None, **flags: Any) -> None:
     from trainer.config import load_config, load_run_config  # here, so `burst --help` does not import torch
     from trainer.launch import launch
     from trainer.signals import TrainingInterrupted
-    from trainer.train import TrainingStopped
+    from trainer.trainer import TrainingStopped
 
     overrides = {name: value for name, value in flags.items() if value is not None}
     resume = overrides.get("resume", False)

@@ -24,7 +24,7 @@ from trainer.config import TrainConfig
 from trainer.distributed import init_distributed
 from trainer.parallelize import build_model
 from trainer.preflight import plan_run
-from trainer.train import train_step
+from trainer.step import train_step
 
 
 def steps_of_each(config: TrainConfig, setting: str, values: list, steps: int) -> dict[str, list[tuple]]:

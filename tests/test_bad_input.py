@@ -6,7 +6,6 @@ code, that the message names what is wrong and how to fix it, and that nothing w
 
 import dataclasses
 import gzip
-import importlib
 import json
 import os
 import stat
@@ -28,8 +27,6 @@ from tests.test_data_prepare import write_corpus
 from tests.test_train import store as store  # noqa: F401
 from trainer import preflight
 from trainer.config import TrainConfig
-
-train_module = importlib.import_module("trainer.train")  # `trainer.train` names the function
 
 
 def invoke(*args) -> "CliRunner.invoke":
@@ -202,14 +199,16 @@ def test_exported_weights_follow_the_umask(native_model, tmp_path):
 
 def test_a_run_whose_weights_overflowed_saves_no_checkpoint_and_says_so(store, tmp_path, monkeypatch):
     """--lr inf used to apply step 1 with a finite loss, ruin the weights, then save them as 'the last good state'."""
-    build_optimizer = train_module.build_optimizer
+    import trainer.trainer
+
+    build_optimizer = trainer.trainer.build_optimizer
 
     def overflowing_optimizer(model, config):  # a step with a finite loss and gradient that overflows the weights
         optimizer = build_optimizer(model, config)
         optimizer.register_step_post_hook(lambda *_: next(model.parameters()).data.fill_(float("inf")))
         return optimizer
 
-    monkeypatch.setattr(train_module, "build_optimizer", overflowing_optimizer)
+    monkeypatch.setattr(trainer.trainer, "build_optimizer", overflowing_optimizer)
     out = tmp_path / "run"
     output = refused(invoke("train", "--model", "debug", "--data", store, "--seq-len", 128, "--steps", 8,
                             "--precision", "fp32", "--out", out), "non-finite values", "no checkpoint is saved",
@@ -270,13 +269,15 @@ def test_setting_errors_name_the_flag_not_the_field(store, tmp_path):
 
 
 def test_ctrl_c_during_start_up_exits_130_and_a_rerun_may_use_the_directory(store, tmp_path, monkeypatch):
+    import trainer.trainer
+
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
     out = tmp_path / "run"
     common = ["--model", "debug", "--data", store, "--seq-len", 128, "--steps", 1, "--precision", "fp32", "--out", out]
     with monkeypatch.context() as patch:
-        patch.setattr(train_module, "build_model", interrupted)
+        patch.setattr(trainer.trainer, "build_model", interrupted)
         refused(invoke("train", *common), "interrupted during start-up", "nothing was trained", code=130)
     done = invoke("train", *common)
     assert done.exit_code == 0, done.output
@@ -307,7 +308,7 @@ def test_a_truncated_model_is_refused_before_the_run_directory_is_made(store, tm
 
 
 def test_a_run_that_failed_during_start_up_does_not_block_a_rerun(store, tmp_path, monkeypatch):
-    import trainer.train
+    import trainer.trainer
 
     def failing_build_model(*args, **kwargs):
         raise ValueError("start-up failed while building the model")
@@ -316,7 +317,7 @@ def test_a_run_that_failed_during_start_up_does_not_block_a_rerun(store, tmp_pat
     common = ["--model", "debug", "--data", store, "--seq-len", 128, "--steps", 1, "--precision", "fp32",
               "--out", out]
     with monkeypatch.context() as patch:
-        patch.setattr(trainer.train, "build_model", failing_build_model)
+        patch.setattr(trainer.trainer, "build_model", failing_build_model)
         refused(invoke("train", *common), "start-up failed while building the model")
     assert (out / "config.toml").is_file()  # it failed after the run directory was made
     done = invoke("train", *common)

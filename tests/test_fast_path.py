@@ -17,7 +17,7 @@ from tests.distributed import run_on_ranks
 from trainer.config import TrainConfig
 from trainer.distributed import Distributed
 from trainer.parallelize import build_model
-from trainer.train import checks_ranks, forward_backward, train_step
+from trainer.step import checks_ranks, forward_backward, train_step
 
 SEQ_LEN, ROWS = 64, 2
 MODEL = dataclasses.replace(ModelConfig.from_name("debug"), vocab_size=256)

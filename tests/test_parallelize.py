@@ -14,7 +14,7 @@ from tests.distributed import run_on_ranks
 from trainer.config import TrainConfig
 from trainer.distributed import Distributed
 from trainer.parallelize import build_model
-from trainer.train import train_step
+from trainer.step import train_step
 
 SEQ_LEN, ROWS = 64, 2
 MODEL = dataclasses.replace(ModelConfig.from_name("debug"), vocab_size=256)

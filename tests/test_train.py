@@ -1,6 +1,5 @@
 """`burst train` through the real command line: cp and dp runs against one process, refusals before any work."""
 
-import importlib
 import json
 import math
 import random
@@ -86,15 +85,16 @@ def test_dp2_gives_the_loss_curve_of_one_process_with_the_same_global_batch(stor
 
 def test_non_finite_steps_are_skipped_and_end_the_run_with_a_message(store, tmp_path, monkeypatch):
     """An --lr that diverges is refused at config time, so the loss is made non-finite here, from step 3 on."""
-    train_module = importlib.import_module("trainer.train")  # `trainer.train` names the function
-    forward_backward, steps = train_module.forward_backward, []
+    import trainer.step
+
+    forward_backward, steps = trainer.step.forward_backward, []
 
     def not_finite_from_step_3(*args):
         steps.append(len(steps) + 1)  # one micro-batch per step
         loss_sum = forward_backward(*args)
         return loss_sum * math.nan if steps[-1] >= 3 else loss_sum
 
-    monkeypatch.setattr(train_module, "forward_backward", not_finite_from_step_3)
+    monkeypatch.setattr(trainer.step, "forward_backward", not_finite_from_step_3)
     out = tmp_path / "run"
     done = CliRunner().invoke(app, ["train", "--model", "debug", "--data", str(store), "--seq-len", "256", "--steps",
                                     "20", "--precision", "fp32", "--out", str(out)])

@@ -23,7 +23,8 @@ from trainer.config import TrainConfig
 from trainer.distributed import environment_world_size
 from trainer.preflight import plan_run
 from trainer.signals import TrainingInterrupted
-from trainer.train import TrainingStopped, train
+from trainer.train import train
+from trainer.trainer import TrainingStopped
 
 
 def launch(config: TrainConfig) -> None:

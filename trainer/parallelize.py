@@ -84,7 +84,7 @@ def mixed_precision_policy(config: TrainConfig, device_type: str) -> MixedPrecis
     bf16 on CUDA: parameters are all-gathered and used in bf16 (half the bytes of float32), gradients
     reduce-scattered in float32 into the float32 sharded master weights the optimizer updates. The LM
     head then runs in bf16 too, with a float32 log-sum-exp (models/loss.py). Otherwise no casting:
-    fp32 as it is, and bf16 on CPU as bf16 autocast over float32 parameters (trainer/train.py), which
+    fp32 as it is, and bf16 on CPU as bf16 autocast over float32 parameters (trainer/step.py), which
     keeps gloo's collectives and the CPU loss in float32. Autocast stays on under the CUDA policy too,
     where it only keeps its float32 ops (softmax, norms) in float32.
     """

@@ -1,0 +1,96 @@
+"""One optimizer step: train_step() -> forward_backward() for each micro-batch.
+
+The loss of a step is the mean over every scored token of the global batch (all dp and cp ranks,
+all micro-batches). Each rank divides its summed token loss by the global token count, so its
+gradient is its exact share of the true gradient, and FSDP sums the shares (see parallelize.py).
+Dividing by the local count instead, as some trainers do, weighs ranks wrongly and reports a loss
+cp times too small.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from burst.module import set_rank_checks
+from data import Batch
+from models import Transformer
+from runtime.process import all_reduce
+from trainer.config import TrainConfig
+from trainer.distributed import Distributed
+
+
+@dataclass
+class StepResult:
+    loss: float  # global mean token loss
+    grad_norm: float  # global gradient norm before clipping
+    applied: bool  # False: non-finite loss or gradient norm, the optimizer step was skipped
+
+
+def forward_backward(model: Transformer, batch: Batch, global_count: torch.Tensor, config: TrainConfig,
+                     device: torch.device) -> torch.Tensor:
+    """Backward of this micro-batch's share of the global mean loss; returns its summed token loss."""
+    tokens, labels, positions = (t.to(device, non_blocking=True) for t in (batch.tokens, batch.labels,
+                                                                           batch.positions))  # [b, seq / cp]
+    doc_boundaries = batch.doc_boundaries if config.doc_mask else None  # offsets over the full sequence
+    if config.compile and doc_boundaries is not None:
+        for offsets in doc_boundaries:  # documents per row vary from batch to batch: one graph for any count
+            torch._dynamo.maybe_mark_dynamic(offsets, 0)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.precision == "bf16"):
+        loss_sum, _ = model.loss(tokens, labels, positions, doc_boundaries)
+    (loss_sum / global_count).backward()
+    return loss_sum.detach()
+
+
+def checks_ranks(step: int, first_step: int, every: int) -> bool:
+    """Whether optimizer step `step` (1-based) compares the cp ranks' attention inputs: the first step of
+    this invocation and every `every` steps. Every rank counts the same steps, so all check together."""
+    return step == first_step or step % every == 0
+
+
+def train_step(model: Transformer, optimizer: torch.optim.Optimizer, micro_batches: list[Batch],
+               config: TrainConfig, env: Distributed, check_ranks: bool = False) -> StepResult:
+    """One optimizer step over `micro_batches` (grad_accum of them), unless the loss or gradient is not finite.
+
+    check_ranks: compare the cp ranks' attention inputs in every attention call of this step (one
+    all-gather and host read each; see `burst.burst_attn`). A compiled model takes such a step eagerly,
+    so that its graphs never hold the check (nor recompile for it).
+    """
+    set_rank_checks(model, check_ranks)
+    with torch.compiler.set_stance("force_eager") if check_ranks and config.compile else contextlib.nullcontext():
+        return _train_step(model, optimizer, micro_batches, config, env)
+
+
+def _train_step(model: Transformer, optimizer: torch.optim.Optimizer, micro_batches: list[Batch],
+                config: TrainConfig, env: Distributed) -> StepResult:
+    # Known before any backward, so every micro-batch is scaled by the step's global token count.
+    global_count = all_reduce(torch.tensor(float(sum(b.num_tokens for b in micro_batches)), device=env.device))
+    global_count.clamp_(min=1.0)
+    loss_sum = torch.zeros((), device=env.device)
+    for batch in micro_batches:
+        loss_sum += forward_backward(model, batch, global_count, config, env.device)
+    loss = all_reduce(loss_sum) / global_count
+    max_norm = config.max_grad_norm or math.inf  # 0: no clipping, but still measure the norm
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)  # over all shards
+    if isinstance(grad_norm, DTensor):
+        grad_norm = grad_norm.full_tensor()
+    # Every rank holds the same reduced loss and norm, so every rank takes the same decision.
+    applied = bool(torch.isfinite(loss) and torch.isfinite(grad_norm))
+    if applied:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(loss.item(), grad_norm.item(), applied)
+
+
+def weights_are_finite(model: Transformer, env: Distributed) -> bool:
+    """Whether every weight on every rank is finite (each rank checks its shards)."""
+    non_finite = torch.zeros((), device=env.device)
+    for param in model.parameters():
+        local = param.to_local() if isinstance(param, DTensor) else param
+        non_finite = torch.maximum(non_finite, (~torch.isfinite(local.detach())).any().float())
+    return all_reduce(non_finite, op=dist.ReduceOp.MAX).item() == 0

@@ -1,0 +1,253 @@
+"""One rank's training run, in named phases (torchtitan's Trainer):
+
+    trainer = Trainer(plan, env, started)   # set-up: run directory, model, optimizer, schedule, data, saver, metrics
+    trainer.resume()                       # continuing a run: the checkpoint's state, and the run's history trimmed
+    trainer.train()                        # step() until the last step, save() on schedule, then finish()
+
+The stateful pieces of a run, the model, the optimizer, the LR schedule, the data loader and the
+TrainState, each have state_dict()/load_state_dict(): a checkpoint is those five plus RNG states
+(trainer/checkpoint.py). One is saved every --checkpoint-every steps and always when the loop ends:
+finished, --stop-after, SIGTERM/Ctrl-C (trainer/signals.py) or repeated non-finite steps, and only
+with finite weights: a checkpoint is never a diverged model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+from rich.table import Table
+
+from checkpoints.training import complete_checkpoints, remove_interrupted_saves
+from data import SequenceLoader, TokenStore
+from data.store import TOKENIZER_FILE
+from runtime.memory import peak_memory_mib
+from runtime.process import all_reduce
+from trainer.checkpoint import forget_metrics_after, load_checkpoint
+from trainer.config import save_config
+from trainer.distributed import Distributed
+from trainer.metrics import Metrics
+from trainer.optim import build_optimizer, build_schedule
+from trainer.parallelize import build_model
+from trainer.preflight import RunPlan
+from trainer.saving import CheckpointSaver, Saved
+from trainer.signals import StopRequest, TrainingInterrupted
+from trainer.step import StepResult, checks_ranks, train_step, weights_are_finite
+
+
+class TrainingStopped(RuntimeError):
+    """The run cannot go on (e.g. the loss keeps being non-finite); the message says why and what to try."""
+
+
+@dataclass
+class TrainState:
+    """The loop's own counters."""
+
+    step: int = 0  # optimizer steps done, applied or skipped
+    tokens: int = 0  # tokens trained on, over all ranks
+    bad_steps: int = 0  # non-finite steps in a row
+
+    def state_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name, value in state.items():
+            setattr(self, name, int(value))
+
+
+class Trainer:
+    """The run of `plan` on this rank (`env`); `started` is when the invocation began (for its start-up time)."""
+
+    def __init__(self, plan: RunPlan, env: Distributed, started: float) -> None:
+        # The precision this machine resolved "auto" to: the run records it, so a resume elsewhere keeps it.
+        self.config = config = dataclasses.replace(plan.config, precision=plan.precision.name)
+        self.plan, self.env, self.started = plan, env, started
+        self.out, self.console = Path(config.out), Console()
+        self.store = TokenStore(config.data)
+        if env.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            # on --resume: the layout this invocation runs with
+            save_config(config, self.out / "config.toml", notes=f"precision {config.precision}: "
+                                                                f"{plan.precision.reason}")
+            shutil.copyfile(self.store.tokenizer_path, self.out / TOKENIZER_FILE)  # exports and eval check data by it
+            self.print_config()
+        # A resumed run builds no initial weights: its checkpoint's load fills every shard.
+        self.model = build_model(plan.model_config, env.mesh, config, env.device, plan.checkpoint,
+                                 fill=plan.resume_from is None)
+        self.optimizer = build_optimizer(self.model, config)
+        self.schedule = build_schedule(self.optimizer, config)
+        self.loader = SequenceLoader(self.store.split("train"), config.seq_len, config.batch_size,
+                                     dp_rank=env.dp_rank, dp_size=config.dp, cp_rank=env.cp_rank, cp_size=config.cp,
+                                     seed=config.seed, reset_positions=config.doc_mask)
+        self.state = TrainState()
+        self.saver = CheckpointSaver(self.out, plan.model_config, env.device, config.keep, config.async_checkpoint,
+                                     env.cpu_group, self.report_saved)
+        self.metrics = Metrics(self.out, config.steps, self.console) if env.is_main else None
+        self.last_step = min(config.steps, config.stop_after or config.steps)
+
+    # -- set-up and resume --------------------------------------------------------------------
+
+    def print_config(self) -> None:
+        table = Table(title="burst train", show_header=False, title_justify="left")
+        table.add_column(style="bold")
+        table.add_column()
+        for name, value in dataclasses.asdict(self.config).items():
+            table.add_row(name, f"{value} ({self.plan.precision.reason})" if name == "precision" else str(value))
+        model = self.plan.model_config
+        table.add_row("model shape", f"dim {model.dim}, {model.n_layers} layers, {model.n_heads} heads "
+                                     f"({model.n_kv_heads} kv), vocabulary {model.vocab_size}")
+        table.add_row("tokens per step", f"{self.config.tokens_per_step:,}")
+        self.console.print(table)
+
+    def resume(self) -> None:
+        """Continue from the plan's checkpoint, if any: its weights, optimizer, schedule, data position and
+        counters. A resumed or restarted run forgets the history past that checkpoint (it trains those steps
+        again). Then report the start-up."""
+        plan = self.plan
+        if plan.resume_from is not None:
+            saved = load_checkpoint(plan.resume_from, self.model, self.optimizer, self.env.device)
+            self.schedule.load_state_dict(saved["schedule"])
+            self.loader.load_state_dict(saved["loader"])
+            self.state.load_state_dict(saved["train"])
+        if self.env.is_main and (plan.resume_from is not None or plan.restart):
+            remove_interrupted_saves(self.out)
+            forget_metrics_after(self.out, self.state.step)  # steps past the checkpoint (or all: none) come again
+        self.report_model_ready()
+        if self.metrics is not None and plan.restart:
+            self.metrics.event("restart", {"attempt": plan.restart, "from_step": self.state.step},
+                               f"restart {plan.restart} of the workers after one died: "
+                               + (f"continuing from step {self.state.step}" if self.state.step
+                                  else "starting over (no checkpoint yet)"))
+        elif self.metrics is not None and plan.resume_from is not None:
+            self.metrics.message(f"resumed from {plan.resume_from} (step {self.state.step})")
+
+    def report_model_ready(self) -> None:
+        """Report (rank 0) the start-up: parameters, seconds since `started`, the largest rank's peak host memory."""
+        host_peak = peak_memory_mib(torch.device("cpu"))  # the process's peak resident memory, also on CUDA runs
+        peak = all_reduce(torch.tensor(host_peak, device=self.env.device), op=dist.ReduceOp.MAX).item()
+        if self.metrics is not None:
+            parameters = sum(p.numel() for p in self.model.parameters())  # global counts, also of sharded DTensors
+            seconds = time.perf_counter() - self.started
+            self.metrics.event("model_ready", {"parameters": parameters, "seconds": seconds, "peak_host_mib": peak},
+                               f"model ready: {parameters:,} parameters, {seconds:.1f} s, peak host memory "
+                               f"{peak:,.0f} MiB (largest rank)")
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def train(self) -> None:
+        """Step until the invocation's last step, a signal or repeated non-finite steps; then finish(): the
+        final checkpoint, the summary, and TrainingStopped or TrainingInterrupted when the run did not end."""
+        first_step, first_loss = self.state.step + 1, None
+        result, stop_reason, signalled = None, None, None
+        loop_started = time.perf_counter()
+        try:
+            with StopRequest() as stop_request:
+                while self.state.step < self.last_step and stop_reason is None and signalled is None:
+                    result = self.step(checks_ranks(self.state.step + 1, first_step, self.config.check_ranks_every))
+                    first_loss = result.loss if first_loss is None else first_loss
+                    stop_reason = self.bad_steps_reason(result)
+                    signalled = self.agreed_signal(stop_request)
+                    every = self.config.checkpoint_every
+                    if not signalled and every and self.state.step % every == 0 and self.state.step < self.last_step \
+                            and stop_reason is None:
+                        self.save()
+                    self.saver.poll()  # an asynchronous save whose files are written becomes complete
+                # Every run that finishes or stops gets here, its model and optimizer holding the last good
+                # state: the one place for the run's final checkpoint (signals still only set the flag).
+                self.finish(stop_reason, signalled, first_loss, result, time.perf_counter() - loop_started)
+        finally:
+            self.saver.close()
+            if self.metrics is not None:
+                self.metrics.close()
+
+    def step(self, check_ranks: bool) -> StepResult:
+        """One optimizer step over grad_accum micro-batches, its counters, and its metrics when logged."""
+        config, state = self.config, self.state
+        step_started = time.perf_counter()
+        lr = self.schedule.get_last_lr()[0]
+        result = train_step(self.model, self.optimizer, [next(self.loader) for _ in range(config.grad_accum)],
+                            config, self.env, check_ranks)
+        self.schedule.step()
+        state.step += 1
+        state.tokens += config.tokens_per_step
+        state.bad_steps = 0 if result.applied else state.bad_steps + 1
+        step_time = time.perf_counter() - step_started
+        if state.step % config.log_every == 0 or state.step == self.last_step or not result.applied:
+            peak = all_reduce(torch.tensor(peak_memory_mib(self.env.device), device=self.env.device),
+                              op=dist.ReduceOp.MAX).item()
+            if self.metrics is not None:
+                self.metrics.log(state.step, {"loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
+                                              "tokens_per_s": config.tokens_per_step / step_time,
+                                              "step_time_s": step_time, "peak_mem_mib": peak,
+                                              "skipped": not result.applied})
+        return result
+
+    def bad_steps_reason(self, result: StepResult) -> str | None:
+        """Why the run stops after this step, when --max-bad-steps non-finite steps came in a row."""
+        if self.state.bad_steps < self.config.max_bad_steps:
+            return None
+        return (f"{self.state.bad_steps} steps in a row (up to step {self.state.step}) had a non-finite loss or "
+                f"gradient norm (last: loss {result.loss}, gradient norm {result.grad_norm}); the run stops. "
+                f"Skipped steps change no weights. Try a lower --lr or a longer --warmup"
+                + (", or --precision fp32" if self.config.precision == "bf16" else ""))
+
+    def agreed_signal(self, stop_request: StopRequest) -> str | None:
+        """The signal that stops the run after this step, if any rank got one: a signal may reach some ranks
+        only, so every rank stops after the same step (SIGTERM wins over SIGINT)."""
+        number = signal.Signals[stop_request.signal_name].value if stop_request.signal_name else 0
+        number = int(all_reduce(torch.tensor(float(number), device=self.env.device), op=dist.ReduceOp.MAX).item())
+        return signal.Signals(number).name if number else None
+
+    # -- saving and the end -------------------------------------------------------------------
+
+    def save(self) -> None:
+        """Start a checkpoint of the current step, after checking that every weight on every rank is finite."""
+        if not weights_are_finite(self.model, self.env):
+            self.saver.wait()  # a save in flight holds earlier, finite weights: it completes
+            newest = complete_checkpoints(self.out)
+            raise TrainingStopped(
+                f"the weights hold non-finite values at step {self.state.step}: a step with a finite loss and "
+                f"gradient overflowed them; no checkpoint is saved, the newest finite one is "
+                f"{newest[-1] if newest else 'none (start a new run)'}. Try a lower --lr or a longer --warmup")
+        train_state = {"train": self.state.state_dict(), "schedule": self.schedule.state_dict(),
+                       "loader": self.loader.state_dict()}
+        self.saver.start(self.state.step, self.model, self.optimizer, train_state)
+
+    def report_saved(self, saved: Saved) -> None:
+        if self.metrics is not None:
+            size = sum(f.stat().st_size for f in saved.path.iterdir())
+            self.metrics.event("checkpoint_saved", {"checkpoint": saved.path.name, "seconds": saved.seconds,
+                                                    "blocked_s": saved.blocked_s},
+                               f"saved {saved.path.name}: {size / 2**20:,.1f} MiB in {saved.seconds:.2f} s "
+                               f"(training waited {saved.blocked_s:.2f} s)")
+
+    def finish(self, stop_reason: str | None, signalled: str | None, first_loss: float | None,
+               last: StepResult | None, seconds: float) -> None:
+        """Save the final checkpoint and report how the invocation ended; raise if it did not end well."""
+        self.saver.wait()
+        self.save()
+        self.saver.wait()
+        path = self.saver.newest
+        if stop_reason is not None:
+            raise TrainingStopped(f"{stop_reason}. The weights of the last applied step, checked finite, are saved "
+                                  f"in {path}")
+        if self.metrics is not None:
+            state, config = self.state, self.config
+            what = f"stopped by {signalled} after step {state.step}" if signalled else \
+                f"stopped after step {state.step} (--stop-after)" if state.step < config.steps else "done"
+            losses = f", loss {first_loss:.4f} -> {last.loss:.4f}" if last is not None else ""
+            self.metrics.message(f"{what}: {state.step} steps, {state.tokens:,} tokens; this invocation "
+                                 f"{seconds:.1f} s{losses}; checkpoint {path}")
+            if state.step < config.steps:
+                self.metrics.message(f"continue with: burst train --resume --out {self.out}")
+        if signalled:
+            raise TrainingInterrupted(signalled)
+
