@@ -180,6 +180,16 @@ class TokenStore:
         view._documents, view.split_name = np.flatnonzero(in_val if name == "val" else ~in_val), name
         return view
 
+    def at_least(self, min_tokens: int) -> TokenStore:
+        """A view over this split's documents of at least `min_tokens` tokens (BOS/EOS not counted)."""
+        if self._documents is None:
+            raise ValueError("at_least() filters a split: call it on store.split('train') or store.split('val')")
+        view = object.__new__(TokenStore)
+        view.__dict__.update(self.__dict__)
+        view._documents = self._documents[self.document_lengths >= min_tokens]
+        view.split_name = f"{self.split_name}, documents of >= {min_tokens:,} tokens"
+        return view
+
     @property
     def tokenizer_path(self) -> Path:
         return self.directory / self.metadata["tokenizer"]["file"]

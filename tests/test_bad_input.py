@@ -248,7 +248,7 @@ def test_a_relative_data_path_is_saved_absolute_so_resume_works_from_another_dir
     done = invoke("train", "--model", "debug", "--data", store.name, "--seq-len", 128, "--steps", 2,
                   "--stop-after", 1, "--precision", "fp32", "--out", out)
     assert done.exit_code == 0, done.output
-    assert f'data = "{store}"' in (out / "config.toml").read_text()
+    assert f'={store}:1.0"]' in (out / "config.toml").read_text()  # data = ["NAME=/absolute/store:1.0"]
     monkeypatch.chdir(tmp_path)
     resumed = invoke("train", "--resume", "--out", out)
     assert resumed.exit_code == 0, resumed.output
@@ -258,7 +258,8 @@ def test_a_relative_data_path_is_saved_absolute_so_resume_works_from_another_dir
 
 def test_train_help_shows_each_default():
     help_text = CliRunner().invoke(app, ["train", "--help"], env={"COLUMNS": "300"}).output  # a line per option
-    for shown in ("[default: (1024)]", "[default: (the embedded stdlib corpus)]", "[default: (tiny)]",
+    for shown in ("[default: (1024)]", "[default: (the embedded stdlib corpus)]",
+                  "[default: (tiny, or --init-from's model)]",
                   "130 after Ctrl-C, 143 after SIGTERM"):  # and the exit codes a scheduler sees
         assert shown in help_text
 
@@ -285,7 +286,7 @@ def test_ctrl_c_during_start_up_exits_130_and_a_rerun_may_use_the_directory(stor
 
 def test_a_sequence_longer_than_the_training_split_is_refused_before_any_work(small_store, tmp_path):
     refused(invoke("train", "--model", "debug", "--data", small_store, "--seq-len", 100_000_000, "--out",
-                   tmp_path / "run"), "--seq-len 100,000,000 is longer than the training split")
+                   tmp_path / "run"), "--seq-len 100,000,000 is longer than the training documents of --data")
     assert not (tmp_path / "run").exists()
 
 

@@ -78,6 +78,24 @@ def forget_metrics_after(out: Path, step: int) -> None:
 
 # ---- load ------------------------------------------------------------------------------------------------------
 
+def load_stage_start(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """Start a new stage (--init-from) from the checkpoint `path`: the model's weights, and with `optimizer` its
+    state too (AdamW's moments and step counts), keeping this run's hyperparameters (lr, betas, weight decay:
+    the new stage's schedule drives them). Any layout, as `load_checkpoint`; the rest of the run starts afresh."""
+    model_state, optimizer_state = get_state_dict(model, optimizer) if optimizer is not None else \
+        (get_state_dict(model, [])[0], None)
+    state = {"model": model_state} if optimizer is None else {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())  # only the keys asked for
+    if optimizer is None:
+        set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
+        return
+    hyperparameters = [{key: value for key, value in group.items() if key != "params"}
+                       for group in optimizer.param_groups]
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    for group, own in zip(optimizer.param_groups, hyperparameters, strict=True):
+        group.update(own)
+
+
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     device: torch.device) -> dict[str, Any]:
     """Load the checkpoint `path` into `model` and `optimizer` (sharded or not, any layout) and this rank's RNG;

@@ -38,9 +38,18 @@ def setting(default: Any, help: str, shown: str | None = None) -> Any:
 class TrainConfig:
     """Everything a training run depends on. Global batch = batch_size x dp x grad_accum sequences of seq_len."""
 
-    model: str = setting("tiny", "Preset (debug, tiny, llama3-8b, ...: models.PRESETS) or a native or Hugging "
-                                 "Face checkpoint directory to start from.")
-    data: str | None = setting(None, "Token store directory from `burst prepare`.", shown="the embedded stdlib corpus")
+    model: str | None = setting(None, "Preset (debug, tiny, llama3-8b, ...: models.PRESETS) or a native or Hugging "
+                                      "Face checkpoint directory to start from.", shown="tiny, or --init-from's model")
+    init_from: str | None = setting(None, "Start this new run from the weights of another run (its newest checkpoint) "
+                                          "or training checkpoint: a new stage with its own seq-len, data, RoPE, "
+                                          "layout and schedule; the model's shape is the checkpoint's.")
+    init_optimizer: bool = setting(False, "With --init-from, also start from its optimizer state (AdamW's moments and "
+                                          "step counts), under this run's learning-rate schedule.")
+    data: list[str] | None = setting(None, "Token store from `burst prepare`, or several with their shares of the "
+                                           "tokens: repeat --data [NAME=]STORE[:SHARE][:min_doc=TOKENS], e.g. --data "
+                                           "code=stores/code:0.6 --data short=stores/web:0.4 (the shares sum to 1; "
+                                           "min_doc keeps documents of at least that many tokens).",
+                                     shown="the embedded stdlib corpus")
     seq_len: int = setting(1024, "Tokens per sequence, split over the --cp ranks.")
     cp: int = setting(1, "Sequence-parallel degree: ranks that share one sequence (BurstAttention).")
     dp: int = setting(1, "Data-parallel degree: groups of --cp ranks that see different sequences.")
@@ -96,6 +105,7 @@ class TrainConfig:
         from burst.attention import check_backward_mode
         from burst.layout import check_sequence_length
         from burst.topology import check_topology
+        from data.mixture import parse_mixture, resolved_sources
         from models.config import PRESETS
         from runtime.precision import PRECISIONS
 
@@ -135,11 +145,21 @@ class TrainConfig:
             check_sequence_length(self.seq_len, self.cp)
         except ValueError as err:
             raise ValueError(f"--seq-len {self.seq_len} does not split over --cp {self.cp} ranks: {err}") from None
+        if self.init_optimizer and self.init_from is None:
+            raise ValueError("--init-optimizer starts from the optimizer state of --init-from's checkpoint: pass "
+                             "--init-from RUN_OR_CHECKPOINT too")
+        if self.init_from is not None and self.model is not None:
+            raise ValueError(f"--init-from {self.init_from} starts from that checkpoint's model, so --model "
+                             f"{self.model} would not be used; drop --model (its RoPE may change with --rope-theta "
+                             f"and --rope-scaling)")
         # Paths are kept absolute, so a run resumed from another directory finds its data and model.
-        if self.data is not None:
-            object.__setattr__(self, "data", str(Path(self.data).resolve()))
-        if self.model not in PRESETS and Path(self.model).is_dir():
+        if self.data is not None:  # a single store may be given as a plain path
+            sources = [self.data] if isinstance(self.data, str) else self.data
+            object.__setattr__(self, "data", [str(spec) for spec in resolved_sources(parse_mixture(sources))])
+        if self.model is not None and self.model not in PRESETS and Path(self.model).is_dir():
             object.__setattr__(self, "model", str(Path(self.model).resolve()))
+        if self.init_from is not None:
+            object.__setattr__(self, "init_from", str(Path(self.init_from).resolve()))
 
     @property
     def world_size(self) -> int:
@@ -160,11 +180,18 @@ RESUMABLE_CHANGES = ("cp", "dp", "batch_size", "grad_accum", "activation_checkpo
                      "async_checkpoint", "max_restarts", "timeout", *INVOCATION_FIELDS)
 
 
-def _accepted_types(name: str) -> tuple[type, ...]:
-    """The Python types a value of field `name` may have (an int is a fine float; None only where allowed)."""
+def _accepted_types(name: str) -> tuple[Any, ...]:
+    """The types a value of field `name` may have (an int is a fine float; None only where allowed)."""
     annotation = typing.get_type_hints(TrainConfig)[name]
     types_ = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
     return types_ + ((int,) if float in types_ else ())
+
+
+def _is_a(value: Any, kind: Any) -> bool:
+    """isinstance for the field types: plain classes, and list[str] (a list of strings)."""
+    if typing.get_origin(kind) is list:
+        return isinstance(value, list) and all(_is_a(item, typing.get_args(kind)[0]) for item in value)
+    return (kind is bool or not isinstance(value, bool)) and isinstance(value, kind)
 
 
 def _checked(values: dict[str, Any], source: str) -> dict[str, Any]:
@@ -173,16 +200,19 @@ def _checked(values: dict[str, Any], source: str) -> dict[str, Any]:
         if key not in FIELDS:
             raise ValueError(f"unknown setting {key!r} in {source}; valid settings: {', '.join(FIELDS)}")
         accepted = _accepted_types(key)
-        if isinstance(value, bool) and bool not in accepted or not isinstance(value, accepted):
-            names = " or ".join(t.__name__ for t in accepted if t is not type(None))
+        if not any(_is_a(value, kind) for kind in accepted):
+            names = " or ".join("list of strings" if typing.get_origin(t) is list else t.__name__
+                                for t in accepted if t is not type(None))
             raise ValueError(f"setting {key!r} in {source} is {value!r}, which is not a {names}")
     return values
 
 
 def _upgraded(values: dict[str, Any]) -> dict[str, Any]:
-    """Settings of an older config file in today's form: activation_checkpointing was a switch."""
+    """Settings of an older config file in today's form: activation_checkpointing was a switch, data one store."""
     if isinstance(values.get("activation_checkpointing"), bool):
         values["activation_checkpointing"] = "selective" if values["activation_checkpointing"] else "none"
+    if isinstance(values.get("data"), str):  # one store, before mixtures
+        values["data"] = [values["data"]]
     return values
 
 
@@ -212,7 +242,7 @@ def to_toml(config: TrainConfig) -> str:
         if value is None or name in INVOCATION_FIELDS:
             continue
         text = str(value).lower() if isinstance(value, bool) else repr(value) if isinstance(value, float) \
-            else json.dumps(value) if isinstance(value, str) else str(value)  # a JSON string is a TOML string
+            else json.dumps(value) if isinstance(value, str | list) else str(value)  # JSON strings, lists: TOML
         lines.append(f"{name} = {text}")
     return "\n".join(lines) + "\n"
 

@@ -52,13 +52,15 @@ class Metrics:
         self._step_times: list[float] = []
 
     def log(self, step: int, values: dict[str, Any]) -> None:
-        """Record the metrics of `step` (1-based): loss, lr, grad_norm, tokens_per_s, step_time_s, peak_mem_mib."""
+        """Record the metrics of `step` (1-based): loss, lr, grad_norm, tokens_per_s, step_time_s, peak_mem_mib,
+        and tokens_by_source ({source: tokens so far}: several TensorBoard series)."""
         record = {"step": step, **values}
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
         if self._tensorboard is not None:
             for name, value in values.items():
-                self._tensorboard.add_scalar(f"train/{name}", float(value), step)
+                for key, number in (value.items() if isinstance(value, dict) else [("", value)]):
+                    self._tensorboard.add_scalar(f"train/{name}" + (f"/{key}" if key else ""), float(number), step)
         line = format_line(step, self.total_steps, values)
         if self._progress is not None:
             self._progress.update(self._task, completed=step)

@@ -16,16 +16,24 @@ from pathlib import Path
 
 import torch
 
-from checkpoints.training import complete_checkpoints, is_run_or_checkpoint, resolve_checkpoint, step_of
+from checkpoints.training import (
+    complete_checkpoints,
+    is_run_or_checkpoint,
+    read_model_checkpoint,
+    resolve_checkpoint,
+    step_of,
+)
 from data import SequenceLoader, TokenStore, default_store
+from data.mixture import Source, open_sources, parse_mixture
 from data.store import TOKENIZER_FILE
 from models import PRESETS, ModelConfig
 from models.checkpoint import is_native_checkpoint
-from models.convert import is_hf_checkpoint, read_checkpoint
+from models.convert import is_hf_checkpoint, read_checkpoint, tokenizer_beside
 from runtime.precision import Precision, resolve_precision
 from trainer.checkpoint import check_model_config
 from trainer.config import TrainConfig
 
+DEFAULT_MODEL = "tiny"
 # What a run that failed during start-up (before its first step) leaves in its directory: a rerun may reuse it.
 STARTUP_FILES = {"config.toml", TOKENIZER_FILE}
 
@@ -40,6 +48,7 @@ class RunPlan:
     precision: Precision  # config.precision ("auto": chosen by this machine's hardware) and why
     resume_from: Path | None = None  # training checkpoint to continue from (--resume), checked
     restart: int = 0  # how many times the launcher restarted the workers of this run (0: the first start)
+    init_from: Path | None = None  # training checkpoint a new stage starts from (--init-from), unless resuming
 
 
 def default_run_dir() -> str:
@@ -64,30 +73,56 @@ def check_run_dir(out: Path) -> None:
 
 
 def model_and_store(config: TrainConfig, store: TokenStore) -> tuple[ModelConfig, Path | None]:
-    """The model config and starting checkpoint for `config.model`, checked against the store's tokenizer."""
-    if config.model in PRESETS:
-        preset = ModelConfig.from_name(config.model)
+    """The model config and starting checkpoint for `config.model` (a preset, default tiny, or a model directory),
+    checked against the store's tokenizer."""
+    name = config.model or DEFAULT_MODEL
+    if name in PRESETS:
+        preset = ModelConfig.from_name(name)
         # A fresh model gets the store's vocabulary, so any tokenizer trains any preset.
         return dataclasses.replace(preset, vocab_size=store.vocab_size,
                                    max_seq_len=max(preset.max_seq_len, config.seq_len)), None
-    path = Path(config.model)
+    path = Path(name)
     if not path.is_dir():
-        raise ValueError(f"--model {config.model!r} is neither a preset ({', '.join(PRESETS)}) nor a directory")
+        raise ValueError(f"--model {name!r} is neither a preset ({', '.join(PRESETS)}) nor a directory")
     if is_run_or_checkpoint(path):
         raise ValueError(f"--model {path} is a training run or checkpoint: continue it with "
-                         f"`burst train --resume --out RUN`, or start from its weights after "
-                         f"`burst convert-checkpoint {path} OUT --to burst`")
+                         f"`burst train --resume --out RUN`, or start a new stage from its weights with "
+                         f"`--init-from {path}`")
     if not (is_native_checkpoint(path) or is_hf_checkpoint(path)):
         raise ValueError(f"--model {path} is not a model checkpoint directory (a native or Hugging Face LLaMA "
                          f"config.json with safetensors weights)")
     model_config = read_checkpoint(path).config  # validated from the file headers, no tensor read
-    if (path / TOKENIZER_FILE).is_file():
-        store.check_tokenizer(path / TOKENIZER_FILE, path)
+    check_store_fits(store, model_config, tokenizer_beside(path), path)
+    return model_config, path
+
+
+def check_store_fits(store: TokenStore, model_config: ModelConfig, tokenizer: Path | None, model: Path) -> None:
+    """Refuse data prepared with another tokenizer than the model's (when the model keeps one), or whose
+    vocabulary does not fit the model's."""
+    if tokenizer is not None:
+        store.check_tokenizer(tokenizer, model)
     if store.vocab_size != model_config.vocab_size:
         raise ValueError(f"the token store {store.directory} has a vocabulary of {store.vocab_size} tokens but the "
-                         f"model {path} has {model_config.vocab_size}; prepare the data with the model's tokenizer "
+                         f"model {model} has {model_config.vocab_size}; prepare the data with the model's tokenizer "
                          f"(`burst prepare INPUT... --tokenizer TOKENIZER.model --out STORE`)")
-    return model_config, path
+
+
+def init_checkpoint(config: TrainConfig, store: TokenStore) -> tuple[ModelConfig, Path]:
+    """The training checkpoint --init-from names (a run's newest, or one checkpoint), checked whole, and the
+    model this new stage trains: the checkpoint's, with max_seq_len raised to --seq-len."""
+    path = Path(config.init_from)
+    if not path.is_dir():
+        raise ValueError(f"--init-from {path} does not exist; pass a run directory of `burst train` or one of its "
+                         f"checkpoints (RUN/checkpoints/step-N)")
+    if not is_run_or_checkpoint(path):
+        hint = f"start from a model directory with --model {path}" if is_native_checkpoint(path) or \
+            is_hf_checkpoint(path) else "pass a run directory of `burst train` or one of its checkpoints"
+        raise ValueError(f"--init-from {path} is not a training run or checkpoint; {hint}")
+    checkpoint = read_model_checkpoint(path)  # the newest complete checkpoint of a run; checked, no tensor read
+    model_config = dataclasses.replace(checkpoint.config,
+                                       max_seq_len=max(checkpoint.config.max_seq_len, config.seq_len))
+    check_store_fits(store, model_config, checkpoint.tokenizer, path)
+    return model_config, resolve_checkpoint(path)
 
 
 def device_memory_bytes() -> int:
@@ -97,14 +132,16 @@ def device_memory_bytes() -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def check_sequence_fits(config: TrainConfig, store: TokenStore, model_config: ModelConfig) -> None:
-    """Refuse a --seq-len longer than the training split, or whose activations cannot fit one rank's memory."""
-    train = store.split("train")
-    stream = int(train.document_lengths.sum()) + 2 * train.num_documents  # BOS + document + EOS each
-    if config.seq_len > stream:
-        raise ValueError(f"--seq-len {config.seq_len:,} is longer than the training split of {store.directory} "
-                         f"({stream:,} tokens with BOS/EOS): every sequence would repeat the data; lower --seq-len, "
-                         f"or prepare more data")
+def check_sequence_fits(config: TrainConfig, sources: list[Source], model_config: ModelConfig) -> None:
+    """Refuse a --seq-len longer than a source's training documents, or whose activations cannot fit one
+    rank's memory."""
+    for source in sources:
+        train = source.store
+        stream = int(train.document_lengths.sum()) + 2 * train.num_documents  # BOS + document + EOS each
+        if config.seq_len > stream:
+            raise ValueError(f"--seq-len {config.seq_len:,} is longer than the training documents of --data "
+                             f"{source.spec.name} ({stream:,} tokens with BOS/EOS): every sequence would repeat the "
+                             f"data; lower --seq-len, or prepare more data")
     # A lower bound: backward keeps at least each layer's float32 input of the rank's share of the batch.
     needed = config.batch_size * config.seq_len // config.cp * model_config.dim * 4 * model_config.n_layers
     available = device_memory_bytes()
@@ -138,19 +175,26 @@ def plan_run(config: TrainConfig, world_size: int, restart: int = 0) -> RunPlan:
         config = dataclasses.replace(config, resume=True)
     if not config.resume and not restart:
         check_run_dir(Path(out))
-    data = config.data or str(default_store())
-    try:
-        store = TokenStore(data)
-    except (OSError, ValueError) as err:
-        raise ValueError(f"--data {data}: {err}") from None
-    model_config, checkpoint = model_and_store(config, store)
+    data = config.data or [f"stdlib={default_store()}"]
+    sources = open_sources(parse_mixture(data))
+    store = sources[0].store  # every source has the same tokenizer (open_sources checks)
+    init_from = checkpoint = None
+    if config.init_from is not None and config.resume:  # a stage continues with the model its checkpoints hold
+        model_config = read_model_checkpoint(Path(out)).config
+        check_store_fits(store, model_config, tokenizer_beside(Path(out)), Path(out))
+    elif config.init_from is not None:
+        model_config, init_from = init_checkpoint(config, store)
+    else:
+        model_config, checkpoint = model_and_store(config, store)
     # The loader checks batch and sequence settings against the data; building one reads no tokens.
-    SequenceLoader(store.split("train"), config.seq_len, config.batch_size, dp_size=config.dp, cp_size=config.cp)
-    check_sequence_fits(config, store, model_config)
+    SequenceLoader([source.store for source in sources], config.seq_len, config.batch_size,
+                   shares=[source.spec.share for source in sources], dp_size=config.dp, cp_size=config.cp)
+    check_sequence_fits(config, sources, model_config)
     resume_from = check_resume(config, Path(out), model_config) if config.resume else None
     precision = resolve_precision(config.precision, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    return RunPlan(dataclasses.replace(config, data=data, out=out), model_config, checkpoint, precision, resume_from,
-                   restart)
+    model = config.model or (None if config.init_from else DEFAULT_MODEL)
+    return RunPlan(dataclasses.replace(config, data=data, out=out, model=model), model_config, checkpoint, precision,
+                   resume_from, restart, None if resume_from else init_from)
 
 
 def check_resume(config: TrainConfig, out: Path, model_config: ModelConfig) -> Path:

@@ -27,11 +27,12 @@ from rich.console import Console
 from rich.table import Table
 
 from checkpoints.training import complete_checkpoints, remove_interrupted_saves
-from data import SequenceLoader, TokenStore
+from data import SequenceLoader
+from data.mixture import open_sources, parse_mixture
 from data.store import TOKENIZER_FILE
 from runtime.memory import peak_memory_mib
 from runtime.process import all_reduce
-from trainer.checkpoint import forget_metrics_after, load_checkpoint
+from trainer.checkpoint import forget_metrics_after, load_checkpoint, load_stage_start
 from trainer.config import save_config
 from trainer.distributed import Distributed
 from trainer.metrics import Metrics
@@ -71,7 +72,8 @@ class Trainer:
         self.config = config = dataclasses.replace(plan.config, precision=plan.precision.name)
         self.plan, self.env, self.started = plan, env, started
         self.out, self.console = Path(config.out), Console()
-        self.store = TokenStore(config.data)
+        self.sources = open_sources(parse_mixture(config.data))
+        self.store = self.sources[0].store  # every source has the same tokenizer (open_sources checks)
         if env.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
             # on --resume: the layout this invocation runs with
@@ -79,14 +81,15 @@ class Trainer:
                                                                 f"{plan.precision.reason}")
             shutil.copyfile(self.store.tokenizer_path, self.out / TOKENIZER_FILE)  # exports and eval check data by it
             self.print_config()
-        # A resumed run builds no initial weights: its checkpoint's load fills every shard.
+        # A resumed run, or a new stage, builds no initial weights: its checkpoint's load fills every shard.
         self.model = build_model(plan.model_config, env.mesh, config, env.device, plan.checkpoint,
-                                 fill=plan.resume_from is None)
+                                 fill=plan.resume_from is None and plan.init_from is None)
         self.optimizer = build_optimizer(self.model, config)
         self.schedule = build_schedule(self.optimizer, config)
-        self.loader = SequenceLoader(self.store.split("train"), config.seq_len, config.batch_size,
-                                     dp_rank=env.dp_rank, dp_size=config.dp, cp_rank=env.cp_rank, cp_size=config.cp,
-                                     seed=config.seed, reset_positions=config.doc_mask)
+        self.loader = SequenceLoader([source.store for source in self.sources], config.seq_len, config.batch_size,
+                                     shares=[source.spec.share for source in self.sources], dp_rank=env.dp_rank,
+                                     dp_size=config.dp, cp_rank=env.cp_rank, cp_size=config.cp, seed=config.seed,
+                                     reset_positions=config.doc_mask)
         self.state = TrainState()
         self.saver = CheckpointSaver(self.out, plan.model_config, env.device, config.keep, config.async_checkpoint,
                                      env.cpu_group, self.report_saved)
@@ -109,9 +112,17 @@ class Trainer:
 
     def resume(self) -> None:
         """Continue from the plan's checkpoint, if any: its weights, optimizer, schedule, data position and
-        counters. A resumed or restarted run forgets the history past that checkpoint (it trains those steps
-        again). Then report the start-up."""
+        counters; or start a new stage from another run's weights (and optimizer state, --init-optimizer). A
+        resumed or restarted run forgets the history past that checkpoint (it trains those steps again). Then
+        report the start-up."""
         plan = self.plan
+        if plan.init_from is not None:
+            load_stage_start(plan.init_from, self.model, self.optimizer if self.config.init_optimizer else None)
+            if self.metrics is not None:
+                self.metrics.event("initialised", {"from": str(plan.init_from),
+                                                   "optimizer": self.config.init_optimizer},
+                                   f"initialised from {plan.init_from}"
+                                   + (" (weights and optimizer state)" if self.config.init_optimizer else " (weights)"))
         if plan.resume_from is not None:
             saved = load_checkpoint(plan.resume_from, self.model, self.optimizer, self.env.device)
             self.schedule.load_state_dict(saved["schedule"])
@@ -187,8 +198,14 @@ class Trainer:
                 self.metrics.log(state.step, {"loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
                                               "tokens_per_s": config.tokens_per_step / step_time,
                                               "step_time_s": step_time, "peak_mem_mib": peak,
-                                              "skipped": not result.applied})
+                                              "skipped": not result.applied,
+                                              "tokens_by_source": self.tokens_by_source()})
         return result
+
+    def tokens_by_source(self) -> dict[str, int]:
+        """Tokens each --data source has given the run so far (a sequence comes whole from one source)."""
+        return {source.spec.name: count * self.config.seq_len
+                for source, count in zip(self.sources, self.loader.sequences_by_source, strict=True)}
 
     def bad_steps_reason(self, result: StepResult) -> str | None:
         """Why the run stops after this step, when --max-bad-steps non-finite steps came in a row."""
