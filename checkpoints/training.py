@@ -25,6 +25,7 @@ import shutil
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -78,24 +79,67 @@ def check_checkpoint(path: Path) -> None:
     if not (path / MARKER).is_file():
         raise ValueError(f"checkpoint {path} has no {MARKER} marker: its save did not finish (the process was "
                          f"stopped during it); resume from an earlier checkpoint or delete {path}")
+    problems = missing_files(path)
+    if problems:
+        raise ValueError(f"checkpoint {path}: {problems[0]}; the checkpoint is damaged (files were deleted, cut "
+                         f"short or not copied), resume from an earlier one")
+    read_train_state(path)
+
+
+def missing_files(path: Path, world_size: int | None = None) -> list[str]:
+    """What a checkpoint directory lacks, in words: its own files, the shard files its DCP metadata names (each
+    at least as long as the data in it), and with `world_size` every rank's RNG file. Empty when whole."""
     for name in (DCP_METADATA, CONFIG_NAME, STATE_NAME):
         if not (path / name).is_file():
-            raise ValueError(f"checkpoint {path} lacks {name}: it is damaged (files were deleted or not copied); "
-                             f"resume from an earlier checkpoint")
+            return [f"it lacks {name}"]
     try:
         metadata = dcp.FileSystemReader(str(path)).read_metadata()
     except Exception as err:  # a truncated pickle raises whatever unpickling hits
-        raise ValueError(f"checkpoint {path}: {DCP_METADATA} cannot be read ({err}); the checkpoint is damaged, "
-                         f"resume from an earlier one") from None
+        return [f"{DCP_METADATA} cannot be read ({err})"]
     needed: dict[str, int] = {}
     for info in metadata.storage_data.values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    problems = []
     for name, size in sorted(needed.items()):
         file = path / name
         if not file.is_file() or file.stat().st_size < size:
             what = "is missing" if not file.is_file() else f"has {file.stat().st_size} bytes, {size} are needed"
-            raise ValueError(f"checkpoint {path}: the shard file {name} {what}; the checkpoint is damaged, "
-                             f"resume from an earlier one")
+            problems.append(f"the shard file {name} {what}")
+    problems += [f"rank {rank}'s {rng_name(rank)} is missing" for rank in range(world_size or 0)
+                 if not (path / rng_name(rank)).is_file()]
+    return problems
+
+
+def rng_name(rank: int) -> str:
+    return f"rng-{rank:05d}.json"
+
+
+# train_state.json: {"train": TrainState, "schedule": LambdaLR's state, "loader": SequenceLoader's state}
+TRAIN_COUNTERS = ("step", "tokens", "bad_steps")
+
+
+def read_train_state(path: Path) -> dict[str, Any]:
+    """The checkpoint's train_state.json, its fields checked (a damaged one names itself and the way out)."""
+    def damaged(what: str) -> ValueError:
+        return ValueError(f"checkpoint {path}: {STATE_NAME} {what}; the checkpoint is damaged, resume from an "
+                          f"earlier one (delete {path})")
+
+    try:
+        state = json.loads((path / STATE_NAME).read_text())
+        marker = json.loads((path / MARKER).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise damaged(f"or {MARKER} cannot be read ({err})") from None
+    if not isinstance(state, dict) or not all(isinstance(state.get(key), dict)
+                                              for key in ("train", "schedule", "loader")):
+        raise damaged("lacks its train, schedule or loader part")
+    counters = state["train"]
+    bad = [key for key in TRAIN_COUNTERS if isinstance(counters.get(key), bool)
+           or not isinstance(counters.get(key), int) or counters[key] < 0]
+    if bad:
+        raise damaged(f"holds no valid {', '.join(bad)} (whole numbers >= 0)")
+    if not isinstance(marker, dict) or marker.get("step") != counters["step"]:
+        raise damaged(f"says step {counters['step']} but {MARKER} says {marker}")
+    return state
 
 
 def remove_interrupted_saves(out: Path) -> None:

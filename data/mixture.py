@@ -149,6 +149,7 @@ class Source:
 
     spec: SourceSpec
     store: TokenStore  # a view of the store's train split
+    val: TokenStore  # its validation split, min_doc applied too (possibly empty)
 
 
 def open_sources(specs: list[SourceSpec]) -> list[Source]:
@@ -160,15 +161,16 @@ def open_sources(specs: list[SourceSpec]) -> list[Source]:
             store = TokenStore(spec.path)
         except (OSError, ValueError) as err:
             raise ValueError(f"--data {spec.name}: {err}") from None
-        train = store.split("train")
+        train, val = store.split("train"), store.split("val")
         if spec.min_doc:
+            val = val.at_least(spec.min_doc)
             longest = int(train.document_lengths.max(initial=0))
             train = train.at_least(spec.min_doc)
             if train.num_documents == 0:
                 raise ValueError(f"--data {spec.name}: no training document of {spec.path} has min_doc="
                                  f"{spec.min_doc:,} tokens (the longest has {longest:,}); lower min_doc, or use a "
                                  f"store of longer documents")
-        sources.append(Source(spec, train))
+        sources.append(Source(spec, train, val))
     first = sources[0]
     for other in sources[1:]:
         if other.store.metadata["tokenizer"] != first.store.metadata["tokenizer"]:

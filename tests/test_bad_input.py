@@ -291,10 +291,21 @@ def test_a_sequence_longer_than_the_training_split_is_refused_before_any_work(sm
 
 
 def test_a_sequence_whose_activations_cannot_fit_is_refused_before_any_work(small_store, monkeypatch):
-    monkeypatch.setattr(preflight, "device_memory_bytes", lambda: 2**16)  # a 64 KiB device
     config = TrainConfig(model="debug", data=str(small_store), seq_len=1024)
-    with pytest.raises(ValueError, match="--seq-len 1,024 cannot fit: .* raise --cp"):
+    monkeypatch.setattr(preflight, "available_memory_bytes", lambda: 2**30)  # a machine of 1 GiB: it fits
+    preflight.plan_run(config, world_size=1)
+    monkeypatch.setattr(preflight, "available_memory_bytes", lambda: 2**28)  # 256 MiB: not even the process
+    with pytest.raises(ValueError, match=r"1 local rank on this machine would need at least 0.4 GiB \(per rank, "
+                                         r"GiB: weights 0.00, .*activations 0.00, process 0.39\) but 0.2 GiB"):
         preflight.plan_run(config, world_size=1)
+
+
+def test_more_local_ranks_than_the_machine_can_hold_are_refused_before_any_process_starts(small_store, tmp_path):
+    out = tmp_path / "run"
+    output = refused(invoke("train", "--model", "debug", "--data", small_store, "--seq-len", 64, "--dp", 1000,
+                            "--out", out), "1000 local ranks on this machine would need at least", "GiB are available",
+                     "spread the ranks over more machines with torchrun")
+    assert "Traceback" not in output and not out.exists()
 
 
 def test_a_truncated_model_is_refused_before_the_run_directory_is_made(store, tmp_path):
@@ -320,7 +331,7 @@ def test_a_run_that_failed_during_start_up_does_not_block_a_rerun(store, tmp_pat
     with monkeypatch.context() as patch:
         patch.setattr(trainer.trainer, "build_model", failing_build_model)
         refused(invoke("train", *common), "start-up failed while building the model")
-    assert (out / "config.toml").is_file()  # it failed after the run directory was made
+    assert not out.exists()  # the run directory is written only once the model is built and checked
     done = invoke("train", *common)
     assert done.exit_code == 0, done.output
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-000001"]

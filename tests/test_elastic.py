@@ -87,7 +87,7 @@ def test_a_collective_with_a_hung_rank_times_out_and_the_hung_rank_is_named():
 
 def test_a_restart_after_the_last_checkpoint_was_saved_has_nothing_left_to_do(store, tmp_path, monkeypatch):
     out = tmp_path / "run"
-    done = subprocess.run(train_command(*COMMON, "--data", store, "--steps", 2, "--out", out), capture_output=True,
+    done = subprocess.run(train_command(*COMMON, "--data", store, "--steps", 3, "--out", out), capture_output=True,
                           text=True, timeout=240, cwd=REPO)
     assert done.returncode == 0, done.stderr[-2000:]
     before = (out / "metrics.jsonl").read_text()

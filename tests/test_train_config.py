@@ -2,6 +2,7 @@
 
 import dataclasses
 import math
+import re
 
 import pytest
 import torch
@@ -38,12 +39,21 @@ def test_the_saved_toml_reads_back_to_the_same_config(tmp_path):
     ('precision = "fp16"\n', {}, "--precision 'fp16' is not one of auto, bf16, fp32"),
     ('cp_topology = "mesh"\n', {}, "unknown --cp-topology 'mesh'; choose one of auto, flat, two-level, ulysses"),
     ("steps = [\n", {}, "cannot read the config file"),
+    ("steps = 40\n", {"warmup": 40}, "--warmup 40 is not below --steps 40: the whole run would stay in warmup"),
+    ("", {"seed": -1}, "--seed -1 must be between 0 and 2^63 - 1"),
+    ("", {"timeout": 1e300}, "--timeout 1e+300 minutes must be between 0.1"),
+    ("", {"timeout": 1e-5}, "--timeout 1e-05 minutes must be between 0.1"),
 ])
 def test_bad_settings_are_refused_with_the_setting_named(tmp_path, text, overrides, message):
     path = tmp_path / "run.toml"
     path.write_text(text)
-    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         load_config(path, overrides)
+
+
+def test_the_default_warmup_stays_below_short_runs():
+    assert [TrainConfig(steps=steps).warmup for steps in (1, 3, 6, 40)] == [0, 2, 5, 5]
+    assert load_config(None, {"steps": 3, "warmup": 1}).warmup == 1
 
 
 def test_lr_warms_up_linearly_then_decays_by_cosine_to_the_floor():

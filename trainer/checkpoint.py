@@ -26,10 +26,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from checkpoints.training import STATE_NAME
+from checkpoints.training import read_train_state, rng_name
 from models.checkpoint import read_config
 from models.config import ModelConfig
 from models.storage import read_json
+from trainer.config import write_atomically
 
 
 def check_model_config(path: Path, model_config: ModelConfig) -> None:
@@ -67,13 +68,39 @@ def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state(decode(state["cuda"]), device)
 
 
-def forget_metrics_after(out: Path, step: int) -> None:
-    """Drop the rows of OUT/metrics.jsonl past `step`: a resumed run trains those steps again and logs them anew.
-    Event rows (start-ups, restarts) stay: they are the run's history."""
+def metrics_rows(out: Path) -> list[str]:
+    """The lines of OUT/metrics.jsonl that hold a whole JSON object. A kill while a line was being written
+    leaves it torn: the last line only, which is dropped (that step is trained and logged again); any other
+    line that does not read is damage, refused with the line named."""
     path = out / "metrics.jsonl"
-    if path.is_file():
-        rows = [line for line in path.read_text().splitlines() if json.loads(line).get("step", 0) <= step]
-        path.write_text("".join(row + "\n" for row in rows))
+    if not path.is_file():
+        return []
+    try:
+        lines = path.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} cannot be read ({err}); move it aside to resume without its history") from None
+    rows = []
+    for number, line in enumerate(lines, 1):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            row = None
+        if not isinstance(row, dict):
+            if number == len(lines):
+                break  # a torn last line
+            raise ValueError(f"{path} line {number} is not a JSON object ({line[:60]!r}): the run's history is "
+                             f"damaged; repair or delete that line, then resume")
+        rows.append(line)
+    return rows
+
+
+def forget_metrics_after(out: Path, step: int) -> None:
+    """Drop the rows of OUT/metrics.jsonl past `step` (and a torn last line): a resumed run trains those steps
+    again and logs them anew. Event rows (start-ups, restarts) stay: they are the run's history. The file is
+    replaced whole."""
+    rows = [line for line in metrics_rows(out) if json.loads(line).get("step", 0) <= step]
+    if (out / "metrics.jsonl").is_file():
+        write_atomically(out / "metrics.jsonl", "".join(row + "\n" for row in rows))
 
 
 # ---- load ------------------------------------------------------------------------------------------------------
@@ -105,8 +132,8 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     rank = dist.get_rank() if dist.is_initialized() else 0
-    rng_file = path / f"rng-{rank:05d}.json"  # a rank the saving run did not have takes rank 0's states
-    _set_rng_state(read_json(rng_file if rng_file.is_file() else path / "rng-00000.json"), device)
-    return read_json(path / STATE_NAME)
+    rng_file = path / rng_name(rank)  # a rank the saving run did not have takes rank 0's states
+    _set_rng_state(read_json(rng_file if rng_file.is_file() else path / rng_name(0)), device)
+    return read_train_state(path)
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+import shutil
 import types
 import typing
 from dataclasses import dataclass, field
@@ -20,6 +22,8 @@ from typing import Any
 import tomllib
 
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
+DEFAULT_WARMUP = 5
+MIN_TIMEOUT, MAX_TIMEOUT = 0.1, 7 * 24 * 60.0  # minutes: --timeout becomes a timedelta and every collective's wait
 MAX_LR = 1.0  # AdamW moves each weight by about lr per step: beyond this no run trains
 
 
@@ -58,7 +62,8 @@ class TrainConfig:
     steps: int = setting(40, "Optimizer steps of the whole run (the LR schedule spans them).")
     lr: float = setting(2e-3, "Peak learning rate.")
     min_lr_ratio: float = setting(0.1, "The cosine decays to lr x min_lr_ratio at the last step.")
-    warmup: int = setting(5, "Steps of linear warmup from lr / warmup to lr.")
+    warmup: int | None = setting(None, "Steps of linear warmup from lr / warmup to lr; below --steps.",
+                                 shown=f"{DEFAULT_WARMUP}, or --steps - 1 when less")
     weight_decay: float = setting(0.1, "Decoupled weight decay (AdamW); not applied to norms and embeddings.")
     beta1: float = setting(0.9, "AdamW beta1.")
     beta2: float = setting(0.95, "AdamW beta2.")
@@ -83,6 +88,10 @@ class TrainConfig:
                                        "across nodes).")
     doc_mask: bool = setting(False, "Attend only within each packed document; positions restart at every document.")
     seed: int = setting(0, "Seed of the initial weights and the data order.")
+    val_sequences: int = setting(8, "Held-out sequences (the data's validation split) scored at the start and the end "
+                                    "of each invocation and every --val-every steps: the validation loss of "
+                                    "metrics.jsonl and the summary; 0: none.")
+    val_every: int = setting(0, "Steps between validation losses during the run (0: at the start and end only).")
     out: str | None = setting(None, "Run directory (must be new, unless --resume).", shown="runs/DATE-TIME")
     log_every: int = setting(1, "Steps between logged metrics.")
     max_bad_steps: int = setting(3, "Non-finite steps in a row that end the run.")
@@ -121,11 +130,23 @@ class TrainConfig:
         for name in ("lr", "min_lr_ratio", "weight_decay", "beta1", "beta2", "max_grad_norm"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{flag(name)} {getattr(self, name)} must be a finite number")
-        for name in ("lr", "warmup", "weight_decay", "max_grad_norm", "checkpoint_every", "max_restarts"):
+        if self.warmup is None:  # the default: a short warmup that leaves short (smoke-test) runs at --lr
+            object.__setattr__(self, "warmup", min(DEFAULT_WARMUP, self.steps - 1))
+        for name in ("lr", "warmup", "weight_decay", "max_grad_norm", "checkpoint_every", "max_restarts",
+                     "val_sequences", "val_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{flag(name)} {getattr(self, name)} must not be negative")
-        if not 0 < self.timeout < math.inf:
-            raise ValueError(f"--timeout {self.timeout} minutes must be a positive number")
+        if not MIN_TIMEOUT <= self.timeout <= MAX_TIMEOUT:
+            raise ValueError(f"--timeout {self.timeout:g} minutes must be between {MIN_TIMEOUT:g} (a collective of a "
+                             f"healthy step takes longer than a few seconds) and {MAX_TIMEOUT:g} (a week); 30 suits "
+                             f"most runs, more for very long steps on a slow link")
+        if not 0 <= self.seed < 2**63:
+            raise ValueError(f"--seed {self.seed} must be between 0 and 2^63 - 1 (it seeds numpy's and torch's "
+                             f"generators)")
+        if self.warmup >= self.steps:
+            raise ValueError(f"--warmup {self.warmup} is not below --steps {self.steps}: the whole run would stay in "
+                             f"warmup, its learning rate never reaching --lr; lower --warmup (a few percent of "
+                             f"--steps is usual) or raise --steps")
         if self.lr > MAX_LR:
             raise ValueError(f"--lr {self.lr} would wreck the weights in one step (AdamW moves each weight by about "
                              f"--lr per step; 1e-4 to 1e-2 are usual); pass at most {MAX_LR}")
@@ -177,7 +198,15 @@ INVOCATION_FIELDS = ("resume", "stop_after")
 # Sequences per step (batch_size x dp x grad_accum) must stay, so the loss and schedule do not change.
 RESUMABLE_CHANGES = ("cp", "dp", "batch_size", "grad_accum", "activation_checkpointing", "attention_backward",
                      "cp_topology", "compile", "check_ranks_every", "log_every", "checkpoint_every", "keep",
-                     "async_checkpoint", "max_restarts", "timeout", *INVOCATION_FIELDS)
+                     "async_checkpoint", "max_restarts", "timeout", "val_sequences", "val_every",
+                     *INVOCATION_FIELDS)
+
+
+def run_identity(config: TrainConfig) -> dict[str, Any]:
+    """The settings that make a run what it is, as JSON values: all but those --resume may change. Each
+    checkpoint records them, so a config.toml edited by hand cannot change a run behind its back."""
+    return json.loads(json.dumps({name: getattr(config, name) for name in FIELDS
+                                  if name not in RESUMABLE_CHANGES and name != "out"}))
 
 
 def _accepted_types(name: str) -> tuple[Any, ...]:
@@ -247,9 +276,22 @@ def to_toml(config: TrainConfig) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_atomically(path: Path, text: str) -> None:  # TODO(merge): the runtime/ file API of issue 23
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def copy_atomically(source: Path, path: Path) -> None:  # TODO(merge): the runtime/ file API of issue 23
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    shutil.copyfile(source, tmp)
+    os.replace(tmp, path)
+
+
 def save_config(config: TrainConfig, path: Path, notes: str = "") -> None:
-    """Write `config` to `path`, after `notes` (say, why a setting has its value) as TOML comments."""
-    path.write_text("".join(f"# {line}\n" for line in notes.splitlines()) + to_toml(config))
+    """Write `config` to `path`, after `notes` (say, why a setting has its value) as TOML comments; whole or
+    not at all (a temporary renamed over it), so a full disk never leaves a truncated config.toml."""
+    write_atomically(path, "".join(f"# {line}\n" for line in notes.splitlines()) + to_toml(config))
 
 
 def load_run_config(out: str | Path, overrides: dict[str, Any]) -> TrainConfig:

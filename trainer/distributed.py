@@ -11,16 +11,18 @@ step: background checkpoint saves, and finding the rank that hangs when a collec
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from runtime.process import init_worker_process_group, worker_device
-from trainer.config import TrainConfig
+from trainer.config import TrainConfig, flag
 
 
 @dataclass
@@ -59,6 +61,26 @@ def init_distributed(config: TrainConfig) -> Distributed:
     device = init_worker_process_group(datetime.timedelta(minutes=config.timeout))
     mesh = init_device_mesh(device.type, (config.dp, config.cp), mesh_dim_names=("dp", "cp"))
     return Distributed(dist.get_rank(), world_size, device, mesh, dist.new_group(backend="gloo"))
+
+
+def check_settings_agree(config: TrainConfig, env: Distributed) -> None:
+    """Refuse, on every rank, a run whose ranks were started with different settings or run directories (under
+    torchrun each node parses its own command line): one all-gather of each rank's resolved config, before any
+    work. Ranks that disagreed used to train on silently (another --seed or --lr), end in a false diagnosis
+    (another --steps), or save half a checkpoint marked complete (another --out)."""
+    if env.mesh is None:
+        return
+    mine = {**dataclasses.asdict(config), "out": str(Path(config.out).resolve())}
+    every: list[dict] = [{} for _ in range(env.world_size)]
+    dist.all_gather_object(every, mine, group=env.cpu_group)
+    differing = [name for name in mine if any(settings[name] != mine[name] for settings in every)]
+    if differing:
+        raise ValueError("the ranks were started with different settings: "
+                         + "; ".join(f"{flag(name)}: " + ", ".join(f"rank {rank} {settings[name]}"
+                                                                   for rank, settings in enumerate(every))
+                                     for name in differing)
+                         + ". Start every rank with the same command and the same --out (a directory every node "
+                           "shares)")
 
 
 def is_collective_timeout(err: BaseException) -> bool:

@@ -57,14 +57,17 @@ def launch(config: TrainConfig) -> None:
         raise TrainingInterrupted(err.sigval.name) from None
 
 
-def worker_failure(err: ChildFailedError) -> TrainingStopped | TrainingInterrupted:
+def worker_failure(err: ChildFailedError) -> TrainingStopped | TrainingInterrupted | ValueError:
     """The first failed worker's error as one message; with its traceback only when it is a bug, not a
-    reported condition (TrainingStopped, ValueError). A worker a signal stopped stays TrainingInterrupted."""
+    reported condition (TrainingStopped, ValueError). A worker a signal stopped stays TrainingInterrupted, and
+    bad input a worker found (a ValueError: say, a damaged starting checkpoint) stays a ValueError (exit 2)."""
     rank, error_type, text, traceback = first_failure(err)
     if not error_type:
         return TrainingStopped(f"rank {rank} {text}")
     if error_type == "TrainingInterrupted":
         return TrainingInterrupted(text.removeprefix("stopped by "))
-    if error_type not in ("TrainingStopped", "ValueError"):
+    if error_type == "ValueError":
+        return ValueError(f"rank {rank}: {text}")
+    if error_type != "TrainingStopped":
         text = f"{error_type}: {text}\n{traceback}"
     return TrainingStopped(f"rank {rank}: {text}")

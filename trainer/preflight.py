@@ -9,6 +9,7 @@ is checked the same way.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from checkpoints.training import (
     complete_checkpoints,
     is_run_or_checkpoint,
     read_model_checkpoint,
+    read_train_state,
     resolve_checkpoint,
     step_of,
 )
@@ -27,11 +29,11 @@ from data import SequenceLoader, TokenStore, default_store
 from data.mixture import Source, open_sources, parse_mixture
 from data.store import TOKENIZER_FILE
 from models import PRESETS, ModelConfig
-from models.checkpoint import is_native_checkpoint
+from models.checkpoint import expected_shapes, is_native_checkpoint
 from models.convert import is_hf_checkpoint, read_checkpoint, tokenizer_beside
 from runtime.precision import Precision, resolve_precision
-from trainer.checkpoint import check_model_config
-from trainer.config import TrainConfig
+from trainer.checkpoint import check_model_config, metrics_rows
+from trainer.config import TrainConfig, run_identity
 
 DEFAULT_MODEL = "tiny"
 # What a run that failed during start-up (before its first step) leaves in its directory: a rerun may reuse it.
@@ -125,16 +127,8 @@ def init_checkpoint(config: TrainConfig, store: TokenStore) -> tuple[ModelConfig
     return model_config, resolve_checkpoint(path)
 
 
-def device_memory_bytes() -> int:
-    """Memory of one rank's device: the first GPU's, else this machine's RAM."""
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(0).total_memory
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def check_sequence_fits(config: TrainConfig, sources: list[Source], model_config: ModelConfig) -> None:
-    """Refuse a --seq-len longer than a source's training documents, or whose activations cannot fit one
-    rank's memory."""
+def check_sequence_fits(config: TrainConfig, sources: list[Source]) -> None:
+    """Refuse a --seq-len longer than a source's training documents: every sequence would repeat the data."""
     for source in sources:
         train = source.store
         stream = int(train.document_lengths.sum()) + 2 * train.num_documents  # BOS + document + EOS each
@@ -142,13 +136,58 @@ def check_sequence_fits(config: TrainConfig, sources: list[Source], model_config
             raise ValueError(f"--seq-len {config.seq_len:,} is longer than the training documents of --data "
                              f"{source.spec.name} ({stream:,} tokens with BOS/EOS): every sequence would repeat the "
                              f"data; lower --seq-len, or prepare more data")
-    # A lower bound: backward keeps at least each layer's float32 input of the rank's share of the batch.
-    needed = config.batch_size * config.seq_len // config.cp * model_config.dim * 4 * model_config.n_layers
-    available = device_memory_bytes()
+
+
+# A CPU worker's memory before its first tensor: Python, torch and its libraries (about 350 MiB measured).
+PROCESS_BASE_BYTES = 400 * 2**20
+
+
+def memory_per_rank(config: TrainConfig, model_config: ModelConfig) -> dict[str, int]:
+    """Lower bounds, in bytes, of what one rank holds while training: its shards of the float32 weights,
+    gradients and AdamW's two moments (FSDP shards them over every rank), the largest unsharded block FSDP
+    gathers, and the activations backward keeps (each layer's float32 input of its share of the batch)."""
+    shapes = expected_shapes(model_config)
+    count = {name: math.prod(shape) for name, shape in shapes.items()}
+    parameters = sum(count.values())
+    block = max(sum(n for name, n in count.items() if name.startswith(f"layers.{i}.")) for i in
+                range(model_config.n_layers))
+    outer = sum(n for name, n in count.items() if not name.startswith("layers."))  # embeddings, norm, output
+    return {"weights": 4 * parameters // config.world_size, "gradients": 4 * parameters // config.world_size,
+            "optimizer state": 8 * parameters // config.world_size,
+            "gathered weights": 4 * max(block, outer) if config.world_size > 1 else 0,
+            "activations": config.batch_size * config.seq_len // config.cp * model_config.dim * 4
+            * model_config.n_layers}
+
+
+def check_memory(config: TrainConfig, model_config: ModelConfig, local_ranks: int) -> None:
+    """Refuse a run whose ranks cannot fit: one rank's device on CUDA; on CPU, every local rank (a process
+    each, sharing this machine's memory), so too many local ranks are refused before any process starts."""
+    needs = memory_per_rank(config, model_config)
+    per_rank = sum(needs.values())
+    parts = ", ".join(f"{name} {size / 2**30:,.2f}" for name, size in needs.items() if size)
+    if torch.cuda.is_available():
+        available, needed, what = torch.cuda.get_device_properties(0).total_memory, per_rank, "one rank's GPU"
+    else:
+        available, needed = available_memory_bytes(), local_ranks * (PROCESS_BASE_BYTES + per_rank)
+        what = f"{local_ranks} local rank{'s' if local_ranks > 1 else ''} on this machine"
     if needed > available:
-        raise ValueError(f"--seq-len {config.seq_len:,} cannot fit: one rank's activations alone take more than "
-                         f"{needed / 2**30:,.0f} GiB, its device has {available / 2**30:,.0f} GiB; lower --seq-len "
-                         f"or --batch-size, or raise --cp")
+        raise ValueError(f"{what} would need at least {needed / 2**30:,.1f} GiB (per rank, GiB: {parts}"
+                         f"{'' if torch.cuda.is_available() else f', process {PROCESS_BASE_BYTES / 2**30:.2f}'}) "
+                         f"but {available / 2**30:,.1f} GiB are available; lower --seq-len, --batch-size or "
+                         f"--dp x --cp on one machine, raise --cp to split sequences further, or spread the ranks "
+                         f"over more machines with torchrun")
+
+
+def available_memory_bytes() -> int:
+    """Memory this machine can still give: MemAvailable (Linux), else its RAM."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def restart_count() -> int:
@@ -189,18 +228,33 @@ def plan_run(config: TrainConfig, world_size: int, restart: int = 0) -> RunPlan:
     # The loader checks batch and sequence settings against the data; building one reads no tokens.
     SequenceLoader([source.store for source in sources], config.seq_len, config.batch_size,
                    shares=[source.spec.share for source in sources], dp_size=config.dp, cp_size=config.cp)
-    check_sequence_fits(config, sources, model_config)
-    resume_from = check_resume(config, Path(out), model_config) if config.resume else None
+    check_sequence_fits(config, sources)
+    check_memory(config, model_config, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    resume_from = check_resume(config, Path(out), model_config, store) if config.resume else None
     precision = resolve_precision(config.precision, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     model = config.model or (None if config.init_from else DEFAULT_MODEL)
     return RunPlan(dataclasses.replace(config, data=data, out=out, model=model), model_config, checkpoint, precision,
                    resume_from, restart, None if resume_from else init_from)
 
 
-def check_resume(config: TrainConfig, out: Path, model_config: ModelConfig) -> Path:
-    """The newest complete checkpoint of the run in `out`, checked whole and against the run's model."""
+def check_resume(config: TrainConfig, out: Path, model_config: ModelConfig, store: TokenStore) -> Path:
+    """The newest complete checkpoint of the run in `out`, checked whole and against the run's model, settings,
+    tokenizer and history; nothing is written (a refused resume leaves the run as it was)."""
     path = resolve_checkpoint(out)
     check_model_config(path, model_config)
+    recorded = read_train_state(path).get("settings")
+    if isinstance(recorded, dict):  # checkpoints of older versions recorded none
+        now = run_identity(config)
+        changed = [name for name in now if name in recorded and recorded[name] != now[name]]
+        if changed:
+            raise ValueError(f"{out / 'config.toml'} no longer describes the run its checkpoint {path.name} "
+                             f"trained: " + ", ".join(f"{name} {now[name]!r} there, {recorded[name]!r} in the "
+                                                      f"checkpoint" for name in changed)
+                             + "; it was edited after the run started: restore those settings, or start a new "
+                               f"stage from it with --init-from {out}")
+    if (out / TOKENIZER_FILE).is_file():
+        store.check_tokenizer(out / TOKENIZER_FILE, out)
+    metrics_rows(out)  # a damaged history is refused here; a torn last line is dropped on resume
     step = step_of(path)
     if step >= config.steps:
         raise ValueError(f"the run in {out} is finished: its newest checkpoint {path.name} is at step {step} of "

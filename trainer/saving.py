@@ -39,7 +39,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from checkpoints.training import MARKER, STATE_NAME, checkpoint_dir, complete_checkpoints
+from checkpoints.training import (
+    MARKER,
+    STATE_NAME,
+    checkpoint_dir,
+    complete_checkpoints,
+    missing_files,
+    rng_name,
+)
 from models.checkpoint import CONFIG_NAME
 from models.config import ModelConfig
 from models.storage import write_json
@@ -78,6 +85,8 @@ class CheckpointSaver:
         self.out, self.model_config, self.device, self.keep = out, model_config, device, keep
         self.asynchronous, self.group, self.on_saved = asynchronous, group, on_saved
         self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.failure: str | None = None  # rank 0: why the last save could not be completed
         self._pending: _Pending | None = None
         self.newest: Path | None = None  # the directory of the newest save this saver completed
         self._hooked: set[int] = set()  # the optimizers whose step() waits for the staging copy
@@ -101,7 +110,7 @@ class CheckpointSaver:
         final = checkpoint_dir(self.out, step)
         tmp = final.with_name(f"{final.name}.tmp-{tag[0]}")
         tmp.mkdir(parents=True, exist_ok=True)
-        write_json(rng_state(self.device), tmp / f"rng-{self.rank:05d}.json")
+        write_json(rng_state(self.device), tmp / rng_name(self.rank))
         if self.rank == 0:
             write_json(self.model_config.to_dict(), tmp / CONFIG_NAME)
             write_json(train_state, tmp / STATE_NAME)
@@ -143,7 +152,15 @@ class CheckpointSaver:
         pending.future.result()  # raises the background save's error, if any
         blocked_s = pending.blocked_s + time.perf_counter() - waited
         final = checkpoint_dir(self.out, pending.step)
-        if self.rank == 0:
+        # Rank 0 marks the checkpoint complete only once it sees every rank's files: ranks writing to
+        # directories that are not one shared directory (node-local disks) leave it without the others'.
+        problems = missing_files(pending.tmp, self.world_size) if self.rank == 0 else []
+        if problems:
+            self.failure = (f"checkpoint {final.name} is incomplete as rank 0 sees it in {pending.tmp}: "
+                            f"{'; '.join(problems[:3])}{' ...' if len(problems) > 3 else ''}. Every rank must write "
+                            f"to the same --out, on a file system all nodes share; the newest complete checkpoint "
+                            f"is {self.newest or 'none'}")
+        elif self.rank == 0:
             write_json({"step": pending.step}, pending.tmp / MARKER)
             if final.exists():  # a checkpoint of this step from an earlier invocation: the new one replaces it
                 shutil.rmtree(final)
@@ -152,6 +169,8 @@ class CheckpointSaver:
                 shutil.rmtree(old)
         if not self.asynchronous and dist.is_initialized():
             dist.barrier()  # no rank goes on (or exits) before the checkpoint is complete
+        if problems:
+            return  # the loop ends the run on every rank at its next agreement (Trainer.agreed_stop)
         self.newest = final
         self.on_saved(Saved(final, time.perf_counter() - pending.started, blocked_s))
 

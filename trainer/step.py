@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 from torch.distributed.tensor import DTensor
 
 from burst.module import set_rank_checks
@@ -87,10 +88,12 @@ def _train_step(model: Transformer, optimizer: torch.optim.Optimizer, micro_batc
     return StepResult(loss.item(), grad_norm.item(), applied)
 
 
-def weights_are_finite(model: Transformer, env: Distributed) -> bool:
-    """Whether every weight on every rank is finite (each rank checks its shards)."""
-    non_finite = torch.zeros((), device=env.device)
-    for param in model.parameters():
-        local = param.to_local() if isinstance(param, DTensor) else param
-        non_finite = torch.maximum(non_finite, (~torch.isfinite(local.detach())).any().float())
-    return all_reduce(non_finite, op=dist.ReduceOp.MAX).item() == 0
+def non_finite_weights(model: Transformer, env: Distributed) -> list[str]:
+    """The names of the parameters holding a non-finite value on any rank (each rank checks its shards)."""
+    mine = [name.replace(_CHECKPOINT_PREFIX, "") for name, param in model.named_parameters()
+            if not torch.isfinite((param.to_local() if isinstance(param, DTensor) else param).detach()).all()]
+    if env.mesh is None:
+        return mine
+    every: list[list[str]] = [[] for _ in range(env.world_size)]
+    dist.all_gather_object(every, mine, group=env.cpu_group)
+    return sorted({name for names in every for name in names})

@@ -11,7 +11,13 @@ import time
 
 from runtime.process import leaving_process_group
 from trainer.config import TrainConfig
-from trainer.distributed import environment_world_size, init_distributed, is_collective_timeout, unresponsive_ranks
+from trainer.distributed import (
+    check_settings_agree,
+    environment_world_size,
+    init_distributed,
+    is_collective_timeout,
+    unresponsive_ranks,
+)
 from trainer.preflight import invocation_done, plan_run, restart_count
 from trainer.trainer import Trainer, TrainingStopped
 
@@ -28,6 +34,7 @@ def train(config: TrainConfig) -> None:
     env = init_distributed(plan.config)
 
     def run() -> None:
+        check_settings_agree(plan.config, env)
         trainer = Trainer(plan, env, started)
         trainer.resume()
         trainer.train()

@@ -14,7 +14,7 @@ with finite weights: a checkpoint is never a diverged model.
 from __future__ import annotations
 
 import dataclasses
-import shutil
+import math
 import signal
 import time
 from dataclasses import dataclass
@@ -33,7 +33,7 @@ from data.store import TOKENIZER_FILE
 from runtime.memory import peak_memory_mib
 from runtime.process import all_reduce
 from trainer.checkpoint import forget_metrics_after, load_checkpoint, load_stage_start
-from trainer.config import save_config
+from trainer.config import copy_atomically, run_identity, save_config
 from trainer.distributed import Distributed
 from trainer.metrics import Metrics
 from trainer.optim import build_optimizer, build_schedule
@@ -41,7 +41,10 @@ from trainer.parallelize import build_model
 from trainer.preflight import RunPlan
 from trainer.saving import CheckpointSaver, Saved
 from trainer.signals import StopRequest, TrainingInterrupted
-from trainer.step import StepResult, checks_ranks, train_step, weights_are_finite
+from trainer.step import StepResult, checks_ranks, non_finite_weights, train_step
+from trainer.validation import Validator
+
+SMOOTHED_STEPS = 10  # the summary's training loss: the mean over this many last steps
 
 
 class TrainingStopped(RuntimeError):
@@ -75,11 +78,6 @@ class Trainer:
         self.sources = open_sources(parse_mixture(config.data))
         self.store = self.sources[0].store  # every source has the same tokenizer (open_sources checks)
         if env.is_main:
-            self.out.mkdir(parents=True, exist_ok=True)
-            # on --resume: the layout this invocation runs with
-            save_config(config, self.out / "config.toml", notes=f"precision {config.precision}: "
-                                                                f"{plan.precision.reason}")
-            shutil.copyfile(self.store.tokenizer_path, self.out / TOKENIZER_FILE)  # exports and eval check data by it
             self.print_config()
         # A resumed run, or a new stage, builds no initial weights: its checkpoint's load fills every shard.
         self.model = build_model(plan.model_config, env.mesh, config, env.device, plan.checkpoint,
@@ -93,7 +91,10 @@ class Trainer:
         self.state = TrainState()
         self.saver = CheckpointSaver(self.out, plan.model_config, env.device, config.keep, config.async_checkpoint,
                                      env.cpu_group, self.report_saved)
-        self.metrics = Metrics(self.out, config.steps, self.console) if env.is_main else None
+        self.metrics: Metrics | None = None  # rank 0's, once the run directory is written (`record`)
+        self.validator = Validator(self.sources, config, env)
+        self.val_losses: list[tuple[int, float]] = []  # (step, validation loss) of this invocation
+        self.losses: list[float] = []  # training losses of this invocation's steps
         self.last_step = min(config.steps, config.stop_after or config.steps)
 
     # -- set-up and resume --------------------------------------------------------------------
@@ -118,19 +119,18 @@ class Trainer:
         plan = self.plan
         if plan.init_from is not None:
             load_stage_start(plan.init_from, self.model, self.optimizer if self.config.init_optimizer else None)
-            if self.metrics is not None:
-                self.metrics.event("initialised", {"from": str(plan.init_from),
-                                                   "optimizer": self.config.init_optimizer},
-                                   f"initialised from {plan.init_from}"
-                                   + (" (weights and optimizer state)" if self.config.init_optimizer else " (weights)"))
         if plan.resume_from is not None:
             saved = load_checkpoint(plan.resume_from, self.model, self.optimizer, self.env.device)
             self.schedule.load_state_dict(saved["schedule"])
             self.loader.load_state_dict(saved["loader"])
             self.state.load_state_dict(saved["train"])
-        if self.env.is_main and (plan.resume_from is not None or plan.restart):
-            remove_interrupted_saves(self.out)
-            forget_metrics_after(self.out, self.state.step)  # steps past the checkpoint (or all: none) come again
+        self.check_starting_weights()
+        if self.env.is_main:
+            self.record()
+        if self.metrics is not None and plan.init_from is not None:
+            self.metrics.event("initialised", {"from": str(plan.init_from), "optimizer": self.config.init_optimizer},
+                               f"initialised from {plan.init_from}"
+                               + (" (weights and optimizer state)" if self.config.init_optimizer else " (weights)"))
         self.report_model_ready()
         if self.metrics is not None and plan.restart:
             self.metrics.event("restart", {"attempt": plan.restart, "from_step": self.state.step},
@@ -139,6 +139,33 @@ class Trainer:
                                   else "starting over (no checkpoint yet)"))
         elif self.metrics is not None and plan.resume_from is not None:
             self.metrics.message(f"resumed from {plan.resume_from} (step {self.state.step})")
+
+    def record(self) -> None:
+        """Rank 0 writes the run directory, once everything it starts from is loaded and checked: a new run's
+        config.toml and its data's tokenizer; on --resume the layout this invocation runs with (config.toml,
+        replaced whole), the tokenizer only read (preflight compared it with the data's). A continued run
+        forgets the history past its checkpoint (it trains those steps again). Then the metrics log opens."""
+        plan, config = self.plan, self.config
+        continued = plan.resume_from is not None or plan.restart > 0
+        self.out.mkdir(parents=True, exist_ok=True)
+        save_config(config, self.out / "config.toml", notes=f"precision {config.precision}: {plan.precision.reason}")
+        if not (continued and (self.out / TOKENIZER_FILE).is_file()):
+            copy_atomically(self.store.tokenizer_path, self.out / TOKENIZER_FILE)  # exports and eval check data by it
+        if continued:
+            remove_interrupted_saves(self.out)
+            forget_metrics_after(self.out, self.state.step)  # steps past the checkpoint (or all: none) come again
+        self.metrics = Metrics(self.out, config.steps, self.console)
+
+    def check_starting_weights(self) -> None:
+        """Refuse to train from weights that are not finite (a damaged file, a diverged model): the run would
+        fail at its first step and blame the learning rate."""
+        bad = non_finite_weights(self.model, self.env)
+        if bad:
+            plan = self.plan
+            source = plan.resume_from or plan.init_from or plan.checkpoint or f"--seed {self.config.seed}"
+            raise ValueError(f"the starting weights from {source} hold non-finite values (nan or inf) in "
+                             f"{', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''} ({len(bad)} tensors): the "
+                             f"checkpoint is damaged or comes from a diverged run; start from another one")
 
     def report_model_ready(self) -> None:
         """Report (rank 0) the start-up: parameters, seconds since `started`, the largest rank's peak host memory."""
@@ -156,28 +183,45 @@ class Trainer:
     def train(self) -> None:
         """Step until the invocation's last step, a signal or repeated non-finite steps; then finish(): the
         final checkpoint, the summary, and TrainingStopped or TrainingInterrupted when the run did not end."""
-        first_step, first_loss = self.state.step + 1, None
-        result, stop_reason, signalled = None, None, None
+        first_step, stop_reason, signalled = self.state.step + 1, None, None
         loop_started = time.perf_counter()
         try:
+            self.validate()
             with StopRequest() as stop_request:
                 while self.state.step < self.last_step and stop_reason is None and signalled is None:
                     result = self.step(checks_ranks(self.state.step + 1, first_step, self.config.check_ranks_every))
-                    first_loss = result.loss if first_loss is None else first_loss
                     stop_reason = self.bad_steps_reason(result)
                     signalled = self.agreed_signal(stop_request)
+                    before_end = self.state.step < self.last_step and stop_reason is None and not signalled
+                    if before_end and self.config.val_every and self.state.step % self.config.val_every == 0:
+                        self.validate()
                     every = self.config.checkpoint_every
-                    if not signalled and every and self.state.step % every == 0 and self.state.step < self.last_step \
-                            and stop_reason is None:
+                    if before_end and every and self.state.step % every == 0:
                         self.save()
                     self.saver.poll()  # an asynchronous save whose files are written becomes complete
+                if stop_reason is None and not signalled:
+                    self.validate()
                 # Every run that finishes or stops gets here, its model and optimizer holding the last good
                 # state: the one place for the run's final checkpoint (signals still only set the flag).
-                self.finish(stop_reason, signalled, first_loss, result, time.perf_counter() - loop_started)
+                self.finish(stop_reason, signalled, time.perf_counter() - loop_started)
         finally:
             self.saver.close()
             if self.metrics is not None:
                 self.metrics.close()
+
+    def validate(self) -> None:
+        """The validation loss now (trainer/validation.py), logged as a `validation` event; once per step."""
+        if self.val_losses and self.val_losses[-1][0] == self.state.step:
+            return
+        loss = self.validator(self.model)
+        if loss is None:
+            return
+        self.val_losses.append((self.state.step, loss))
+        if self.metrics is not None:
+            self.metrics.event("validation", {"at_step": self.state.step, "loss": loss,
+                                              "sequences": self.validator.sequences},
+                               f"validation loss {loss:.4f} at step {self.state.step} "
+                               f"({self.validator.sequences} held-out sequences)")
 
     def step(self, check_ranks: bool) -> StepResult:
         """One optimizer step over grad_accum micro-batches, its counters, and its metrics when logged."""
@@ -187,6 +231,7 @@ class Trainer:
         result = train_step(self.model, self.optimizer, [next(self.loader) for _ in range(config.grad_accum)],
                             config, self.env, check_ranks)
         self.schedule.step()
+        self.losses.append(result.loss)
         state.step += 1
         state.tokens += config.tokens_per_step
         state.bad_steps = 0 if result.applied else state.bad_steps + 1
@@ -216,18 +261,23 @@ class Trainer:
                 f"Skipped steps change no weights. Try a lower --lr or a longer --warmup"
                 + (", or --precision fp32" if self.config.precision == "bf16" else ""))
 
-    def agreed_signal(self, stop_request: StopRequest) -> str | None:
+    def agreed_signal(self, stop_request: StopRequest | None) -> str | None:
         """The signal that stops the run after this step, if any rank got one: a signal may reach some ranks
-        only, so every rank stops after the same step (SIGTERM wins over SIGINT)."""
-        number = signal.Signals[stop_request.signal_name].value if stop_request.signal_name else 0
-        number = int(all_reduce(torch.tensor(float(number), device=self.env.device), op=dist.ReduceOp.MAX).item())
+        only, so every rank stops after the same step (SIGTERM wins over SIGINT). The same reduction tells
+        every rank when rank 0 could not complete a checkpoint: then all stop, with its reason."""
+        number = signal.Signals[stop_request.signal_name].value if stop_request and stop_request.signal_name else 0
+        flags = torch.tensor([float(number), float(self.saver.failure is not None)], device=self.env.device)
+        number, failed = (int(x) for x in all_reduce(flags, op=dist.ReduceOp.MAX).tolist())
+        if failed:
+            raise TrainingStopped(self.saver.failure or "rank 0 could not complete the checkpoint just saved (its "
+                                                        "message says why); the run stops")
         return signal.Signals(number).name if number else None
 
     # -- saving and the end -------------------------------------------------------------------
 
     def save(self) -> None:
         """Start a checkpoint of the current step, after checking that every weight on every rank is finite."""
-        if not weights_are_finite(self.model, self.env):
+        if non_finite_weights(self.model, self.env):
             self.saver.wait()  # a save in flight holds earlier, finite weights: it completes
             newest = complete_checkpoints(self.out)
             raise TrainingStopped(
@@ -235,7 +285,7 @@ class Trainer:
                 f"gradient overflowed them; no checkpoint is saved, the newest finite one is "
                 f"{newest[-1] if newest else 'none (start a new run)'}. Try a lower --lr or a longer --warmup")
         train_state = {"train": self.state.state_dict(), "schedule": self.schedule.state_dict(),
-                       "loader": self.loader.state_dict()}
+                       "loader": self.loader.state_dict(), "settings": run_identity(self.config)}
         self.saver.start(self.state.step, self.model, self.optimizer, train_state)
 
     def report_saved(self, saved: Saved) -> None:
@@ -246,12 +296,12 @@ class Trainer:
                                f"saved {saved.path.name}: {size / 2**20:,.1f} MiB in {saved.seconds:.2f} s "
                                f"(training waited {saved.blocked_s:.2f} s)")
 
-    def finish(self, stop_reason: str | None, signalled: str | None, first_loss: float | None,
-               last: StepResult | None, seconds: float) -> None:
+    def finish(self, stop_reason: str | None, signalled: str | None, seconds: float) -> None:
         """Save the final checkpoint and report how the invocation ended; raise if it did not end well."""
         self.saver.wait()
         self.save()
         self.saver.wait()
+        self.agreed_signal(None)  # the final save complete on every rank, or TrainingStopped on every rank
         path = self.saver.newest
         if stop_reason is not None:
             raise TrainingStopped(f"{stop_reason}. The weights of the last applied step, checked finite, are saved "
@@ -260,11 +310,22 @@ class Trainer:
             state, config = self.state, self.config
             what = f"stopped by {signalled} after step {state.step}" if signalled else \
                 f"stopped after step {state.step} (--stop-after)" if state.step < config.steps else "done"
-            losses = f", loss {first_loss:.4f} -> {last.loss:.4f}" if last is not None else ""
             self.metrics.message(f"{what}: {state.step} steps, {state.tokens:,} tokens; this invocation "
-                                 f"{seconds:.1f} s{losses}; checkpoint {path}")
+                                 f"{seconds:.1f} s{self.loss_summary()}; checkpoint {path}")
             if state.step < config.steps:
                 self.metrics.message(f"continue with: burst train --resume --out {self.out}")
         if signalled:
             raise TrainingInterrupted(signalled)
 
+    def loss_summary(self) -> str:
+        """What this invocation's losses say, in figures one can trust: the validation loss at its start and
+        end, and the training loss averaged over its last steps (one step's loss is one batch's, noisy)."""
+        text = ""
+        if self.val_losses:
+            (first_step, first), (last_step, last) = self.val_losses[0], self.val_losses[-1]
+            text += f"; validation loss {first:.4f} (step {first_step}) -> {last:.4f} (step {last_step}), " \
+                    f"{self.validator.sequences} held-out sequences"
+        recent = [loss for loss in self.losses[-SMOOTHED_STEPS:] if math.isfinite(loss)]
+        if recent:
+            text += f"; training loss {sum(recent) / len(recent):.4f} (mean of the last {len(recent)} steps)"
+        return text
