@@ -31,7 +31,8 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 class StoreWriter:
-    """Appends documents' tokens to a store directory, keeping only the current chunk in memory."""
+    """Appends documents' tokens to a store directory, keeping only the current chunk in memory; a long document
+    may come in pieces (`append(pieces, ends)`)."""
 
     def __init__(self, directory: Path, dtype: np.dtype) -> None:
         self.directory, self.dtype = directory, dtype
@@ -41,15 +42,18 @@ class StoreWriter:
         self._offsets = open(directory / OFFSETS_FILE, "wb")
         np.zeros(1, np.int64).tofile(self._offsets)
 
-    def append(self, documents: list[list[int]]) -> None:
+    def append(self, documents: list[list[int]], ends: list[bool] | None = None) -> None:
+        """Append each list of tokens as a whole document or, with `ends`, as a piece of one that continues the
+        piece before it and ends its document only where ends[i]."""
         if not documents:
             return
         lengths = np.fromiter(map(len, documents), np.int64, len(documents))
         tokens = np.concatenate(documents).astype(self.dtype, copy=False)
         tokens.tofile(self._tokens)
-        (self.num_tokens + np.cumsum(lengths)).tofile(self._offsets)
+        ends_here = np.ones(len(documents), bool) if ends is None else np.asarray(ends, bool)
+        (self.num_tokens + np.cumsum(lengths))[ends_here].tofile(self._offsets)  # where each ended document stops
         self.max_token_id = max(self.max_token_id, int(tokens.max(initial=0)))
-        self.num_documents += len(documents)
+        self.num_documents += int(ends_here.sum())
         self.num_tokens += int(lengths.sum())
 
     def finish(self, val_documents: np.ndarray, metadata: dict[str, Any]) -> None:
