@@ -23,7 +23,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-PIECE_CHARS = 2**20  # at most this many characters of a document per encode call (plus CONTEXT_CHARS)
+PIECE_CHARS = 2**18  # at most this many characters of a document per encode call (plus CONTEXT_CHARS); a
+# batch of CHUNK_CHARS (prepare.py) then holds 16 pieces of a long document, one per thread
 CONTEXT_CHARS = 64  # text around a cut that decides it, and before a piece that encodes it
 CHECKS = 64  # cut points tried before whitespace, then as many anywhere
 WHITESPACE = " \n\t\r"
@@ -50,10 +51,10 @@ class DocumentCutter:
     feed(part, ends_document) returns the pieces that are complete; a document's last part flushes it.
     """
 
-    def __init__(self, encode: Callable[[str], list[int]], piece_chars: int = PIECE_CHARS) -> None:
-        if piece_chars < 4 * CONTEXT_CHARS:
-            raise ValueError(f"piece_chars {piece_chars} must be at least {4 * CONTEXT_CHARS}")
-        self.encode, self.piece_chars = encode, piece_chars
+    def __init__(self, encode: Callable[[str], list[int]], piece_chars: int | None = None) -> None:
+        self.encode, self.piece_chars = encode, piece_chars or PIECE_CHARS
+        if self.piece_chars < 4 * CONTEXT_CHARS:
+            raise ValueError(f"piece_chars {self.piece_chars} must be at least {4 * CONTEXT_CHARS}")
         self.hard_cuts = 0
         self._buffer = ""  # the current document's text not yet handed out
         self._context, self._context_ids = "", []  # what the next piece of the current document is encoded after
