@@ -12,13 +12,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from runtime.directories import exclusive_writer, write_atomically
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -43,7 +44,8 @@ def read_json(path: Path) -> dict:
 
 
 def write_json(obj: dict, path: Path) -> None:
-    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    """Write `obj` to `path` whole or not at all (a temporary renamed over it, runtime.directories)."""
+    write_atomically(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
 def open_safetensors(file: Path):
@@ -157,22 +159,9 @@ def write_tensors(tensors: Iterable[tuple[str, torch.Tensor]], directory: Path,
 def atomic_directory(dst: Path, force: bool = False) -> Iterator[Path]:
     """Yield a temporary directory next to `dst` that becomes `dst` only if the block completes.
 
-    An existing `dst` is refused unless `force`; then it is replaced only after the new one is complete.
+    The rule of every directory burst writes (runtime/directories.py): one writer at a time, and an existing
+    `dst` is refused unless `force`, and then unless burst wrote it as a model directory; it is replaced only
+    after the new one is complete.
     """
-    dst = Path(dst)
-    if dst.exists() and not force:
-        raise ValueError(f"{dst} already exists; choose another destination or pass --force to replace it")
-    tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with exclusive_writer(dst, "model") as directory, directory.staging(force) as tmp:
         yield tmp
-        if dst.exists():
-            old = dst.parent / f".{dst.name}.old-{os.getpid()}"
-            os.replace(dst, old)
-            os.replace(tmp, dst)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, dst)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)

@@ -194,15 +194,21 @@ def test_failure_while_writing_leaves_no_destination(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
 
 
-def test_existing_destination_needs_force(tmp_path):
+def test_existing_destination_needs_force_and_force_replaces_only_an_export(tmp_path):
     save_hf_model(tmp_path / "hf", "gqa")
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep.txt").write_text("precious")
-    with pytest.raises(ValueError, match="out already exists; choose another destination or pass --force"):
-        convert_checkpoint(tmp_path / "hf", tmp_path / "out", to="burst")
-    assert (tmp_path / "out" / "keep.txt").read_text() == "precious"
-    convert_checkpoint(tmp_path / "hf", tmp_path / "out", to="burst", force=True)
-    assert not (tmp_path / "out" / "keep.txt").exists() and load_model(tmp_path / "out").config.dim == 64
+    for force in (False, True):
+        with pytest.raises(ValueError, match="out already exists and is a directory burst did not write .*keep.txt"):
+            convert_checkpoint(tmp_path / "hf", tmp_path / "out", to="burst", force=force)
+        assert (tmp_path / "out" / "keep.txt").read_text() == "precious"
+    convert_checkpoint(tmp_path / "hf", tmp_path / "export", to="burst")
+    with pytest.raises(ValueError, match="export already exists .*; choose another destination, or pass --force"):
+        convert_checkpoint(tmp_path / "hf", tmp_path / "export", to="hf")
+    assert load_model(tmp_path / "export").config.dim == 64  # untouched
+    convert_checkpoint(tmp_path / "hf", tmp_path / "export", to="hf", force=True)  # an export of burst's: replaced
+    assert LlamaForCausalLM.from_pretrained(tmp_path / "export").config.hidden_size == 64
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "hf", "out"]
     with pytest.raises(ValueError, match="unknown target format 'gguf'; choose one of hf, burst"):
         convert_checkpoint(tmp_path / "hf", tmp_path / "x", to="gguf")
 
