@@ -110,6 +110,20 @@ def write_atomically(path: str | Path, data: str | bytes) -> None:
     fsync_directory(path.parent)
 
 
+def check_writable(path: str | Path) -> None:
+    """Refuse, before any work, a file this process could not create at `path` (a read-only file system, no
+    permission): an OSError naming the nearest existing directory above it. Leaves nothing behind."""
+    directory = Path(os.path.abspath(path)).parent
+    while not directory.exists():
+        directory = directory.parent
+    probe = directory / f".burst-probe-{_temporary_suffix()}"
+    try:
+        os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except OSError as err:
+        raise OSError(err.errno, err.strerror, str(directory)) from None
+    os.unlink(probe)
+
+
 def read_marker(directory: Path) -> dict | None:
     """The marker burst left in `directory` ({"kind": ..., "command": ...}), or None when there is none."""
     try:
