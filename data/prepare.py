@@ -78,7 +78,7 @@ def prepare(inputs: Sequence[str | Path], out_dir: str | Path, *, tokenizer: str
         if not files:
             raise ValueError(no_documents_message(inputs, report))
         kept = f"; {out_dir} is as it was before" if out_dir.exists() else f"; {out_dir} was not created"
-        with directory.staging(force, older=_is_token_store) as work_dir, writing(out_dir, kept):
+        with directory.staging() as work_dir, writing(out_dir, kept):
             with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeElapsedColumn(),
                           TimeRemainingColumn(), console=console) as bar:
                 tok = _tokenizer_for(files, work_dir / TOKENIZER_FILE, tokenizer, vocab_size, text_field, seed, bar)

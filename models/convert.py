@@ -228,6 +228,17 @@ def read_checkpoint(path: str | Path, formats: SourceFormats = SOURCE_FORMATS) -
     return formats[detect_format(path, formats)].read(path)
 
 
+def _recognize(path: Path, formats: SourceFormats) -> str | None:
+    """What checkpoint `path` holds, for a refusal to replace it (a run of `burst train`, a Hugging Face model)."""
+    for source in formats.values():
+        try:
+            if source.detect(path):
+                return source.description
+        except ValueError:  # a damaged config.json: not a format we can name
+            continue
+    return None
+
+
 def convert_checkpoint(src: str | Path, dst: str | Path, to: str, force: bool = False,
                        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, formats: SourceFormats = SOURCE_FORMATS) -> Path:
     """Convert the checkpoint directory `src` (format detected) into `dst` in format `to` ("burst" or "hf").
@@ -245,12 +256,12 @@ def convert_checkpoint(src: str | Path, dst: str | Path, to: str, force: bool = 
         raise ValueError(f"the destination {dst} holds the source {src}, which --force would delete; "
                          f"choose a destination outside it")
     with exclusive_writer(dst, "model") as directory:  # refused while another process writes `dst`
-        directory.check_replaceable(force)  # a run, a token store or a user's directory: refused by name
+        directory.check_replaceable(force, recognize=lambda path: _recognize(path, formats))  # by name
         checkpoint = read_checkpoint(src, formats)
         if checkpoint.tokenizer is not None:
             load_sentencepiece(checkpoint.tokenizer)  # a damaged one is refused here, before any weight is written
         kept = f"; {dst} is as it was before" if dst.exists() else f"; {dst} was not created"
-        with directory.staging(force) as tmp, writing(dst, kept):
+        with directory.staging() as tmp, writing(dst, kept):
             TARGET_FORMATS[to](checkpoint, tmp, max_shard_bytes)
             for name in CARRIED_FILES:
                 if (src / name).is_file():

@@ -163,5 +163,7 @@ def atomic_directory(dst: Path, force: bool = False) -> Iterator[Path]:
     `dst` is refused unless `force`, and then unless burst wrote it as a model directory; it is replaced only
     after the new one is complete.
     """
-    with exclusive_writer(dst, "model") as directory, directory.staging(force) as tmp:
-        yield tmp
+    with exclusive_writer(dst, "model") as directory:
+        directory.check_replaceable(force)
+        with directory.staging() as tmp:
+            yield tmp

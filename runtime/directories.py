@@ -1,9 +1,9 @@
 """The one rule for every directory burst writes: a token store, a model directory, a training run.
 
     with exclusive_writer(out, "store") as writer:   # DirectoryBusy (exit 2) while another process writes `out`
-        with writer.staging(force) as tmp:             # refuses an existing `out` unless force, and then unless
-            ...                                        # burst wrote it as a "store"; built in OUT.tmp-XXXXXXXX,
-                                                       # renamed to `out` only when the block completes
+        writer.check_replaceable(force)                # an existing `out` only with force, and only when burst
+        with writer.staging() as tmp:                  # wrote it as a "store"; built in OUT.tmp-XXXXXXXX,
+            ...                                        # renamed to `out` only when the block completes
 
     with exclusive_writer(run_dir, "run") as writer:   # a directory written in place (the trainer's)
         writer.claim()                                 # makes and marks a new one; refuses one of another kind
@@ -133,8 +133,9 @@ def read_marker(directory: Path) -> dict | None:
     return marker if isinstance(marker, dict) and marker.get("kind") in KINDS else None
 
 
-def describe(path: Path) -> str:
-    """What `path` is, for a refusal: a kind of burst's, a file, or the entries of a directory burst did not mark."""
+def describe(path: Path, recognize: Callable[[Path], str | None] | None = None) -> str:
+    """What `path` is, for a refusal: a kind of burst's, a file, or a directory burst did not mark, named by
+    `recognize` when it knows it (say, "a Hugging Face LLaMA directory"), with its entries."""
     if path.is_symlink():
         return f"a symbolic link to {os.readlink(path)}"
     if not path.is_dir():
@@ -144,6 +145,9 @@ def describe(path: Path) -> str:
         return KINDS[marker["kind"]]
     entries = sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir())
     shown = ", ".join(entries[:6]) + (f" and {len(entries) - 6} more" if len(entries) > 6 else "")
+    recognized = recognize(path) if recognize else None
+    if recognized:
+        return f"{recognized} that burst did not mark as its own (no {MARKER} marker; it holds {shown})"
     return f"a directory burst did not write (no {MARKER} marker; it holds {shown})"
 
 
@@ -158,30 +162,35 @@ class DirectoryWriter:
     directory: Path  # as the user gave it: messages name it so
     kind: str  # a key of KINDS
     command: str
+    _checked: bool = False  # check_replaceable passed: staging may replace what is there
 
-    def check_replaceable(self, force: bool, older: Callable[[Path], bool] | None = None) -> None:
+    def check_replaceable(self, force: bool, older: Callable[[Path], bool] | None = None,
+                          recognize: Callable[[Path], str | None] | None = None) -> None:
         """Refuse, before any work, to replace what is at `directory`: anything without force; with force, all but
         a directory of this kind that burst wrote (marked, or `older(directory)`: written by a burst from before
-        markers). Nothing there, or an empty directory, is always fine."""
+        markers). Nothing there, or an empty directory, is always fine. `recognize` names what burst did not mark.
+        Required before `staging`."""
         path = self.directory
-        if not (path.exists() or path.is_symlink()) or _is_empty_directory(path):
-            return
-        what = describe(path)
-        marker = read_marker(path) if path.is_dir() and not path.is_symlink() else None
-        ours = marker["kind"] == self.kind if marker else bool(older and not path.is_symlink() and older(path))
-        if ours and force:
-            return
-        if ours:
-            raise DirectoryRefused(f"{path} already exists ({what}); choose another destination, or pass --force to "
-                                   f"replace it")
-        raise DirectoryRefused(f"{path} already exists and is {what}, not {KINDS[self.kind]}: --force replaces only "
-                               f"that, so it will not delete {path}; choose another destination, or delete it yourself")
+        self._checked = False
+        if path.exists() or path.is_symlink():
+            marker = read_marker(path) if path.is_dir() and not path.is_symlink() else None
+            ours = marker["kind"] == self.kind if marker else bool(older and not path.is_symlink() and older(path))
+            if not _is_empty_directory(path) and not (ours and force):
+                what = describe(path, recognize)
+                if ours:
+                    raise DirectoryRefused(f"{path} already exists ({what}); choose another destination, or pass "
+                                           f"--force to replace it")
+                raise DirectoryRefused(f"{path} already exists and is {what}, not {KINDS[self.kind]}: --force "
+                                       f"replaces only that, so it will not delete {path}; choose another "
+                                       f"destination, or delete it yourself")
+        self._checked = True
 
     @contextlib.contextmanager
-    def staging(self, force: bool, older: Callable[[Path], bool] | None = None) -> Iterator[Path]:
+    def staging(self) -> Iterator[Path]:
         """A fresh marked directory `NAME.tmp-XXXXXXXX` beside `directory` that replaces it when the block completes
-        (flushed to disk first); removed when the block fails. `check_replaceable(force, older)` runs first."""
-        self.check_replaceable(force, older)
+        (flushed to disk first); removed when the block fails. `check_replaceable` must have passed first."""
+        if not self._checked:
+            raise RuntimeError("DirectoryWriter.staging() before check_replaceable() passed")
         tmp = _sibling(self.directory, "tmp")
         tmp.mkdir()  # with the umask's mode, as the directory will keep it (mkdtemp's would be 0700)
         try:

@@ -31,7 +31,8 @@ import sys, time
 from runtime.directories import exclusive_writer
 with exclusive_writer(sys.argv[1], sys.argv[2], "burst prepare docs --out store") as writer:
     if sys.argv[3] == "stage":
-        with writer.staging(force=True) as tmp:
+        writer.check_replaceable(force=True)
+        with writer.staging() as tmp:
             (tmp / "half.bin").write_bytes(b"half")
             print(tmp, flush=True)
             time.sleep(600)
@@ -109,11 +110,14 @@ def test_a_waiting_writer_gets_the_lock_when_the_holder_ends(tmp_path):
 def test_staging_appears_whole_or_not_at_all(tmp_path):
     out = tmp_path / "deep" / "store"
     with exclusive_writer(out, "store") as writer:
-        with pytest.raises(RuntimeError, match="failed midway"), writer.staging(force=False) as tmp:
+        with pytest.raises(RuntimeError, match="before check_replaceable"), writer.staging():
+            pass
+        writer.check_replaceable(force=False)
+        with pytest.raises(RuntimeError, match="failed midway"), writer.staging() as tmp:
             (tmp / "tokens.bin").write_bytes(b"partial")
             raise RuntimeError("failed midway")
         assert sorted(p.name for p in out.parent.iterdir()) == [".store.lock"]
-        with writer.staging(force=False) as tmp:
+        with writer.staging() as tmp:
             assert tmp.name.startswith("store.tmp-") and read_marker(tmp)["kind"] == "store"
             assert not out.exists()
             (tmp / "tokens.bin").write_bytes(b"whole")
@@ -146,19 +150,19 @@ def test_force_replaces_only_a_directory_of_the_same_kind_that_burst_wrote(tmp_p
     for destination, message in cases.items():
         for force in (False, True):
             with exclusive_writer(destination, "store") as writer, pytest.raises(DirectoryRefused) as refused:
-                with writer.staging(force):
-                    raise AssertionError("no work may start")
+                writer.check_replaceable(force)
             assert message in str(refused.value) and "delete it yourself" in str(refused.value)
     assert (run / "precious").read_text() == "run" and (user / "thesis.tex").read_text() == "years of work"
     assert (tmp_path / "file").read_text() == "a file" and (tmp_path / "link").resolve() == store
 
     with exclusive_writer(store, "store") as writer, pytest.raises(DirectoryRefused) as refused:
-        with writer.staging(force=False):
-            raise AssertionError("no work may start")
+        writer.check_replaceable(force=False)
     assert "already exists (a token store written by `burst prepare`); choose another destination, or pass " \
            "--force" in str(refused.value)
-    with exclusive_writer(store, "store") as writer, writer.staging(force=True) as tmp:
-        (tmp / "new").write_text("new")
+    with exclusive_writer(store, "store") as writer:
+        writer.check_replaceable(force=True)
+        with writer.staging() as tmp:
+            (tmp / "new").write_text("new")
     assert sorted(p.name for p in store.iterdir()) == [MARKER, "new"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "link", "run", "store", "user"]
 
@@ -168,9 +172,14 @@ def test_an_older_directory_of_the_kind_is_replaced_only_when_recognised(tmp_pat
     old.mkdir()
     (old / "metadata.json").write_text("{}")
     with exclusive_writer(old, "store") as writer:
-        with pytest.raises(DirectoryRefused, match="burst did not write"), writer.staging(force=True):
+        with pytest.raises(DirectoryRefused, match="a token store that burst did not mark as its own"):
+            writer.check_replaceable(True, recognize=lambda path: "a token store")
+        with pytest.raises(DirectoryRefused, match="burst did not write"):
+            writer.check_replaceable(True)
+        with pytest.raises(RuntimeError, match="before check_replaceable"), writer.staging():
             pass
-        with writer.staging(force=True, older=lambda path: (path / "metadata.json").is_file()) as tmp:
+        writer.check_replaceable(True, older=lambda path: (path / "metadata.json").is_file())
+        with writer.staging() as tmp:
             (tmp / "metadata.json").write_text('{"new": 1}')
     assert json.loads((old / "metadata.json").read_text()) == {"new": 1}
 
@@ -217,8 +226,10 @@ def test_dead_writers_leftovers_are_removed_by_the_next_writer_and_a_live_writer
 
 def test_a_replace_stopped_between_its_renames_is_put_back(tmp_path):
     out = tmp_path / "store"
-    with exclusive_writer(out, "store") as writer, writer.staging(force=False) as tmp:
-        (tmp / "tokens.bin").write_text("first")
+    with exclusive_writer(out, "store") as writer:
+        writer.check_replaceable(force=False)
+        with writer.staging() as tmp:
+            (tmp / "tokens.bin").write_text("first")
     os.rename(out, tmp_path / "store.old-89abcdef")  # what a kill between the two renames leaves
     with exclusive_writer(out, "store"):
         pass
