@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -130,7 +131,13 @@ def write_tensors(tensors: Iterable[tuple[str, torch.Tensor]], directory: Path,
 
     def flush() -> None:
         shard = directory / f"shard-{len(shards) + 1:05d}.tmp"
-        save_file(pending, str(shard), metadata={"format": "pt"})
+        try:
+            save_file(pending, str(shard), metadata={"format": "pt"})
+        except Exception as err:  # safetensors raises its own type for an I/O error, the OS's number in its text
+            number = re.search(r"\(os error (\d+)\)", str(err))
+            if number is None:
+                raise
+            raise OSError(int(number.group(1)), os.strerror(int(number.group(1)))) from None
         os.chmod(shard, umask_mode(0o666))  # safetensors creates its files 0600, unreadable to a team
         shards.append(list(pending))
         pending.clear()
