@@ -14,7 +14,7 @@ from evaluation.result import EvalResult
 from runtime.directories import write_atomically
 from runtime.failure import writing
 
-PLOT_HINT = "pip install 'burst[plot]'"
+PLOT_HINT = "pip install 'burst-attention[plot]'"
 POSITION_AXES = {"packed": "position in packed sequence", "document": "depth into document (tokens)"}  # by mode
 
 

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -102,9 +103,12 @@ def test_the_lock_is_reentrant_in_a_thread_and_exclusive_between_threads(tmp_pat
 def test_a_waiting_writer_gets_the_lock_when_the_holder_ends(tmp_path):
     out = tmp_path / "store"
     process, _ = hold(out)
-    threading.Timer(0.5, stop, (process, signal.SIGTERM)).start()
+    started = time.monotonic()
+    threading.Timer(0.5, process.send_signal, (signal.SIGTERM,)).start()
     with exclusive_writer(out, "store", wait=True) as writer:
-        assert process.poll() is not None and writer.kind == "store"
+        assert time.monotonic() - started >= 0.5 and writer.kind == "store"  # it waited for the holder to end
+    stop(process)
+    assert process.returncode == -signal.SIGTERM
 
 
 def test_staging_appears_whole_or_not_at_all(tmp_path):
