@@ -35,13 +35,41 @@ def umask_mode(mode: int) -> int:
 
 
 def read_json(path: Path) -> dict:
-    """A JSON object from `path`, with an error naming the file when it is missing or malformed."""
+    """A JSON object from `path`, with an error naming the file when it is missing, malformed or not an object."""
     if not path.is_file():
         raise ValueError(f"{path} does not exist")
     try:
-        return json.loads(path.read_text())
+        obj = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"{path} is not valid JSON ({err}); re-export or re-download it") from err
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path} holds a JSON {type(obj).__name__}, not an object; re-export or re-download it")
+    return obj
+
+
+def read_index(index: Path) -> dict[str, str]:
+    """The weight map of `index` (model.safetensors.index.json): tensor name -> shard file name in the same
+    directory, every field checked for its type; an error names the file, the field and the fix."""
+    fix = "re-export or re-download the checkpoint"
+    content = read_json(index)
+    metadata = content.get("metadata", {})
+    if not isinstance(metadata, dict):
+        raise ValueError(f"{index}: 'metadata' is a {type(metadata).__name__}, not an object; {fix}")
+    total_size = metadata.get("total_size", 0)
+    if isinstance(total_size, bool) or not isinstance(total_size, int) or total_size < 0:
+        raise ValueError(f"{index}: 'metadata.total_size' = {total_size!r} is not a whole number of bytes; {fix}")
+    weight_map = content.get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{index} has no 'weight_map' object (tensor name -> file name); {fix}")
+    if not weight_map:
+        raise ValueError(f"{index}: 'weight_map' lists no tensors; {fix}")
+    for name, file in weight_map.items():
+        if not isinstance(file, str):
+            raise ValueError(f"{index}: 'weight_map' maps {name!r} to {file!r}, not to a file name; {fix}")
+        if Path(file).name != file or file in (".", "..") or not file.endswith(".safetensors"):
+            raise ValueError(f"{index}: 'weight_map' maps {name!r} to {file!r}, which is not the name of a "
+                             f".safetensors file beside the index; {fix}")
+    return weight_map
 
 
 def write_json(obj: dict, path: Path) -> None:
@@ -62,10 +90,7 @@ def tensor_files(directory: Path) -> dict[str, Path]:
     """Map each tensor name to the safetensors file in `directory` that holds it."""
     single, index = directory / WEIGHTS_NAME, directory / INDEX_NAME
     if index.is_file():
-        weight_map = read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ValueError(f"{index} has no 'weight_map' object; re-export the checkpoint")
-        files = {name: directory / file for name, file in weight_map.items()}
+        files = {name: directory / file for name, file in read_index(index).items()}
     elif single.is_file():
         with open_safetensors(single) as f:
             return dict.fromkeys(f.keys(), single)
