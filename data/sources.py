@@ -15,6 +15,7 @@ import codecs
 import gzip
 import importlib.util
 import json
+import os
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -71,7 +72,7 @@ def find_input_files(inputs: Sequence[str | Path], report: InputReport) -> list[
     for item in map(Path, inputs):
         if item.is_dir():
             found = []
-            for path in sorted(p for p in item.rglob("*") if p.is_file()):
+            for path in _files_under(item, report):
                 if kind_of(path) == "unsupported":
                     report.count("skipped_files", str(path))
                 else:
@@ -93,6 +94,18 @@ def find_input_files(inputs: Sequence[str | Path], report: InputReport) -> list[
     if any(kind_of(p) == "parquet" for p in files) and importlib.util.find_spec("pyarrow") is None:
         raise ImportError("reading .parquet inputs needs pyarrow: pip install -e '.[parquet]' (or pass other inputs)")
     return files
+
+
+def _files_under(directory: Path, report: InputReport) -> list[Path]:
+    """Every file under `directory`, sorted (symbolic links to directories are not followed, as rglob does not);
+    a subdirectory that cannot be listed (no permission) is counted as unreadable, not skipped in silence."""
+    def unreadable(error: OSError) -> None:
+        report.count("unreadable_files", f"{error.filename}: {error.strerror}")
+
+    found = []
+    for root, _, names in os.walk(directory, onerror=unreadable):
+        found += [path for path in (Path(root) / name for name in names) if path.is_file()]
+    return sorted(found)
 
 
 def looks_binary(path: Path) -> bool:

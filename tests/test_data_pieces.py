@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import random
 import re
+from pathlib import Path
 
 import pytest
 from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
@@ -14,7 +17,7 @@ import data.pieces
 import data.sources
 from data import TokenStore, prepare
 from data.pieces import CONTEXT_CHARS, DocumentCutter
-from data.sources import DocumentReader, InputReport
+from data.sources import DocumentReader, InputReport, find_input_files
 from data.tokenizer import Tokenizer
 from tests.test_data_prepare import make_text
 from tests.test_data_prepare import tokenizer as tokenizer  # noqa: F401  (module-scoped fixture)
@@ -128,3 +131,22 @@ def test_prepare_encodes_a_one_line_file_and_a_long_row_in_bounded_pieces(tmp_pa
     store = TokenStore(tmp_path / "store")
     assert [store.document(i).tolist() for i in range(3)] == [tokenizer.encode(t) for t in (one_line, row, "short")]
     assert max(lengths) <= 2000 + CONTEXT_CHARS and len(one_line) > 15 * 2000
+
+
+def test_a_subdirectory_that_cannot_be_listed_is_counted_not_skipped_in_silence(tmp_path, monkeypatch):
+    (tmp_path / "in" / "open").mkdir(parents=True)
+    (tmp_path / "in" / "closed").mkdir()
+    (tmp_path / "in" / "open" / "a.txt").write_text("alpha")
+    (tmp_path / "in" / "closed" / "b.txt").write_text("beta")
+    scandir = os.scandir
+
+    def no_permission(path):  # what chmod 000 does to a user other than root (the tests may run as root)
+        if Path(path).name == "closed":
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", no_permission)
+    report = InputReport()
+    assert find_input_files([tmp_path / "in"], report) == [tmp_path / "in" / "open" / "a.txt"]
+    assert report.unreadable_files == 1
+    assert report.examples["unreadable_files"] == [f"{tmp_path / 'in' / 'closed'}: Permission denied"]
