@@ -77,11 +77,23 @@ def write_json(obj: dict, path: Path) -> None:
     write_atomically(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
+def os_error_in(err: Exception, file: Path | None = None) -> OSError | None:
+    """The OSError behind an error safetensors raised (its own type, the OS's number in its text), or None."""
+    number = re.search(r"\(os error (\d+)\)", str(err))
+    if number is None:
+        return None
+    return OSError(int(number.group(1)), os.strerror(int(number.group(1))), *([str(file)] if file else []))
+
+
 def open_safetensors(file: Path):
-    """safe_open(file), with a ValueError naming the file when it is truncated or corrupt."""
+    """safe_open(file), with a ValueError naming the file when it is truncated or corrupt (an OSError when the
+    file system refused to read it: no permission, an I/O error)."""
     try:
         return safe_open(str(file), framework="pt")
     except Exception as err:  # safetensors raises its own error types for each kind of damage
+        denied = os_error_in(err, file) if not isinstance(err, OSError) else err
+        if denied is not None:
+            raise denied from None
         raise ValueError(f"{file} is not a readable safetensors file ({err}); "
                          f"it is probably truncated or corrupt: re-download or re-export it") from err
 
@@ -158,11 +170,11 @@ def write_tensors(tensors: Iterable[tuple[str, torch.Tensor]], directory: Path,
         shard = directory / f"shard-{len(shards) + 1:05d}.tmp"
         try:
             save_file(pending, str(shard), metadata={"format": "pt"})
-        except Exception as err:  # safetensors raises its own type for an I/O error, the OS's number in its text
-            number = re.search(r"\(os error (\d+)\)", str(err))
-            if number is None:
+        except Exception as err:  # a full disk comes as safetensors' own type: the OSError, for WriteFailed
+            full = os_error_in(err)  # no file name: the caller names the directory the user knows
+            if full is None:
                 raise
-            raise OSError(int(number.group(1)), os.strerror(int(number.group(1)))) from None
+            raise full from None
         os.chmod(shard, umask_mode(0o666))  # safetensors creates its files 0600, unreadable to a team
         shards.append(list(pending))
         pending.clear()

@@ -358,3 +358,21 @@ def test_eval_json_on_a_full_disk_exits_1_keeps_the_old_file_and_prints_the_resu
     assert report.read_text() == "last week's results" and sorted(p.name for p in disk.iterdir()) == \
         ["eval.json", "filler"]
 
+
+
+def test_a_source_the_file_system_will_not_read_is_one_line_naming_it_not_corruption(tmp_path, monkeypatch):
+    config = ModelConfig.from_name("debug")
+    save_model(Transformer(config), config, tmp_path / "model")
+
+    class SafetensorError(Exception):  # what safetensors raises for an unreadable file (root reads anything)
+        pass
+
+    def denied(path, framework):
+        raise SafetensorError("Error while deserializing header: Permission denied (os error 13)")
+
+    monkeypatch.setattr("models.storage.safe_open", denied)
+    error = one_error_line(refused(invoke("convert-checkpoint", tmp_path / "model", tmp_path / "hf", "--to", "hf")))
+    weights = tmp_path / "model" / "model.safetensors"
+    assert error == f"error: {weights}: permission denied; check the owner and permissions of that path, or choose " \
+                    f"another one"
+    assert not (tmp_path / "hf").exists()
