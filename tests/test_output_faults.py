@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from data import TokenStore, prepare
+from data import TokenStore, default_store, prepare
 from data.store import StoreWriter
 from models import ModelConfig, Transformer, save_model
 from runtime.directories import MARKER, exclusive_writer
@@ -147,6 +147,45 @@ def test_what_a_killed_prepare_left_is_removed_by_the_next(tmp_path, slow_corpus
     done = invoke("prepare", corpus, "--out", out, "--tokenizer", tokenizer.path)
     assert done.exit_code == 0, done.output
     assert leftovers(tmp_path) == [] and TokenStore(out).num_documents == 14
+
+
+SLOW_CONVERT = """
+import sys, time
+import models.convert as convert
+def slowly(checkpoint, directory, max_shard_bytes):
+    (directory / "model.safetensors").write_bytes(b"half")
+    time.sleep(120)
+convert.TARGET_FORMATS["hf"] = slowly
+sys.argv[0] = "burst"
+import cli
+cli.main()
+"""
+
+
+def test_a_stopped_convert_removes_its_temporary_and_keeps_the_export_it_was_replacing(tmp_path):
+    config = ModelConfig.from_name("debug")
+    save_model(Transformer(config), config, tmp_path / "model")
+    assert invoke("convert-checkpoint", tmp_path / "model", tmp_path / "export", "--to", "burst").exit_code == 0
+    before = snapshot(tmp_path / "export")
+    process = subprocess.Popen([sys.executable, "-c", SLOW_CONVERT, "convert-checkpoint", str(tmp_path / "model"),
+                                str(tmp_path / "export"), "--to", "hf", "--force"], cwd=REPO,
+                               env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: list(tmp_path.glob("export.tmp-*/model.safetensors")), "the conversion to start writing")
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 143 and "stopped by SIGTERM" in stderr and "Traceback" not in stderr, stderr
+    assert snapshot(tmp_path / "export") == before and leftovers(tmp_path) == []
+
+
+def test_a_read_only_cache_is_named_with_the_fix(tmp_path, seal):
+    (tmp_path / "cache").mkdir()
+    with pytest.raises(ValueError) as refused_:
+        default_store(seal(tmp_path / "cache"), progress=False)
+    message = str(refused_.value)
+    assert message.startswith("the default corpus cannot be prepared in the cache: ")
+    read_only_said(message, tmp_path / "cache" if os.geteuid() else tmp_path / "cache-read-only")
+    assert "set $BURST_CACHE to a writable directory, or pass a token store (--data)" in message
 
 
 def test_a_second_convert_to_the_same_destination_is_refused_naming_the_first(tmp_path):
