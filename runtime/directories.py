@@ -202,16 +202,21 @@ class DirectoryWriter:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
 
-    def claim(self) -> None:
-        """For a directory written in place: create and mark it when it is missing or empty; keep it when burst
-        marked it with this kind; refuse anything else (another kind, or a directory burst did not write)."""
+    def claim(self, older: Callable[[Path], bool] | None = None) -> None:
+        """For a directory written in place (a run): create and mark it when it is missing or empty; keep it when
+        burst marked it with this kind, or marks it when `older(directory)` says a burst from before markers wrote
+        it; refuse anything else (another kind, a directory burst did not write) by name."""
         path = self.directory
         marker = read_marker(path) if path.is_dir() and not path.is_symlink() else None
         if marker is not None and marker["kind"] == self.kind:
             return
-        if path.exists() and not _is_empty_directory(path):
-            raise DirectoryRefused(f"{path} already exists and is {describe(path)}, not {KINDS[self.kind]}; choose "
-                                   f"another destination")
+        if marker is None and path.is_dir() and not path.is_symlink() and older and older(path):
+            self._mark(path)
+            return
+        if path.exists() or path.is_symlink():
+            if not _is_empty_directory(path):
+                raise DirectoryRefused(f"{path} already exists and is {describe(path)}, not {KINDS[self.kind]}; "
+                                       f"choose another destination")
         path.mkdir(parents=True, exist_ok=True)
         self._mark(path)
 

@@ -200,6 +200,14 @@ def test_claim_marks_a_new_directory_and_refuses_another_kind(tmp_path):
     with exclusive_writer(tmp_path / "mine", "run") as writer, pytest.raises(DirectoryRefused, match="thesis.tex"):
         writer.claim()
     assert not (tmp_path / "mine" / MARKER).exists()
+    (tmp_path / "old-run").mkdir()
+    (tmp_path / "old-run" / "config.toml").write_text("steps = 1\n")  # a run from before burst marked them
+    with exclusive_writer(tmp_path / "old-run", "run") as writer:
+        writer.claim(older=lambda path: (path / "config.toml").is_file())
+    assert read_marker(tmp_path / "old-run")["kind"] == "run"
+    (tmp_path / "link").symlink_to(run)
+    with exclusive_writer(tmp_path / "link", "run") as writer, pytest.raises(DirectoryRefused, match="symbolic"):
+        writer.claim()
 
 
 def test_dead_writers_leftovers_are_removed_by_the_next_writer_and_a_live_writers_are_not(tmp_path):
