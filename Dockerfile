@@ -16,12 +16,16 @@ ENV PIP_NO_CACHE_DIR=1 \
 RUN pip install packaging ninja && MAX_JOBS=8 pip install "flash-attn>=2.7" --no-build-isolation
 
 WORKDIR /opt/burst
+# Every package pyproject.toml installs (tests/test_packaging.py checks this list against it).
 COPY pyproject.toml README.md cli.py ./
 COPY burst burst
-COPY models models
+COPY runtime runtime
 COPY data data
+COPY models models
+COPY checkpoints checkpoints
 COPY trainer trainer
 COPY evaluation evaluation
+COPY bench bench
 # torch is already in the image and satisfies the requirement, so pip keeps it.
 RUN pip install .
 

@@ -5,21 +5,50 @@ Each command parses flags, builds a config and calls one function; no logic live
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import inspect
 import typing
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import typer
 
+from runtime.failure import Stopped, WriteFailed, os_error_message, stopping_on_sigterm  # plain Python: no torch
 from trainer.config import TrainConfig  # plain Python: no torch
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_show_locals=False,
                   help="Long-context LLaMA training with exact BurstAttention sequence parallelism.")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks.")
 app.add_typer(bench_app, name="bench")
+
+
+def _fail(message: object, code: int) -> typer.Exit:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    return typer.Exit(code)
+
+
+@contextlib.contextmanager
+def _exits(failed: tuple[type[Exception], ...] = ()) -> Iterator[None]:
+    """How prepare, convert-checkpoint and eval end: one line on stderr and exit 2 for bad input refused before any
+    work (ValueError, ImportError, or an OSError such as a read-only destination), 1 when work under way failed
+    (WriteFailed: disk full; or one of `failed`), 130 after Ctrl-C and 143 after SIGTERM, whose temporaries the
+    command removes as it stops."""
+    try:
+        with stopping_on_sigterm():
+            yield
+    except (WriteFailed, *failed) as err:
+        raise _fail(err, 1) from None
+    except (ValueError, ImportError) as err:
+        raise _fail(err, 2) from None
+    except OSError as err:
+        raise _fail(os_error_message(err), 2) from None
+    except KeyboardInterrupt:
+        raise _fail("interrupted by Ctrl-C; what it had begun to write was removed", 130) from None
+    except Stopped as err:
+        raise _fail(f"{err}; what it had begun to write was removed", err.exit_code) from None
 
 
 class TargetFormat(str, enum.Enum):
@@ -33,16 +62,17 @@ def convert_checkpoint_command(
                                          "a training checkpoint, or a run directory (its newest checkpoint)."),
     dst: Path = typer.Argument(..., help="Directory to write; created only once complete."),
     to: TargetFormat = typer.Option(..., "--to", help="Format to write: burst (native) or hf (Hugging Face)."),
-    force: bool = typer.Option(False, "--force", help="Replace DST if it exists."),
+    force: bool = typer.Option(False, "--force", help="Replace DST if it is a model directory burst wrote."),
 ) -> None:
-    """Convert a model checkpoint between the Hugging Face LLaMA and native formats."""
+    """Convert a model checkpoint between the Hugging Face LLaMA and native formats.
+
+    Exits 2 on bad input (refused before any work), 1 when a write failed during the work (disk full), 130 after
+    Ctrl-C and 143 after SIGTERM; DST is then as it was.
+    """
     from checkpoints import convert_checkpoint  # here, so `burst --help` does not import torch
 
-    try:
+    with _exits():
         convert_checkpoint(src, dst, to=to.value, force=force)
-    except ValueError as err:
-        typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
-        raise typer.Exit(2) from None
     typer.echo(f"wrote {dst} ({to.value})")
 
 
@@ -56,17 +86,18 @@ def prepare_command(
     val_fraction: float = typer.Option(0.01, "--val-fraction", help="Fraction of documents for validation."),
     workers: int | None = typer.Option(None, "--workers", help="Encoding threads (default: all cores)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the tokenizer sample and the validation split."),
-    force: bool = typer.Option(False, "--force", help="Replace OUT if it exists."),
+    force: bool = typer.Option(False, "--force", help="Replace OUT if it is a token store."),
 ) -> None:
-    """Tokenize a corpus into a token store for training."""
+    """Tokenize a corpus into a token store for training.
+
+    Exits 2 on bad input (refused before any work: OUT busy or not a store, unreadable inputs), 1 when a write
+    failed during the work (disk full), 130 after Ctrl-C and 143 after SIGTERM; OUT is then as it was.
+    """
     from data.prepare import prepare  # here, so `burst --help` does not import torch
 
-    try:
+    with _exits():
         prepare(inputs, out, tokenizer=tokenizer, vocab_size=vocab_size, text_field=text_field,
                 val_fraction=val_fraction, workers=workers, seed=seed, force=force)
-    except (ValueError, OSError, ImportError) as err:
-        typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
-        raise typer.Exit(2) from None
 
 
 def _number_list(text: str | None, kind: type, flag: str) -> list | None:
@@ -115,12 +146,9 @@ def eval_command(
                  passkey_lengths=_number_list(passkey_lengths, int, "--passkey-lengths"),
                  passkey_depths=_number_list(passkey_depths, float, "--passkey-depths"),
                  cp=cp, precision=precision, json_path=json_path)
-    try:
+    with _exits(failed=(EvaluationFailed,)):
         evaluate(EvalConfig(checkpoint=checkpoint, force=force,
                             **{name: v for name, v in flags.items() if v is not None}))
-    except (ValueError, OSError, EvaluationFailed) as err:
-        typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
-        raise typer.Exit(1 if isinstance(err, EvaluationFailed) else 2) from None
 
 
 @bench_app.command("attention")

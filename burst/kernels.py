@@ -331,7 +331,7 @@ def cuda_kernel_choice(dtype: torch.dtype, head_dim: int, capability: tuple[int,
         if flash_attn_version is None or old_flash_attn:
             found = "is not installed" if flash_attn_version is None else f"{flash_attn_version} is installed"
             raise ValueError(f"kernel 'flash-attn' needs flash-attn >= {FLASH_ATTN_MIN_VERSION} and {found}; "
-                             "pip install 'burst[cuda]' (or 'flash-attn>=2.7'), or use kernel='torch'")
+                             "pip install 'burst-attention[cuda]' (or 'flash-attn>=2.7'), or use kernel='torch'")
         if not flash_fits:
             raise ValueError(f"kernel 'flash-attn' needs fp16/bf16 inputs, a head dim that is a multiple of 8 up to "
                              f"256, and an Ampere or newer GPU; got {dtype}, head_dim {head_dim}, capability "

@@ -9,18 +9,18 @@ run `burst prepare` and point the trainer at the store it writes.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
 import platform
-import shutil
 import sysconfig
 from pathlib import Path
 
 from data.prepare import prepare
 from data.sources import looks_binary
 from data.store import FORMAT_VERSION, METADATA_FILE
+from runtime.directories import exclusive_writer
+from runtime.failure import STORAGE_ERRORS, os_error_message
 
 STDLIB_VOCAB_SIZE = 4096
 # Part of the cache key: change it whenever the files chosen or the prepare options change.
@@ -48,21 +48,25 @@ def cache_root(cache_dir: str | Path | None = None) -> Path:
 def default_store(cache_dir: str | Path | None = None, *, progress: bool = True) -> Path:
     """The token store of the standard-library corpus, prepared on first use (about 20 s on 2 cores).
 
-    Safe to call from many processes at once (a trainer's ranks): one prepares under a file
-    lock while the others wait, then all reuse the same store.
+    Safe to call from many processes at once (a trainer's ranks): one prepares, holding the store's
+    writer lock (runtime/directories.py), while the others wait; then all reuse the same store.
     """
     stdlib = sysconfig.get_paths()["stdlib"]
     key = json.dumps({**CORPUS_OPTIONS, "stdlib": stdlib}, sort_keys=True)
     name = f"stdlib-{platform.python_version()}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
-    root = cache_root(cache_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    store_dir = root / name
-    with open(root / f"{name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released by the kernel if this process dies
-        if not (store_dir / METADATA_FILE).is_file():
-            for stale in root.glob(f"{name}.tmp-*"):  # left by a prepare that was killed; we hold the lock
-                shutil.rmtree(stale, ignore_errors=True)
-            prepare(stdlib_sources(), store_dir, vocab_size=CORPUS_OPTIONS["vocab_size"],
-                    val_fraction=CORPUS_OPTIONS["val_fraction"], seed=CORPUS_OPTIONS["seed"], force=True,
-                    progress=progress)
+    store_dir = cache_root(cache_dir) / name
+    if (store_dir / METADATA_FILE).is_file():  # complete stores are only ever replaced whole: no lock to read one
+        return store_dir
+    try:
+        # One caller prepares while the others wait; taking the lock removes what a killed prepare left.
+        with exclusive_writer(store_dir, "store", wait=True):
+            if not (store_dir / METADATA_FILE).is_file():
+                prepare(stdlib_sources(), store_dir, vocab_size=CORPUS_OPTIONS["vocab_size"],
+                        val_fraction=CORPUS_OPTIONS["val_fraction"], seed=CORPUS_OPTIONS["seed"], force=True,
+                        progress=progress)
+    except OSError as err:
+        if err.errno not in STORAGE_ERRORS:
+            raise
+        raise ValueError(f"the default corpus cannot be prepared in the cache: {os_error_message(err)}; or set "
+                         f"$BURST_CACHE to a writable directory, or pass a token store (--data)") from None
     return store_dir

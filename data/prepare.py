@@ -1,27 +1,33 @@
 """`burst prepare`: read a corpus, tokenize it on every core, and write a token store.
 
-The store is built in a temporary sibling directory (`DIR.tmp-*`) and renamed to DIR only when
-complete, with metadata.json written last: an interrupted prepare never leaves a directory that
-looks like a store. Tokens go to disk chunk by chunk, so memory stays flat for any corpus size.
+The store directory follows runtime/directories.py: one prepare writes it at a time (another is
+refused, naming it), it is built in a temporary sibling (`DIR.tmp-*`, which the next prepare removes
+if this one is killed) and renamed to DIR only when complete, with metadata.json written last, so an
+interrupted prepare never leaves a directory that looks like a store; `--force` replaces only a token
+store. Input is read and encoded in bounded pieces (data/sources.py, data/pieces.py) and tokens go to
+disk chunk by chunk, so memory stays flat for any corpus size and any document length.
 """
 
 from __future__ import annotations
 
 import shutil
 import time
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from rich.console import Console
+from rich.console import Console, Group
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
+from rich.text import Text
 
+from data.pieces import DocumentCutter, Piece
 from data.sources import DocumentReader, InputReport, find_input_files
-from data.store import METADATA_FILE, TOKENIZER_FILE, StoreWriter, TokenStore, token_dtype
+from data.store import TOKENIZER_FILE, StoreWriter, TokenStore, token_dtype
 from data.tokenizer import Tokenizer, train_tokenizer
+from runtime.directories import exclusive_writer
+from runtime.failure import writing
 from runtime.launch import available_cores
 
 DEFAULT_VOCAB_SIZE = 32_000
@@ -57,46 +63,55 @@ def prepare(inputs: Sequence[str | Path], out_dir: str | Path, *, tokenizer: str
     With `tokenizer` (a SentencePiece .model) its ids are used; otherwise a tokenizer of
     `vocab_size` (default 32,000) is trained on the corpus. `val_fraction` of the documents,
     chosen with `seed`, form the validation split. Prints a progress bar and a summary table
-    unless `progress` is False.
+    unless `progress` is False. An existing `out_dir` is replaced only with `force`, and only when
+    it is a token store; while another process writes `out_dir` this one is refused (DirectoryBusy).
+    A write that fails during the work (disk full) raises WriteFailed; `out_dir` is then as it was.
     """
     started = time.perf_counter()
     out_dir = Path(out_dir)
     _check_arguments(inputs, out_dir, tokenizer, vocab_size, val_fraction, seed, force)
-    report = InputReport()
-    files = find_input_files(inputs, report)
-    if not files:
-        raise ValueError(no_documents_message(inputs, report))
     console = Console(quiet=not progress)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    work_dir = out_dir.parent / f"{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
-    work_dir.mkdir()  # with the user's umask, as the store will keep it (mkdtemp's would be 0700)
-    try:
-        with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeElapsedColumn(),
-                      TimeRemainingColumn(), console=console) as bar:
-            tok = _tokenizer_for(files, work_dir / TOKENIZER_FILE, tokenizer, vocab_size, text_field, seed, bar)
-            writer = StoreWriter(work_dir, token_dtype(tok.vocab_size))
-            try:
-                _tokenize(DocumentReader(files, report, text_field), tok, writer, workers, bar)
-            finally:
-                writer.close()
-        if writer.num_documents == 0:
+    with exclusive_writer(out_dir, "store") as directory:
+        directory.check_replaceable(force, older=_is_token_store)  # before the inputs are even listed
+        report = InputReport()
+        files = find_input_files(inputs, report)
+        if not files:
             raise ValueError(no_documents_message(inputs, report))
-        val_documents = _choose_val_documents(writer.num_documents, val_fraction, seed)
-        writer.finish(val_documents, {
-            "tokenizer": {"file": TOKENIZER_FILE, "sha256": tok.sha256, "vocab_size": tok.vocab_size,
-                          "bos_id": tok.bos_id, "eos_id": tok.eos_id},
-            "split": {"val_fraction": val_fraction, "seed": seed},
-            "inputs": [str(i) for i in inputs], "text_field": text_field,
-            "input_report": {"files": report.files, "documents": report.documents, **report.problems()}})
-        if out_dir.exists():  # only here with force: refused earlier otherwise
-            shutil.rmtree(out_dir)
-        work_dir.rename(out_dir)
-    except BaseException:  # KeyboardInterrupt too: leave nothing behind that could be mistaken for a store
-        shutil.rmtree(work_dir, ignore_errors=True)
-        raise
+        kept = f"; {out_dir} is as it was before" if out_dir.exists() else f"; {out_dir} was not created"
+        with directory.staging() as work_dir, writing(out_dir, kept):
+            with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeElapsedColumn(),
+                          TimeRemainingColumn(), console=console) as bar:
+                tok = _tokenizer_for(files, work_dir / TOKENIZER_FILE, tokenizer, vocab_size, text_field, seed, bar)
+                writer = StoreWriter(work_dir, token_dtype(tok.vocab_size))
+                try:
+                    hard_cuts = _tokenize(DocumentReader(files, report, text_field), tok, writer, workers, bar)
+                finally:
+                    writer.close()
+            if writer.num_documents == 0:
+                raise ValueError(no_documents_message(inputs, report))
+            val_documents = _choose_val_documents(writer.num_documents, val_fraction, seed)
+            writer.finish(val_documents, {
+                "tokenizer": {"file": TOKENIZER_FILE, "sha256": tok.sha256, "vocab_size": tok.vocab_size,
+                              "bos_id": tok.bos_id, "eos_id": tok.eos_id},
+                "split": {"val_fraction": val_fraction, "seed": seed},
+                "inputs": [str(i) for i in inputs], "text_field": text_field,
+                "input_report": {"files": report.files, "documents": report.documents, **report.problems()}})
     summary = _summarize(TokenStore(out_dir), report, time.perf_counter() - started)
-    console.print(summary_table(summary))
+    if hard_cuts:
+        console.print(f"[yellow]warning:[/] {hard_cuts:,} cuts inside long documents found no token boundary "
+                      f"nearby: the token ids next to them may differ from encoding the document whole")
+    console.print(summary_table(summary), soft_wrap=True)  # soft: an example path stays whole on its line
     return summary
+
+
+def _is_token_store(path: Path) -> bool:
+    """Whether `path` is a complete token store: one from a burst that did not mark its directories yet is
+    replaced with --force as a marked one is."""
+    try:
+        TokenStore(path)
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def no_documents_message(inputs: Sequence[str | Path], report: InputReport) -> str:
@@ -124,13 +139,7 @@ def _check_arguments(inputs: Sequence[str | Path], out_dir: Path, tokenizer: str
         raise ValueError(f"--val-fraction {val_fraction} must be in [0, 1), e.g. 0.01")
     if not 0 <= seed < 2**32:
         raise ValueError(f"--seed {seed} must be between 0 and 2^32 - 1")
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        if not force:
-            raise FileExistsError(f"{out_dir} already exists and is not empty; choose another --out, "
-                                  f"or pass --force to replace it")
-        if not (out_dir / METADATA_FILE).is_file():
-            raise FileExistsError(f"{out_dir} is not a token store (it has no {METADATA_FILE}), so --force will not "
-                                  f"delete it; choose another --out, or delete {out_dir} yourself")
+    if force and out_dir.exists():
         resolved = out_dir.resolve()
         for item in map(Path, inputs):
             if item.resolve() == resolved or resolved in item.resolve().parents:
@@ -160,26 +169,32 @@ def _tokenizer_for(files: list[Path], path: Path, existing: str | Path | None, v
 
 
 def _tokenize(reader: DocumentReader, tok: Tokenizer, writer: StoreWriter, workers: int | None,
-              bar: Progress) -> None:
-    """Encode the documents chunk by chunk on `workers` threads, appending them to the store in order."""
+              bar: Progress) -> int:
+    """Encode the documents piece by piece (data/pieces.py), CHUNK_CHARS at a time on `workers` threads, appending
+    them to the store in order. Returns how many cuts found no token boundary (DocumentCutter.hard_cuts)."""
     task = bar.add_task("tokenizing", total=sum(p.stat().st_size for p in reader.files))
     threads = workers or available_cores()
-    chunk: list[str] = []
-    chunk_chars = 0
+    cutter = DocumentCutter(tok.encode)
+    batch: list[Piece] = []
+    chars = 0
 
     def flush() -> None:
-        writer.append(tok.encode_batch(chunk, threads))
-        chunk.clear()
+        encoded = tok.encode_batch([piece.text for piece in batch], threads)
+        writer.append(list(cutter.piece_ids(batch, encoded)), [piece.ends_document for piece in batch])
+        batch.clear()
         bar.update(task, completed=reader.bytes_read,
                    description=f"tokenizing: {writer.num_documents:,} documents, {writer.num_tokens:,} tokens")
 
-    for text in reader:
-        chunk.append(text)
-        chunk_chars += len(text)
-        if chunk_chars >= CHUNK_CHARS:
+    for text, ends_document in reader.parts():
+        for piece in cutter.feed(text, ends_document):
+            batch.append(piece)
+            chars += len(piece.text)
+        if chars >= CHUNK_CHARS:
             flush()
-            chunk_chars = 0
-    flush()
+            chars = 0
+    if batch:
+        flush()
+    return cutter.hard_cuts
 
 
 def _choose_val_documents(num_documents: int, val_fraction: float, seed: int) -> np.ndarray:
@@ -202,12 +217,13 @@ def _summarize(store: TokenStore, report: InputReport, seconds: float) -> Prepar
         report=report, seconds=seconds)
 
 
-def summary_table(summary: PrepareSummary) -> Table:
-    """The summary printed at the end of `burst prepare`."""
+def summary_table(summary: PrepareSummary) -> Group:
+    """The summary printed at the end of `burst prepare`: a two-column table that fits 80 columns, then one line
+    per kind of bad input found, with the first place it was seen (print it with soft_wrap=True, as prepare does,
+    and a path longer than the terminal stays whole on its line)."""
     table = Table(title=f"token store {summary.out_dir}", show_header=False, title_justify="left")
     table.add_column(style="bold", no_wrap=True)
-    table.add_column(justify="right", no_wrap=True)
-    table.add_column(overflow="fold")  # where a problem was first seen
+    table.add_column(overflow="fold")
     table.add_row("documents", f"{summary.num_documents:,} ({summary.num_train_documents:,} train, "
                                f"{summary.num_val_documents:,} val)")
     table.add_row("tokens", f"{summary.num_tokens:,} (vocabulary {summary.vocab_size:,})")
@@ -216,9 +232,11 @@ def summary_table(summary: PrepareSummary) -> Table:
     for length, count in summary.documents_at_least.items():
         table.add_row(f"documents >= {length // 1024}K tokens", f"{count:,}")
     table.add_row("files read", f"{summary.report.files:,}")
+    examples = []
     for problem, count in summary.report.problems().items():
-        example = f"e.g. {summary.report.examples[problem][0]}" if count else ""
-        table.add_row(problem.replace("_", " "), f"{count:,}", example, style="yellow" if count else None)
+        name = problem.replace("_", " ")
+        table.add_row(name, f"{count:,}", style="yellow" if count else None)
+        if count:
+            examples.append(Text(f"{name}: {count:,}, e.g. {summary.report.examples[problem][0]}", style="yellow"))
     table.add_row("time", f"{summary.seconds:.1f} s")
-    return table
-
+    return Group(table, *examples)

@@ -3,6 +3,10 @@
 A plain text or source file is one document; a JSON Lines row or a Parquet row is one
 document (its text field). Bad input never stops the read and is never dropped silently:
 each problem is counted in an `InputReport`, with the first few places it happened.
+
+Documents are handed on in parts of bounded size, so a one-line 40 MB file costs no more memory
+than many small ones: a text file is read BLOCK_BYTES at a time; a row's text (which JSON Lines and
+Parquet hold whole, about three times its size while it is read) is passed on PART_CHARS at a time.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import codecs
 import gzip
 import importlib.util
 import json
+import os
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -23,6 +28,8 @@ JSONL_SUFFIXES = (".jsonl", ".jsonl.gz")
 PARQUET_SUFFIX = ".parquet"
 MAX_EXAMPLES = 5  # places kept per kind of problem, for the summary
 SNIFF_BYTES = 8192  # read from each file named on the command line to tell text from binary
+BLOCK_BYTES = 2**20  # a text file is read this much at a time
+PART_CHARS = 2**20  # a longer row's text is handed on in parts of this many characters
 
 
 @dataclass
@@ -65,7 +72,7 @@ def find_input_files(inputs: Sequence[str | Path], report: InputReport) -> list[
     for item in map(Path, inputs):
         if item.is_dir():
             found = []
-            for path in sorted(p for p in item.rglob("*") if p.is_file()):
+            for path in _files_under(item, report):
                 if kind_of(path) == "unsupported":
                     report.count("skipped_files", str(path))
                 else:
@@ -89,6 +96,18 @@ def find_input_files(inputs: Sequence[str | Path], report: InputReport) -> list[
     return files
 
 
+def _files_under(directory: Path, report: InputReport) -> list[Path]:
+    """Every file under `directory`, sorted (symbolic links to directories are not followed, as rglob does not);
+    a subdirectory that cannot be listed (no permission) is counted as unreadable, not skipped in silence."""
+    def unreadable(error: OSError) -> None:
+        report.count("unreadable_files", f"{error.filename}: {error.strerror}")
+
+    found = []
+    for root, _, names in os.walk(directory, onerror=unreadable):
+        found += [path for path in (Path(root) / name for name in names) if path.is_file()]
+    return sorted(found)
+
+
 def looks_binary(path: Path) -> bool:
     """Whether the start of `path` holds a NUL byte or is not UTF-8 (a sequence cut at the end is fine)."""
     with open(path, "rb") as f:
@@ -110,9 +129,10 @@ def kind_of(path: Path) -> str:
 
 
 class DocumentReader:
-    """Iterates over the documents of `files`, counting bad input in `report`.
+    """Reads the documents of `files` in order, counting bad input in `report`.
 
-    `bytes_read` follows the position on disk, for a progress bar over the total input size.
+    `parts()` yields each document's text in bounded parts; iterating yields the parts' texts alone (what
+    training a tokenizer needs). `bytes_read` follows the position on disk, for a progress bar.
     """
 
     def __init__(self, files: Sequence[Path], report: InputReport, text_field: str = "text") -> None:
@@ -120,24 +140,62 @@ class DocumentReader:
         self.bytes_read = 0
 
     def __iter__(self) -> Iterator[str]:
+        for text, _ in self.parts():
+            yield text
+
+    def parts(self) -> Iterator[tuple[str, bool]]:
+        """(text, ends_document) for every document in order: its text in one or more consecutive parts, the
+        last with ends_document True. A file that breaks off part-way ends the document it was reading there."""
         for path in self.files:
             self.report.files += 1
             size = path.stat().st_size
             done_before = self.bytes_read
+            document_open = False
             try:
-                if kind_of(path) == "jsonl":
-                    yield from self._jsonl(path)
-                elif kind_of(path) == "parquet":
-                    yield from self._parquet(path, size)
-                else:
-                    text = self._decode(path.read_bytes(), str(path))
-                    self.bytes_read += size
-                    yield from self._accept(text, str(path))
+                for text, ends in self._file_parts(path, size):
+                    document_open = not ends
+                    yield text, ends
             except (OSError, EOFError, zlib.error, ValueError) as error:  # gzip and pyarrow errors included
                 self.report.count("unreadable_files", f"{path}: {error}")
+                if document_open:
+                    yield "", True  # what was read of it is kept, as the rows before a cut are
             self.bytes_read = done_before + size
 
-    def _jsonl(self, path: Path) -> Iterator[str]:
+    def _file_parts(self, path: Path, size: int) -> Iterator[tuple[str, bool]]:
+        kind = kind_of(path)
+        if kind == "jsonl":
+            return self._jsonl(path)
+        if kind == "parquet":
+            return self._parquet(path, size)
+        return self._text(path)
+
+    def _text(self, path: Path) -> Iterator[tuple[str, bool]]:
+        """A text file, block by block: decoded incrementally, counted once as invalid UTF-8 when it is not."""
+        where = str(path)
+        if _blank(path):
+            self.report.count("empty_documents", where)
+            return
+        self.report.documents += 1
+        strict, lenient = codecs.getincrementaldecoder("utf-8")(), codecs.getincrementaldecoder("utf-8")("replace")
+        valid, start = True, self.bytes_read
+        with open(path, "rb") as f:
+            block = f.read(BLOCK_BYTES)
+            while True:
+                following = f.read(BLOCK_BYTES)
+                last = not following
+                if valid:
+                    try:
+                        strict.decode(block, final=last)
+                    except UnicodeDecodeError:
+                        valid = False
+                        self.report.count("invalid_utf8", where)
+                self.bytes_read = start + f.tell() - len(following)
+                yield lenient.decode(block, final=last), last
+                if last:
+                    return
+                block = following
+
+    def _jsonl(self, path: Path) -> Iterator[tuple[str, bool]]:
         with open(path, "rb") as raw:
             lines = gzip.GzipFile(fileobj=raw) if path.name.lower().endswith(".gz") else raw
             start = self.bytes_read
@@ -151,13 +209,16 @@ class DocumentReader:
                 except json.JSONDecodeError:
                     self.report.count("invalid_json", where)
                     continue
+                finally:
+                    del line  # a long row's bytes are not kept while its text is passed on
                 text = row.get(self.text_field) if isinstance(row, dict) else None
                 if not isinstance(text, str):
                     self.report.count("missing_text_field", where)
                     continue
+                del row
                 yield from self._accept(text, where)
 
-    def _parquet(self, path: Path, size: int) -> Iterator[str]:
+    def _parquet(self, path: Path, size: int) -> Iterator[tuple[str, bool]]:
         import pyarrow.parquet as pq  # optional dependency, checked by find_input_files
 
         table = pq.ParquetFile(path)
@@ -182,9 +243,22 @@ class DocumentReader:
             self.report.count("invalid_utf8", where)
             return data.decode("utf-8", errors="replace")
 
-    def _accept(self, text: str, where: str) -> Iterator[str]:
-        if not text.strip():
+    def _accept(self, text: str, where: str) -> Iterator[tuple[str, bool]]:
+        if not text or text.isspace():
             self.report.count("empty_documents", where)
             return
         self.report.documents += 1
-        yield text
+        for start in range(0, len(text), PART_CHARS):
+            yield text[start:start + PART_CHARS], start + PART_CHARS >= len(text)
+
+
+def _blank(path: Path) -> bool:
+    """Whether the text file `path` holds nothing but whitespace; reads no further than its first other character."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    with open(path, "rb") as f:
+        while block := f.read(BLOCK_BYTES):
+            text = decoder.decode(block)
+            if text and not text.isspace():
+                return False
+    tail = decoder.decode(b"", final=True)
+    return not tail or tail.isspace()

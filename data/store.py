@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -31,7 +31,8 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 class StoreWriter:
-    """Appends documents' tokens to a store directory, keeping only the current chunk in memory."""
+    """Appends documents' tokens to a store directory, keeping only the current chunk in memory; a long document
+    may come in pieces (`append(pieces, ends)`)."""
 
     def __init__(self, directory: Path, dtype: np.dtype) -> None:
         self.directory, self.dtype = directory, dtype
@@ -39,24 +40,28 @@ class StoreWriter:
         self.max_token_id = -1
         self._tokens = open(directory / TOKENS_FILE, "wb")
         self._offsets = open(directory / OFFSETS_FILE, "wb")
-        np.zeros(1, np.int64).tofile(self._offsets)
+        _write_array(self._offsets, np.zeros(1, np.int64))
 
-    def append(self, documents: list[list[int]]) -> None:
+    def append(self, documents: list[list[int]], ends: list[bool] | None = None) -> None:
+        """Append each list of tokens as a whole document or, with `ends`, as a piece of one that continues the
+        piece before it and ends its document only where ends[i]."""
         if not documents:
             return
         lengths = np.fromiter(map(len, documents), np.int64, len(documents))
         tokens = np.concatenate(documents).astype(self.dtype, copy=False)
-        tokens.tofile(self._tokens)
-        (self.num_tokens + np.cumsum(lengths)).tofile(self._offsets)
+        _write_array(self._tokens, tokens)
+        ends_here = np.ones(len(documents), bool) if ends is None else np.asarray(ends, bool)
+        _write_array(self._offsets, (self.num_tokens + np.cumsum(lengths))[ends_here])  # where each ended one stops
         self.max_token_id = max(self.max_token_id, int(tokens.max(initial=0)))
-        self.num_documents += len(documents)
+        self.num_documents += int(ends_here.sum())
         self.num_tokens += int(lengths.sum())
 
     def finish(self, val_documents: np.ndarray, metadata: dict[str, Any]) -> None:
         """Close the arrays, write the split, then metadata.json: from here on it is a complete store."""
         self._tokens.close()
         self._offsets.close()
-        np.asarray(val_documents, np.int64).tofile(self.directory / VAL_FILE)
+        with open(self.directory / VAL_FILE, "wb") as f:
+            _write_array(f, np.asarray(val_documents, np.int64))
         metadata = {"format_version": FORMAT_VERSION, "dtype": self.dtype.name,
                     "num_documents": self.num_documents, "num_tokens": self.num_tokens,
                     "num_val_documents": len(val_documents), "max_token_id": self.max_token_id, **metadata}
@@ -65,6 +70,11 @@ class StoreWriter:
     def close(self) -> None:
         self._tokens.close()
         self._offsets.close()
+
+
+def _write_array(file: BinaryIO, array: np.ndarray) -> None:
+    """Write an array's bytes through Python's file (numpy's tofile reports a full disk without its errno)."""
+    file.write(np.ascontiguousarray(array).data)
 
 
 def _map(path: Path, dtype: np.dtype, count: int, directory: Path) -> np.ndarray:

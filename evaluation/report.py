@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
 from pathlib import Path
@@ -10,8 +11,10 @@ from typing import Any
 from rich.table import Table
 
 from evaluation.result import EvalResult
+from runtime.directories import write_atomically
+from runtime.failure import writing
 
-PLOT_HINT = "pip install 'burst[plot]'"
+PLOT_HINT = "pip install 'burst-attention[plot]'"
 POSITION_AXES = {"packed": "position in packed sequence", "document": "depth into document (tokens)"}  # by mode
 
 
@@ -45,16 +48,18 @@ def to_json(result: EvalResult) -> dict[str, Any]:
 
 
 def write_files(result: EvalResult, json_path: Path) -> Path | None:
-    """Write the loss-by-position PNG beside `json_path` (same name, .png), then the JSON.
+    """Write the loss-by-position PNG beside `json_path` (same name, .png), then the JSON, each whole or not at
+    all (runtime.directories.write_atomically); a failed write (disk full) raises WriteFailed naming the file.
 
     Returns the PNG's path, or None when matplotlib is missing: then the JSON's warnings say so.
     """
     plot = json_path.with_suffix(".png")
-    if not plot_loss_by_position(result, plot):
-        result.warnings.append(f"the plot {plot} was skipped: matplotlib is not installed ({PLOT_HINT})")
-        plot = None
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(to_json(result), indent=2) + "\n")
+    with writing(json_path, kept="; the results are the tables printed above"):
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        if not plot_loss_by_position(result, plot):
+            result.warnings.append(f"the plot {plot} was skipped: matplotlib is not installed ({PLOT_HINT})")
+            plot = None
+        write_atomically(json_path, json.dumps(to_json(result), indent=2) + "\n")
     return plot
 
 
@@ -74,8 +79,10 @@ def plot_loss_by_position(result: EvalResult, path: Path) -> bool:
                    f"perplexity {result.perplexity.perplexity:.3f}", fontsize=9)
     axes.grid(alpha=0.3)
     figure.tight_layout()
+    png = io.BytesIO()
+    figure.savefig(png, format="png")
     path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path)
+    write_atomically(path, png.getvalue())
     return True
 
 

@@ -33,6 +33,8 @@ from evaluation.perplexity import (
 )
 from evaluation.report import tables, write_files
 from evaluation.result import EvalResult
+from runtime.directories import check_writable
+from runtime.failure import WriteFailed
 from runtime.launch import first_failure, run_local, under_torchrun
 from runtime.precision import resolve_precision
 
@@ -73,6 +75,10 @@ class EvalConfig:
             if existing:
                 raise ValueError(f"--json: {existing[0]} already exists; choose another file, or pass --force to "
                                  f"replace it")
+        if self.json_path is not None:
+            if self.json_path.is_dir():
+                raise ValueError(f"--json {self.json_path} is a directory; pass a file, e.g. {self.json_path}.json")
+            check_writable(self.json_path)  # a read-only or closed destination: refused before the weights are read
         if self.cp < 1:
             raise ValueError(f"--cp {self.cp} must be at least 1")
         check_sequence_length(self.seq_len, self.cp)
@@ -176,6 +182,8 @@ def evaluate(config: EvalConfig, console: Console | None = None) -> EvalResult:
             rank, error_type, text, traceback = first_failure(err)
             if error_type == "ValueError":
                 raise ValueError(f"rank {rank}: {text}") from None
+            if error_type == "WriteFailed":  # --json on a full disk: the same line as in one process
+                raise WriteFailed(f"rank {rank}: {text}") from None
             raise EvaluationFailed(f"rank {rank}: {text}" if error_type == "EvaluationFailed" else
                                    f"rank {rank}: {error_type}: {text}\n{traceback}" if error_type else
                                    f"rank {rank} {text}") from None

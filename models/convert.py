@@ -24,7 +24,6 @@ from models.config import ModelConfig, RopeScaling
 from models.hf_tokenizer import load_sentencepiece, write_hf_tokenizer
 from models.storage import (
     DEFAULT_MAX_SHARD_BYTES,
-    atomic_directory,
     read_json,
     read_rows,
     read_tensors,
@@ -33,6 +32,8 @@ from models.storage import (
     write_json,
     write_tensors,
 )
+from runtime.directories import exclusive_writer
+from runtime.failure import writing
 
 # Hugging Face LlamaForCausalLM name -> native Transformer name; {} is the layer index.
 HF_TO_NATIVE = {
@@ -227,13 +228,26 @@ def read_checkpoint(path: str | Path, formats: SourceFormats = SOURCE_FORMATS) -
     return formats[detect_format(path, formats)].read(path)
 
 
+def _recognize(path: Path, formats: SourceFormats) -> str | None:
+    """What checkpoint `path` holds, for a refusal to replace it (a run of `burst train`, a Hugging Face model)."""
+    for source in formats.values():
+        try:
+            if source.detect(path):
+                return source.description
+        except ValueError:  # a damaged config.json: not a format we can name
+            continue
+    return None
+
+
 def convert_checkpoint(src: str | Path, dst: str | Path, to: str, force: bool = False,
                        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, formats: SourceFormats = SOURCE_FORMATS) -> Path:
     """Convert the checkpoint directory `src` (format detected) into `dst` in format `to` ("burst" or "hf").
 
-    Tensors are streamed one at a time; `dst` appears only when complete, and an existing
-    `dst` is replaced only with force=True, never when it holds `src`. The model's tokenizer comes
-    along; a Hugging Face export gets the files `AutoTokenizer` loads (hf_tokenizer.py). Returns `dst`.
+    Tensors are streamed one at a time; `dst` appears only when complete (runtime/directories.py: one
+    writer at a time, staged beside it). An existing `dst` is replaced only with force=True, only when burst
+    wrote it as a model directory (never a run, a token store or a directory of the user's), and never when
+    it holds `src`. The model's tokenizer comes along; a Hugging Face export gets the files `AutoTokenizer`
+    loads (hf_tokenizer.py). A write that fails midway (disk full) raises WriteFailed. Returns `dst`.
     """
     if to not in TARGET_FORMATS:
         raise ValueError(f"unknown target format {to!r}; choose one of {', '.join(TARGET_FORMATS)}")
@@ -241,16 +255,19 @@ def convert_checkpoint(src: str | Path, dst: str | Path, to: str, force: bool = 
     if dst.resolve() == src.resolve() or dst.resolve() in src.resolve().parents:
         raise ValueError(f"the destination {dst} holds the source {src}, which --force would delete; "
                          f"choose a destination outside it")
-    checkpoint = read_checkpoint(src, formats)
-    if checkpoint.tokenizer is not None:
-        load_sentencepiece(checkpoint.tokenizer)  # a damaged one is refused here, before any weight is written
-    with atomic_directory(dst, force) as tmp:
-        TARGET_FORMATS[to](checkpoint, tmp, max_shard_bytes)
-        for name in CARRIED_FILES:
-            if (src / name).is_file():
-                shutil.copy2(src / name, tmp / name)
-        if checkpoint.tokenizer is not None and to == "hf" and not (src / "tokenizer.json").is_file():
-            write_hf_tokenizer(checkpoint.tokenizer, tmp, checkpoint.config.max_seq_len)
-        elif checkpoint.tokenizer is not None:
-            shutil.copyfile(checkpoint.tokenizer, tmp / TOKENIZER_FILE)
+    with exclusive_writer(dst, "model") as directory:  # refused while another process writes `dst`
+        directory.check_replaceable(force, recognize=lambda path: _recognize(path, formats))  # by name
+        checkpoint = read_checkpoint(src, formats)
+        if checkpoint.tokenizer is not None:
+            load_sentencepiece(checkpoint.tokenizer)  # a damaged one is refused here, before any weight is written
+        kept = f"; {dst} is as it was before" if dst.exists() else f"; {dst} was not created"
+        with directory.staging() as tmp, writing(dst, kept):
+            TARGET_FORMATS[to](checkpoint, tmp, max_shard_bytes)
+            for name in CARRIED_FILES:
+                if (src / name).is_file():
+                    shutil.copy2(src / name, tmp / name)
+            if checkpoint.tokenizer is not None and to == "hf" and not (src / "tokenizer.json").is_file():
+                write_hf_tokenizer(checkpoint.tokenizer, tmp, checkpoint.config.max_seq_len)
+            elif checkpoint.tokenizer is not None:
+                shutil.copyfile(checkpoint.tokenizer, tmp / TOKENIZER_FILE)
     return dst

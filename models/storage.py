@@ -12,13 +12,15 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
+import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from runtime.directories import exclusive_writer, write_atomically
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -33,24 +35,65 @@ def umask_mode(mode: int) -> int:
 
 
 def read_json(path: Path) -> dict:
-    """A JSON object from `path`, with an error naming the file when it is missing or malformed."""
+    """A JSON object from `path`, with an error naming the file when it is missing, malformed or not an object."""
     if not path.is_file():
         raise ValueError(f"{path} does not exist")
     try:
-        return json.loads(path.read_text())
+        obj = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"{path} is not valid JSON ({err}); re-export or re-download it") from err
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path} holds a JSON {type(obj).__name__}, not an object; re-export or re-download it")
+    return obj
+
+
+def read_index(index: Path) -> dict[str, str]:
+    """The weight map of `index` (model.safetensors.index.json): tensor name -> shard file name in the same
+    directory, every field checked for its type; an error names the file, the field and the fix."""
+    fix = "re-export or re-download the checkpoint"
+    content = read_json(index)
+    metadata = content.get("metadata", {})
+    if not isinstance(metadata, dict):
+        raise ValueError(f"{index}: 'metadata' is a {type(metadata).__name__}, not an object; {fix}")
+    total_size = metadata.get("total_size", 0)
+    if isinstance(total_size, bool) or not isinstance(total_size, int) or total_size < 0:
+        raise ValueError(f"{index}: 'metadata.total_size' = {total_size!r} is not a whole number of bytes; {fix}")
+    weight_map = content.get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{index} has no 'weight_map' object (tensor name -> file name); {fix}")
+    if not weight_map:
+        raise ValueError(f"{index}: 'weight_map' lists no tensors; {fix}")
+    for name, file in weight_map.items():
+        if not isinstance(file, str):
+            raise ValueError(f"{index}: 'weight_map' maps {name!r} to {file!r}, not to a file name; {fix}")
+        if Path(file).name != file or file in (".", "..") or not file.endswith(".safetensors"):
+            raise ValueError(f"{index}: 'weight_map' maps {name!r} to {file!r}, which is not the name of a "
+                             f".safetensors file beside the index; {fix}")
+    return weight_map
 
 
 def write_json(obj: dict, path: Path) -> None:
-    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    """Write `obj` to `path` whole or not at all (a temporary renamed over it, runtime.directories)."""
+    write_atomically(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def os_error_in(err: Exception, file: Path | None = None) -> OSError | None:
+    """The OSError behind an error safetensors raised (its own type, the OS's number in its text), or None."""
+    number = re.search(r"\(os error (\d+)\)", str(err))
+    if number is None:
+        return None
+    return OSError(int(number.group(1)), os.strerror(int(number.group(1))), *([str(file)] if file else []))
 
 
 def open_safetensors(file: Path):
-    """safe_open(file), with a ValueError naming the file when it is truncated or corrupt."""
+    """safe_open(file), with a ValueError naming the file when it is truncated or corrupt (an OSError when the
+    file system refused to read it: no permission, an I/O error)."""
     try:
         return safe_open(str(file), framework="pt")
     except Exception as err:  # safetensors raises its own error types for each kind of damage
+        denied = os_error_in(err, file) if not isinstance(err, OSError) else err
+        if denied is not None:
+            raise denied from None
         raise ValueError(f"{file} is not a readable safetensors file ({err}); "
                          f"it is probably truncated or corrupt: re-download or re-export it") from err
 
@@ -59,10 +102,7 @@ def tensor_files(directory: Path) -> dict[str, Path]:
     """Map each tensor name to the safetensors file in `directory` that holds it."""
     single, index = directory / WEIGHTS_NAME, directory / INDEX_NAME
     if index.is_file():
-        weight_map = read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ValueError(f"{index} has no 'weight_map' object; re-export the checkpoint")
-        files = {name: directory / file for name, file in weight_map.items()}
+        files = {name: directory / file for name, file in read_index(index).items()}
     elif single.is_file():
         with open_safetensors(single) as f:
             return dict.fromkeys(f.keys(), single)
@@ -128,7 +168,13 @@ def write_tensors(tensors: Iterable[tuple[str, torch.Tensor]], directory: Path,
 
     def flush() -> None:
         shard = directory / f"shard-{len(shards) + 1:05d}.tmp"
-        save_file(pending, str(shard), metadata={"format": "pt"})
+        try:
+            save_file(pending, str(shard), metadata={"format": "pt"})
+        except Exception as err:  # a full disk comes as safetensors' own type: the OSError, for WriteFailed
+            full = os_error_in(err)  # no file name: the caller names the directory the user knows
+            if full is None:
+                raise
+            raise full from None
         os.chmod(shard, umask_mode(0o666))  # safetensors creates its files 0600, unreadable to a team
         shards.append(list(pending))
         pending.clear()
@@ -157,22 +203,11 @@ def write_tensors(tensors: Iterable[tuple[str, torch.Tensor]], directory: Path,
 def atomic_directory(dst: Path, force: bool = False) -> Iterator[Path]:
     """Yield a temporary directory next to `dst` that becomes `dst` only if the block completes.
 
-    An existing `dst` is refused unless `force`; then it is replaced only after the new one is complete.
+    The rule of every directory burst writes (runtime/directories.py): one writer at a time, and an existing
+    `dst` is refused unless `force`, and then unless burst wrote it as a model directory; it is replaced only
+    after the new one is complete.
     """
-    dst = Path(dst)
-    if dst.exists() and not force:
-        raise ValueError(f"{dst} already exists; choose another destination or pass --force to replace it")
-    tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        yield tmp
-        if dst.exists():
-            old = dst.parent / f".{dst.name}.old-{os.getpid()}"
-            os.replace(dst, old)
-            os.replace(tmp, dst)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, dst)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with exclusive_writer(dst, "model") as directory:
+        directory.check_replaceable(force)
+        with directory.staging() as tmp:
+            yield tmp

@@ -64,7 +64,8 @@ def test_prepare_force_does_not_delete_a_directory_that_is_not_a_token_store(tmp
     out.mkdir()
     (out / "thesis.tex").write_text("years of work")
     output = refused(invoke("prepare", corpus, "--out", out, "--tokenizer", tokenizer.path, "--force"),
-                     "is not a token store", "--force will not delete it")
+                     "is a directory burst did not write", "it holds thesis.tex", "not a token store",
+                     "so it will not delete")
     assert (out / "thesis.tex").read_text() == "years of work" and "force=True" not in output
 
 

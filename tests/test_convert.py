@@ -181,6 +181,31 @@ def test_bad_sources_are_refused_and_leave_nothing(tmp_path):
     refused(r"is not a recognised checkpoint")
 
 
+@pytest.mark.parametrize("edit, message", [
+    (lambda index: ["not", "an", "object"], "holds a JSON list, not an object"),
+    (lambda index: {"metadata": index["metadata"]}, "has no 'weight_map' object"),
+    (lambda index: {**index, "weight_map": {}}, "'weight_map' lists no tensors"),
+    (lambda index: {**index, "weight_map": {**index["weight_map"], "model.norm.weight": 7}},
+     "'weight_map' maps 'model.norm.weight' to 7, not to a file name"),
+    (lambda index: {**index, "weight_map": {**index["weight_map"], "model.norm.weight": "../x.safetensors"}},
+     "maps 'model.norm.weight' to '../x.safetensors', which is not the name of a .safetensors file beside"),
+    (lambda index: {**index, "weight_map": {**index["weight_map"], "model.norm.weight": "pytorch_model.bin"}},
+     "to 'pytorch_model.bin', which is not the name of a .safetensors file"),
+    (lambda index: {**index, "metadata": {"total_size": "12345"}}, "'metadata.total_size' = '12345' is not a whole"),
+    (lambda index: {**index, "metadata": {"total_size": True}}, "'metadata.total_size' = True is not a whole"),
+    (lambda index: {**index, "metadata": [1]}, "'metadata' is a list, not an object"),
+])
+def test_every_field_of_an_index_file_is_checked_and_named(tmp_path, edit, message):
+    save_hf_model(tmp_path / "hf", "gqa", max_shard_size="100KB")
+    index_file = tmp_path / "hf" / "model.safetensors.index.json"
+    index_file.write_text(json.dumps(edit(json.loads(index_file.read_text()))))
+    result = CliRunner().invoke(app, ["convert-checkpoint", str(tmp_path / "hf"), str(tmp_path / "out"), "--to",
+                                      "burst"])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert f"{index_file}" in result.output and message in result.output and "re-download" in result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
 def test_failure_while_writing_leaves_no_destination(tmp_path, monkeypatch):
     save_hf_model(tmp_path / "hf", "gqa")
 
@@ -194,15 +219,21 @@ def test_failure_while_writing_leaves_no_destination(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
 
 
-def test_existing_destination_needs_force(tmp_path):
+def test_existing_destination_needs_force_and_force_replaces_only_an_export(tmp_path):
     save_hf_model(tmp_path / "hf", "gqa")
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep.txt").write_text("precious")
-    with pytest.raises(ValueError, match="out already exists; choose another destination or pass --force"):
-        convert_checkpoint(tmp_path / "hf", tmp_path / "out", to="burst")
-    assert (tmp_path / "out" / "keep.txt").read_text() == "precious"
-    convert_checkpoint(tmp_path / "hf", tmp_path / "out", to="burst", force=True)
-    assert not (tmp_path / "out" / "keep.txt").exists() and load_model(tmp_path / "out").config.dim == 64
+    for force in (False, True):
+        with pytest.raises(ValueError, match="out already exists and is a directory burst did not write .*keep.txt"):
+            convert_checkpoint(tmp_path / "hf", tmp_path / "out", to="burst", force=force)
+        assert (tmp_path / "out" / "keep.txt").read_text() == "precious"
+    convert_checkpoint(tmp_path / "hf", tmp_path / "export", to="burst")
+    with pytest.raises(ValueError, match="export already exists .*; choose another destination, or pass --force"):
+        convert_checkpoint(tmp_path / "hf", tmp_path / "export", to="hf")
+    assert load_model(tmp_path / "export").config.dim == 64  # untouched
+    convert_checkpoint(tmp_path / "hf", tmp_path / "export", to="hf", force=True)  # an export of burst's: replaced
+    assert LlamaForCausalLM.from_pretrained(tmp_path / "export").config.hidden_size == 64
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "hf", "out"]
     with pytest.raises(ValueError, match="unknown target format 'gguf'; choose one of hf, burst"):
         convert_checkpoint(tmp_path / "hf", tmp_path / "x", to="gguf")
 

@@ -124,17 +124,21 @@ def test_each_kind_of_bad_input_is_counted_and_good_documents_kept(tmp_path, tok
     store = TokenStore(tmp_path / "store")
     last = [tokenizer.decode(store.document(i)) for i in range(store.num_documents - 4, store.num_documents)]
     assert last == ["alpha beta gamma", "na\ufffdve caf\ufffd", "delta ring", "bad \ufffd byte"]
-    console = Console(record=True, width=200)
-    console.print(summary_table(summary))
-    shown = console.export_text()
+    console = Console(record=True, width=80)  # a terminal of 80 columns, or a log file
+    console.print(summary_table(summary), soft_wrap=True)  # as prepare prints it
+    lines = console.export_text().splitlines()
+    table = [line for line in lines if line[:1] in "┌│└"]
+    assert max(map(len, table)) <= 80, "\n".join(lines)
     for problem, count in [("unreadable files", 2), ("invalid json", 1), ("empty documents", 3)]:
-        assert re.search(rf"{problem}\s*│\s*{count}\s*│\s*e\.g\. ", shown), shown
+        assert any(re.fullmatch(rf"│ {problem}\s*│ {count}\s*│", line) for line in table), "\n".join(lines)
+        example = report.examples[problem.replace(" ", "_")][0]
+        assert f"{problem}: {count}, e.g. {example}" in lines, "\n".join(lines)  # whole, on a line of its own
 
 
 def test_interrupted_prepare_leaves_no_complete_looking_store(tmp_path, tokenizer, monkeypatch):
     write_corpus(tmp_path / "corpus")
 
-    def interrupt(self, documents):
+    def interrupt(self, documents, ends=None):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(prepare_module.StoreWriter, "append", interrupt)
@@ -165,10 +169,10 @@ def test_existing_output_is_refused_unless_forced(tmp_path, tokenizer):
     out = tmp_path / "store"
     out.mkdir()
     (out / "precious.txt").write_text("keep me")
-    with pytest.raises(FileExistsError, match="--force"):
+    with pytest.raises(ValueError, match="burst did not write .* so it will not delete"):
         prepare([tmp_path / "corpus"], out, tokenizer=tokenizer.path, progress=False)
     assert (out / "precious.txt").read_text() == "keep me"
-    with pytest.raises(FileExistsError, match="is not a token store"):
+    with pytest.raises(ValueError, match="not a token store written by `burst prepare`"):
         prepare([tmp_path / "corpus"], out, tokenizer=tokenizer.path, force=True, progress=False)
     assert (out / "precious.txt").read_text() == "keep me"
     (out / "precious.txt").unlink()

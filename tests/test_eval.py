@@ -381,4 +381,4 @@ def test_without_matplotlib_the_plot_is_skipped_and_the_json_says_how_to_get_it(
     evaluate(EvalConfig(checkpoint=checkpoint, data=store.directory, seq_len=SEQ_LEN, batches=1, passkey_trials=0,
                         json_path=out))
     assert not out.with_suffix(".png").exists()
-    assert "pip install 'burst[plot]'" in json.loads(out.read_text())["warnings"][-1]
+    assert "pip install 'burst-attention[plot]'" in json.loads(out.read_text())["warnings"][-1]

@@ -4,8 +4,8 @@ function, or under TYPE_CHECKING, counts as much as one at the top.
     burst            the attention library: imports no other package of the project
     runtime          process plumbing (launching, process groups, memory): burst
     data             token stores, loader, tokenizer: burst, runtime
-    models           the model, its checkpoints and conversion: burst
-    checkpoints      the training checkpoint's format, every checkpoint source: models
+    models           the model, its checkpoints and conversion: burst, runtime (the directories it writes)
+    checkpoints      the training checkpoint's format, every checkpoint source: burst, runtime, models
     trainer          `burst train`: all of the above, not evaluation
     evaluation       `burst eval`: all of the above, not trainer
     bench            `burst bench`: burst, runtime
@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).parents[1]
-LOWER = {"burst": set(), "runtime": {"burst"}, "data": {"burst", "runtime"}, "models": {"burst"},
-         "checkpoints": {"burst", "models"}}
+LOWER = {"burst": set(), "runtime": {"burst"}, "data": {"burst", "runtime"}, "models": {"burst", "runtime"},
+         "checkpoints": {"burst", "runtime", "models"}}
 ALLOWED = {  # package -> the project's packages it may import (its own always)
     **LOWER,
     "trainer": {*LOWER, "data", "models"},
