@@ -204,8 +204,8 @@ def _train_option(setting: dataclasses.Field, annotation: Any) -> inspect.Parame
 def _train_command(config: Path | None = None, **flags: Any) -> None:
     """Train a LLaMA-style model with BurstAttention sequence parallelism.
 
-    Exits 0 when done (or at --stop-after), 2 on bad input, 1 when the run cannot go on, and 128 + the
-    signal's number when a signal stopped it after saving: 130 after Ctrl-C, 143 after SIGTERM.
+    Exits 0 when done (or at --stop-after), 2 on bad input, 1 when the run cannot go on (a full disk too), and
+    128 + the signal's number when a signal stopped it after saving: 130 after Ctrl-C, 143 after SIGTERM.
     """
     from trainer.config import load_config, load_run_config  # here, so `burst --help` does not import torch
     from trainer.launch import launch
@@ -219,9 +219,10 @@ def _train_command(config: Path | None = None, **flags: Any) -> None:
             raise ValueError("--resume continues the run in --out with its own config.toml: pass --out RUN_DIR "
                              "and no --config")
         launch(load_run_config(overrides["out"], overrides) if resume else load_config(config, overrides))
-    except (ValueError, TrainingStopped) as err:
-        typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
-        raise typer.Exit(2 if isinstance(err, ValueError) else 1) from None
+    except (ValueError, TrainingStopped, WriteFailed) as err:
+        raise _fail(err, 2 if isinstance(err, ValueError) else 1) from None
+    except OSError as err:  # met before any work: a read-only or forbidden --out, say
+        raise _fail(os_error_message(err), 2) from None
     except TrainingInterrupted as err:  # saved, and said so: exit as a shell reports a signal (130, 143)
         raise typer.Exit(err.exit_code) from None
     except KeyboardInterrupt:  # Ctrl-C during start-up, before the loop handles signals: nothing was trained

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import os
 import signal
 import threading
 from collections.abc import Iterator
@@ -81,3 +82,27 @@ def stopping_on_sigterm() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+PROBE_BYTES = 64 << 10  # a write that fails even this small was refused by the storage, not the data
+
+
+def storage_problem(path: str | Path) -> OSError | None:
+    """Why the storage at `path` (or the nearest existing directory above it) cannot take a write now: a
+    storage OSError (disk full, read-only, no permission) from writing and flushing a probe file of
+    PROBE_BYTES there, or None when it can. For libraries whose errors lose the errno of a failed write."""
+    directory = Path(path)
+    while not directory.is_dir() and directory != directory.parent:
+        directory = directory.parent
+    probe = directory / f".burst-space-probe-{os.getpid()}"
+    try:
+        with open(probe, "wb") as f:
+            f.write(b"\0" * PROBE_BYTES)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as err:
+        return err if err.errno in STORAGE_ERRORS else None
+    finally:
+        with contextlib.suppress(OSError):
+            probe.unlink()
+    return None

@@ -21,6 +21,9 @@ from cli import app
 from data import prepare
 from models import ModelConfig, Transformer, save_model
 from tests.test_checkpoint import COMMON, losses
+from tests.test_output_faults import one_error_line
+from tests.test_output_faults import seal as seal  # noqa: F401  (fixtures)
+from tests.test_output_faults import small_disk as small_disk  # noqa: F401
 from tests.test_train import burst_train, events, make_text, metrics
 from tests.test_train import store as store  # noqa: F401
 from trainer.saving import CheckpointSaver
@@ -112,7 +115,7 @@ def test_a_starting_checkpoint_with_a_nan_is_refused_not_blamed_on_the_learning_
     save_model(model, config, tmp_path / "model")
     out = tmp_path / "run"
     result = CliRunner().invoke(app, ["train", "--model", str(tmp_path / "model"), "--data", str(store),
-                                      "--seq-len", "128", "--steps", "2", "--out", str(out)])
+                                      "--seq-len", "128", "--steps", "3", "--out", str(out)])
     assert result.exit_code == 2, result.output
     text = " ".join(result.output.split())
     assert "hold non-finite values (nan or inf) in layers.1.feed_forward.w2.weight (1 tensors)" in text
@@ -168,3 +171,65 @@ def test_the_summary_and_metrics_report_the_validation_loss_at_the_start_and_the
     assert f"validation loss {rows[0]['loss']:.4f} (step 0) -> {rows[-1]['loss']:.4f} (step 6), 3 held-out" in summary
     assert "training loss" in summary and "(mean of the last 6 steps)" in summary
     assert len(metrics(out)) == 6  # validation rows are events, not steps
+
+
+# ---- one writer; nothing written over that burst did not write; read-only and full disks ------------------------
+
+def test_a_second_writer_and_a_resume_of_a_running_run_are_refused_naming_the_holder(store, tmp_path):
+    out = tmp_path / "run"
+    first = subprocess.Popen([sys.executable, "-m", "cli", "train", *map(str, COMMON), "--data", str(store),
+                              "--steps", "400", "--out", str(out)], cwd=REPO, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not (out / "metrics.jsonl").is_file() or not metrics(out):
+            assert first.poll() is None and time.monotonic() < deadline, first.stderr.read() if first.poll() else ""
+            time.sleep(0.2)
+        for args in (["train", *map(str, COMMON), "--data", str(store), "--steps", "4", "--out", str(out)],
+                     ["train", "--resume", "--out", str(out)]):
+            result = CliRunner().invoke(app, args)
+            assert result.exit_code == 2, result.output
+            text = " ".join(result.output.split())
+            assert f"{out} is being written by another process (pid {first.pid} on" in text, text
+            assert "--steps 400" in text and "Traceback" not in text
+        assert first.poll() is None  # the run itself goes on
+    finally:
+        first.terminate()
+        first.wait(timeout=120)
+    assert first.returncode == 143 and complete_checkpoints(out)  # it saved as it stopped
+
+
+def test_a_new_run_never_writes_over_files_burst_did_not_write(store, tmp_path):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "config.toml").write_text("# my own settings, not burst's\n")
+    result = CliRunner().invoke(app, ["train", *map(str, COMMON), "--data", str(store), "--steps", "3",
+                                      "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    assert "already exists and is a directory burst did not write" in " ".join(result.output.split())
+    assert (out / "config.toml").read_text() == "# my own settings, not burst's\n" and len(list(out.iterdir())) == 1
+
+
+def test_a_read_only_run_directory_is_refused_before_any_work(store, tmp_path, seal):
+    (tmp_path / "shelf").mkdir()
+    sealed = seal(tmp_path / "shelf")
+    result = CliRunner().invoke(app, ["train", *map(str, COMMON), "--data", str(store), "--steps", "3",
+                                      "--out", str(sealed / "run")])
+    assert result.exit_code == 2, result.output
+    error = one_error_line(result.output)
+    assert f"{sealed}: " in error and ("read-only" in error or "permission denied" in error)
+    assert list((tmp_path / "shelf").iterdir()) == []
+
+
+def test_a_full_disk_during_a_save_ends_the_run_in_one_line_and_keeps_the_previous_checkpoint(store, tmp_path,
+                                                                                            small_disk):
+    disk = small_disk(3 * 2**20)  # room for the run and one checkpoint, not two (--keep 2)
+    out = disk / "run"
+    done = burst_train(*COMMON, "--data", store, "--steps", 8, "--checkpoint-every", 2, "--out", out)
+    assert done.returncode == 1, done.stderr[-3000:]
+    error = one_error_line(done.stderr)
+    assert "failed: " in error and "no space left on the device (the disk is full)" in error, error
+    assert "is intact; continue with `burst train --resume" in error
+    kept = complete_checkpoints(out)
+    assert kept and not list((out / "checkpoints").glob("*.tmp-*"))  # the failed save's files are gone
+    assert f"The newest complete checkpoint, {kept[-1]}, is intact" in error

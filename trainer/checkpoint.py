@@ -30,7 +30,7 @@ from checkpoints.training import read_train_state, rng_name
 from models.checkpoint import read_config
 from models.config import ModelConfig
 from models.storage import read_json
-from trainer.config import write_atomically
+from runtime.directories import write_atomically
 
 
 def check_model_config(path: Path, model_config: ModelConfig) -> None:

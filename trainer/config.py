@@ -11,8 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
-import shutil
 import types
 import typing
 from dataclasses import dataclass, field
@@ -276,21 +274,11 @@ def to_toml(config: TrainConfig) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_atomically(path: Path, text: str) -> None:  # TODO(merge): the runtime/ file API of issue 23
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def copy_atomically(source: Path, path: Path) -> None:  # TODO(merge): the runtime/ file API of issue 23
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    shutil.copyfile(source, tmp)
-    os.replace(tmp, path)
-
-
 def save_config(config: TrainConfig, path: Path, notes: str = "") -> None:
     """Write `config` to `path`, after `notes` (say, why a setting has its value) as TOML comments; whole or
     not at all (a temporary renamed over it), so a full disk never leaves a truncated config.toml."""
+    from runtime.directories import write_atomically  # here, so `burst --help` reads this module alone
+
     write_atomically(path, "".join(f"# {line}\n" for line in notes.splitlines()) + to_toml(config))
 
 

@@ -11,6 +11,7 @@ up to --max-restarts times; the new workers continue the run from its newest com
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -21,7 +22,8 @@ from checkpoints.training import complete_checkpoints
 from runtime.launch import first_failure, run_local, under_torchrun
 from trainer.config import TrainConfig
 from trainer.distributed import environment_world_size
-from trainer.preflight import plan_run
+from trainer.preflight import default_run_dir, plan_run
+from trainer.rundir import hold_run_directory
 from trainer.signals import TrainingInterrupted
 from trainer.train import train
 from trainer.trainer import TrainingStopped
@@ -35,6 +37,13 @@ def launch(config: TrainConfig) -> None:
             raise ValueError("under torchrun pass --out: every rank, on every node, must use the same run directory")
         train(config)
         return
+    config = dataclasses.replace(config, out=config.out or default_run_dir())
+    with hold_run_directory(config.out):  # for the run's whole life, restarts included
+        start_ranks(config)
+
+
+def start_ranks(config: TrainConfig) -> None:
+    """Check the run, then run it here (one process) or on cp x dp local worker processes."""
     plan = plan_run(config, world_size=config.world_size)  # before any process starts; prepares the default corpus
     config = plan.config
     if torch.cuda.is_available() and torch.cuda.device_count() < config.world_size:
@@ -68,6 +77,6 @@ def worker_failure(err: ChildFailedError) -> TrainingStopped | TrainingInterrupt
         return TrainingInterrupted(text.removeprefix("stopped by "))
     if error_type == "ValueError":
         return ValueError(f"rank {rank}: {text}")
-    if error_type != "TrainingStopped":
+    if error_type not in ("TrainingStopped", "WriteFailed"):
         text = f"{error_type}: {text}\n{traceback}"
     return TrainingStopped(f"rank {rank}: {text}")

@@ -31,13 +31,13 @@ from data.store import TOKENIZER_FILE
 from models import PRESETS, ModelConfig
 from models.checkpoint import expected_shapes, is_native_checkpoint
 from models.convert import is_hf_checkpoint, read_checkpoint, tokenizer_beside
+from runtime.directories import check_writable
 from runtime.precision import Precision, resolve_precision
 from trainer.checkpoint import check_model_config, metrics_rows
 from trainer.config import TrainConfig, run_identity
+from trainer.rundir import check_run_dir
 
 DEFAULT_MODEL = "tiny"
-# What a run that failed during start-up (before its first step) leaves in its directory: a rerun may reuse it.
-STARTUP_FILES = {"config.toml", TOKENIZER_FILE}
 
 
 @dataclass(frozen=True)
@@ -62,16 +62,6 @@ def check_world_size(config: TrainConfig, world_size: int) -> None:
         raise ValueError(f"cp x dp = {config.cp} x {config.dp} = {config.world_size} ranks, but {world_size} processes "
                          f"were started; start cp x dp processes (torchrun --nnodes N --nproc-per-node M with "
                          f"N x M = {config.world_size}), or change --cp/--dp to multiply to {world_size}")
-
-
-def check_run_dir(out: Path) -> None:
-    """Refuse a run directory that already holds something: a new run never mixes into an old one.
-
-    Only what a start-up that failed before its first step leaves (STARTUP_FILES) may be there: nothing was trained.
-    """
-    if out.exists() and (not out.is_dir() or not {p.name for p in out.iterdir()} <= STARTUP_FILES):
-        what = "another run" if (out / "config.toml").is_file() else "other files"
-        raise ValueError(f"run directory {out} already holds {what}; choose a new --out, or delete {out}")
 
 
 def model_and_store(config: TrainConfig, store: TokenStore) -> tuple[ModelConfig, Path | None]:
@@ -214,6 +204,7 @@ def plan_run(config: TrainConfig, world_size: int, restart: int = 0) -> RunPlan:
         config = dataclasses.replace(config, resume=True)
     if not config.resume and not restart:
         check_run_dir(Path(out))
+    check_writable(Path(out) / "config.toml")  # a read-only or forbidden --out: refused before any work
     data = config.data or [f"stdlib={default_store()}"]
     sources = open_sources(parse_mixture(data))
     store = sources[0].store  # every source has the same tokenizer (open_sources checks)

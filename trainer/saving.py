@@ -23,11 +23,13 @@ before its shards are handed over, so it is there too.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +40,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.tensor import DTensor
 
 from checkpoints.training import (
     MARKER,
@@ -50,7 +53,23 @@ from checkpoints.training import (
 from models.checkpoint import CONFIG_NAME
 from models.config import ModelConfig
 from models.storage import write_json
+from runtime.failure import STORAGE_ERRORS, WriteFailed, os_error_message, storage_problem
 from trainer.checkpoint import rng_state
+
+# A save's files take a little more than its tensors (DCP's metadata, JSON, zip framing).
+SAVE_OVERHEAD, SAVE_SLACK_BYTES = 1.05, 2**20
+
+
+def _tensors(tree: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in a nested state dict."""
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, dict):
+        for value in tree.values():
+            yield from _tensors(value)
+    elif isinstance(tree, list | tuple):
+        for value in tree:
+            yield from _tensors(value)
 
 
 @dataclass(frozen=True)
@@ -109,27 +128,65 @@ class CheckpointSaver:
             dist.broadcast_object_list(tag, src=0)  # every rank writes into the same tmp directory
         final = checkpoint_dir(self.out, step)
         tmp = final.with_name(f"{final.name}.tmp-{tag[0]}")
-        tmp.mkdir(parents=True, exist_ok=True)
-        write_json(rng_state(self.device), tmp / rng_name(self.rank))
-        if self.rank == 0:
-            write_json(self.model_config.to_dict(), tmp / CONFIG_NAME)
-            write_json(train_state, tmp / STATE_NAME)
-        model_state, optimizer_state = get_state_dict(model, optimizer)
-        state = {"model": model_state, "optimizer": optimizer_state}
-        if self.asynchronous:
-            if id(optimizer) not in self._hooked:
-                optimizer.register_step_pre_hook(lambda *_: self._wait_for_staging())
-                self._hooked.add(id(optimizer))
-            response = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group,
-                                      async_stager=self._stager, no_dist=not dist.is_initialized())
-            future, staged = response.upload_completion, response.staging_completion
-        else:
-            future = Future()
-            future.set_result(dcp.save(state, checkpoint_id=str(tmp), no_dist=not dist.is_initialized()))
-            staged = future
+        with self._storage_checked(tmp, step):
+            tmp.mkdir(parents=True, exist_ok=True)
+            write_json(rng_state(self.device), tmp / rng_name(self.rank))
+            if self.rank == 0:
+                write_json(self.model_config.to_dict(), tmp / CONFIG_NAME)
+                write_json(train_state, tmp / STATE_NAME)
+            model_state, optimizer_state = get_state_dict(model, optimizer)
+            state = {"model": model_state, "optimizer": optimizer_state}
+            self._check_room(state, tmp)
+            if self.asynchronous:
+                if id(optimizer) not in self._hooked:
+                    optimizer.register_step_pre_hook(lambda *_: self._wait_for_staging())
+                    self._hooked.add(id(optimizer))
+                response = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group,
+                                          async_stager=self._stager, no_dist=not dist.is_initialized())
+                future, staged = response.upload_completion, response.staging_completion
+            else:
+                future = Future()
+                future.set_result(dcp.save(state, checkpoint_id=str(tmp), no_dist=not dist.is_initialized()))
+                staged = future
         self._pending = _Pending(future, staged, step, tmp, started, time.perf_counter() - started)
         if not self.asynchronous:
             self.wait()
+
+    def _check_room(self, state: dict[str, Any], tmp: Path) -> None:
+        """Refuse to start a save the disk has no room for (every rank's shards together, against the free
+        space each rank sees there), the same verdict on every rank: an OSError(ENOSPC) for `_storage_checked`."""
+        local = sum(t.to_local().nbytes if isinstance(t, DTensor) else t.nbytes
+                    for t in _tensors(state))  # this rank's shards
+        total = torch.tensor([float(local)])
+        if dist.is_initialized():
+            dist.all_reduce(total, group=self.group)
+        needed = int(total.item() * SAVE_OVERHEAD) + SAVE_SLACK_BYTES
+        free = shutil.disk_usage(tmp).free
+        short = torch.tensor([float(needed > free)])
+        if dist.is_initialized():
+            dist.all_reduce(short, op=dist.ReduceOp.MAX, group=self.group)
+        if short.item():
+            raise OSError(errno.ENOSPC, f"the checkpoint needs about {needed / 2**20:,.1f} MiB there and "
+                                        f"{free / 2**20:,.1f} MiB are free", str(self.out))
+
+    @contextlib.contextmanager
+    def _storage_checked(self, tmp: Path, step: int) -> Iterator[None]:
+        """A save that fails because of the storage (a full disk, a read-only or forbidden path) ends the run
+        with WriteFailed (exit 1): one line naming the path, and the checkpoint that stays intact. DCP reports
+        a full disk as whatever its file writer hit ("unexpected pos ..."), so the directory is probed to tell."""
+        try:
+            yield
+        except Exception as err:
+            problem = err if isinstance(err, OSError) and err.errno in STORAGE_ERRORS else storage_problem(tmp)
+            if problem is None:
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)  # its space back; the previous checkpoint is untouched
+            detail = f" ({problem.strerror})" if problem.errno == errno.ENOSPC and "MiB" in str(problem.strerror) \
+                else ""
+            raise WriteFailed(f"saving checkpoint {checkpoint_dir(self.out, step).name} failed: "
+                              f"{os_error_message(problem, tmp)}{detail}. The newest complete checkpoint, "
+                              f"{self.newest or 'none yet'}, is intact; continue with `burst train --resume "
+                              f"--out {self.out}` once there is room") from None
 
     def _wait_for_staging(self) -> None:
         """Before optimizer.step(): the save in flight must have copied the state it changes."""
@@ -149,7 +206,8 @@ class CheckpointSaver:
         if pending is None:
             return
         waited = time.perf_counter()
-        pending.future.result()  # raises the background save's error, if any
+        with self._storage_checked(pending.tmp, pending.step):
+            pending.future.result()  # raises the background save's error, if any
         blocked_s = pending.blocked_s + time.perf_counter() - waited
         final = checkpoint_dir(self.out, pending.step)
         # Rank 0 marks the checkpoint complete only once it sees every rank's files: ranks writing to

@@ -6,7 +6,9 @@ step is trainer/step.py; what may start at all is decided before any process joi
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import os
 import time
 
 from runtime.process import leaving_process_group
@@ -18,8 +20,13 @@ from trainer.distributed import (
     is_collective_timeout,
     unresponsive_ranks,
 )
-from trainer.preflight import invocation_done, plan_run, restart_count
+from trainer.preflight import RunPlan, invocation_done, plan_run, restart_count
+from trainer.rundir import hold_run_directory
 from trainer.trainer import Trainer, TrainingStopped
+
+
+def global_rank() -> int:
+    return int(os.environ.get("RANK", "0"))
 
 
 def train(config: TrainConfig) -> None:
@@ -30,7 +37,15 @@ def train(config: TrainConfig) -> None:
     started = time.perf_counter()
     if restart_count() and invocation_done(config):
         return  # the worker that died had saved this invocation's last checkpoint: nothing is left to do
-    plan = plan_run(config, environment_world_size(), restart_count())  # every rank checks before joining
+    # Rank 0 writes the run directory: it holds its lock (taken already when the launcher started this worker).
+    held = hold_run_directory(config.out) if config.out and global_rank() == 0 else contextlib.nullcontext()
+    with held:
+        plan = plan_run(config, environment_world_size(), restart_count())  # every rank checks before joining
+        run_rank(plan, started)
+
+
+def run_rank(plan: RunPlan, started: float) -> None:
+    """Join the process group and run this rank's Trainer; a collective that times out names the hung rank."""
     env = init_distributed(plan.config)
 
     def run() -> None:

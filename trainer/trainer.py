@@ -30,15 +30,17 @@ from checkpoints.training import complete_checkpoints, remove_interrupted_saves
 from data import SequenceLoader
 from data.mixture import open_sources, parse_mixture
 from data.store import TOKENIZER_FILE
+from runtime.directories import write_atomically
 from runtime.memory import peak_memory_mib
 from runtime.process import all_reduce
 from trainer.checkpoint import forget_metrics_after, load_checkpoint, load_stage_start
-from trainer.config import copy_atomically, run_identity, save_config
+from trainer.config import run_identity, save_config
 from trainer.distributed import Distributed
 from trainer.metrics import Metrics
 from trainer.optim import build_optimizer, build_schedule
 from trainer.parallelize import build_model
 from trainer.preflight import RunPlan
+from trainer.rundir import METRICS_FILE, claim_run_directory
 from trainer.saving import CheckpointSaver, Saved
 from trainer.signals import StopRequest, TrainingInterrupted
 from trainer.step import StepResult, checks_ranks, non_finite_weights, train_step
@@ -147,13 +149,15 @@ class Trainer:
         forgets the history past its checkpoint (it trains those steps again). Then the metrics log opens."""
         plan, config = self.plan, self.config
         continued = plan.resume_from is not None or plan.restart > 0
-        self.out.mkdir(parents=True, exist_ok=True)
+        claim_run_directory(self.out)
         save_config(config, self.out / "config.toml", notes=f"precision {config.precision}: {plan.precision.reason}")
-        if not (continued and (self.out / TOKENIZER_FILE).is_file()):
-            copy_atomically(self.store.tokenizer_path, self.out / TOKENIZER_FILE)  # exports and eval check data by it
+        if not (continued and (self.out / TOKENIZER_FILE).is_file()):  # exports and eval check data by it
+            write_atomically(self.out / TOKENIZER_FILE, self.store.tokenizer_path.read_bytes())
         if continued:
             remove_interrupted_saves(self.out)
             forget_metrics_after(self.out, self.state.step)  # steps past the checkpoint (or all: none) come again
+        else:
+            (self.out / METRICS_FILE).unlink(missing_ok=True)  # a failed start-up's: no step was logged
         self.metrics = Metrics(self.out, config.steps, self.console)
 
     def check_starting_weights(self) -> None:
