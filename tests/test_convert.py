@@ -15,7 +15,7 @@ from cli import app
 from data import Tokenizer, train_tokenizer
 from models import ModelConfig, convert_checkpoint, load_model
 from models.convert import config_from_hf
-from models.llama import rope_inv_freq
+from models.llama import rope_frequencies
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 16}
@@ -89,8 +89,8 @@ def test_transformers4_config_and_llama3_scaling(tmp_path):
     with torch.no_grad():
         assert (model(tokens) - hf_logits(hf_model, tokens)).abs().max() <= 1e-4
     # The scaling changes the frequencies, so a converter that dropped it would fail the parity above.
-    assert not torch.equal(rope_inv_freq(model.config),
-                           rope_inv_freq(dataclasses.replace(model.config, rope_scaling=None)))
+    assert not torch.equal(rope_frequencies(model.config)[0],
+                           rope_frequencies(dataclasses.replace(model.config, rope_scaling=None))[0])
 
 
 def test_sharded_checkpoints(tmp_path):
@@ -212,8 +212,9 @@ def test_unsupported_llama_variants_are_named():
             "vocab_size": 300, "intermediate_size": 96}
     with pytest.raises(ValueError, match="attention_bias=True is not supported"):
         config_from_hf({**base, "attention_bias": True}, "config.json")
-    with pytest.raises(ValueError, match="rope type 'yarn' is not supported"):
-        config_from_hf({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "config.json")
+    with pytest.raises(ValueError, match="unknown rope type 'proportional'; the types transformers' LLaMA implements "
+                                         "are default, linear, dynamic, yarn, longrope, llama3"):
+        config_from_hf({**base, "rope_scaling": {"rope_type": "proportional", "factor": 4.0}}, "config.json")
 
 
 def test_cli(tmp_path):
