@@ -22,7 +22,7 @@ import torch
 from models.checkpoint import CONFIG_NAME, check_tensor_shapes, expected_shapes, is_native_checkpoint, read_config
 from models.config import ModelConfig
 from models.hf_config import config_from_hf, config_to_hf
-from models.hf_tokenizer import load_sentencepiece, write_hf_tokenizer
+from models.hf_tokenizer import check_tokenizer, copy_tokenizer_files, tokenizer_beside, write_hf_tokenizer
 from models.storage import (
     DEFAULT_MAX_SHARD_BYTES,
     atomic_directory,
@@ -54,12 +54,8 @@ NATIVE_TO_HF = {native: hf for hf, native in HF_TO_NATIVE.items()}
 
 # Older transformers saved the rotary inverse frequencies as weights; they follow from the config.
 HF_DERIVED_SUFFIX = "rotary_emb.inv_freq"
-# The SentencePiece model a model was trained with, kept beside its weights (also data.store.TOKENIZER_FILE,
-# the name burst prepare gives it; models/ does not import data/).
-TOKENIZER_FILE = "tokenizer.model"
-# Copied unchanged from source to destination when present: Hugging Face's file names.
-CARRIED_FILES = (TOKENIZER_FILE, "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                 "generation_config.json")
+# Copied unchanged from source to destination when present (the tokenizer's files: hf_tokenizer.py).
+GENERATION_CONFIG = "generation_config.json"
 
 
 def rename(name: str, table: dict[str, str]) -> str:
@@ -81,13 +77,8 @@ class Checkpoint:
 
     config: ModelConfig
     tensors: Callable[[], Iterator[tuple[str, torch.Tensor]]]
-    tokenizer: Path | None = None  # the tokenizer.model the model was trained with, when the source keeps one
+    tokenizer: Path | None = None  # the directory keeping the tokenizer the model was trained with, if any
     rows: Callable[[str, range], torch.Tensor] | None = None
-
-
-def tokenizer_beside(directory: Path) -> Path | None:
-    """The tokenizer.model in `directory`, or None."""
-    return directory / TOKENIZER_FILE if (directory / TOKENIZER_FILE).is_file() else None
 
 
 # ---- Hugging Face side -----------------------------------------------------------------------------------------
@@ -178,7 +169,8 @@ def convert_checkpoint(src: str | Path, dst: str | Path, to: str, force: bool = 
 
     Tensors are streamed one at a time; `dst` appears only when complete, and an existing
     `dst` is replaced only with force=True, never when it holds `src`. The model's tokenizer comes
-    along; a Hugging Face export gets the files `AutoTokenizer` loads (hf_tokenizer.py). Returns `dst`.
+    along, written first, so a tokenizer that cannot be exported is refused before any weight is; a
+    Hugging Face export gets the files `AutoTokenizer` loads (hf_tokenizer.py). Returns `dst`.
     """
     if to not in TARGET_FORMATS:
         raise ValueError(f"unknown target format {to!r}; choose one of {', '.join(TARGET_FORMATS)}")
@@ -188,14 +180,13 @@ def convert_checkpoint(src: str | Path, dst: str | Path, to: str, force: bool = 
                          f"choose a destination outside it")
     checkpoint = read_checkpoint(src, formats)
     if checkpoint.tokenizer is not None:
-        load_sentencepiece(checkpoint.tokenizer)  # a damaged one is refused here, before any weight is written
+        check_tokenizer(checkpoint.tokenizer)  # a damaged one is refused here, before DST is touched
     with atomic_directory(dst, force) as tmp:
-        TARGET_FORMATS[to](checkpoint, tmp, max_shard_bytes)
-        for name in CARRIED_FILES:
-            if (src / name).is_file():
-                shutil.copy2(src / name, tmp / name)
-        if checkpoint.tokenizer is not None and to == "hf" and not (src / "tokenizer.json").is_file():
-            write_hf_tokenizer(checkpoint.tokenizer, tmp, checkpoint.config.max_seq_len)
+        if checkpoint.tokenizer is not None and to == "hf":
+            write_hf_tokenizer(checkpoint.tokenizer, tmp, checkpoint.config)
         elif checkpoint.tokenizer is not None:
-            shutil.copyfile(checkpoint.tokenizer, tmp / TOKENIZER_FILE)
+            copy_tokenizer_files(checkpoint.tokenizer, tmp)
+        TARGET_FORMATS[to](checkpoint, tmp, max_shard_bytes)
+        if (src / GENERATION_CONFIG).is_file():
+            shutil.copy2(src / GENERATION_CONFIG, tmp / GENERATION_CONFIG)
     return dst

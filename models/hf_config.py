@@ -58,7 +58,7 @@ def _typed(hf: dict, where: Path | str) -> dict[str, Any]:
         kinds = kind.removesuffix(" or null").split(" or ")
         if not (value is None and kind.endswith("or null")) and not any(_is(k, value) for k in kinds):
             wanted = " or ".join(KIND_NAMES[k] for k in kinds) + (" (or null)" if kind.endswith("or null") else "")
-            raise ValueError(f"{where}: {key} = {value!r} ({type(value).__name__}) must be {wanted}")
+            raise ValueError(f"{where}: {key} = {value!r} must be {wanted}")
         values[key] = value
     return values
 

@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from typer.testing import CliRunner
 
 from cli import app
-from data import Tokenizer, train_tokenizer
+from data import load_tokenizer, train_tokenizer
 from models import ModelConfig, convert_checkpoint, load_model
 from models.convert import config_from_hf
 from models.llama import rope_frequencies
@@ -69,7 +69,7 @@ def test_hf_to_burst_to_hf(tmp_path, name):
         diff = (model(tokens) - hf_logits(hf_model, tokens)).abs().max().item()
     print(f"{name}: max |logit diff| burst vs transformers = {diff:.3e}")
     assert diff <= 1e-4
-    assert Tokenizer(tmp_path / "burst" / "tokenizer.model").sha256 == tokenizer.sha256
+    assert load_tokenizer(tmp_path / "burst" / "tokenizer.model").fingerprint == tokenizer.fingerprint
 
     convert_checkpoint(tmp_path / "burst", tmp_path / "hf2", to="hf")
     source, round_trip = hf_tensors(tmp_path / "hf"), hf_tensors(tmp_path / "hf2")
@@ -77,7 +77,7 @@ def test_hf_to_burst_to_hf(tmp_path, name):
     assert all(torch.equal(source[k], round_trip[k]) and source[k].dtype == round_trip[k].dtype for k in source)
     reloaded = LlamaForCausalLM.from_pretrained(tmp_path / "hf2").eval()
     assert torch.equal(hf_logits(reloaded, tokens), hf_logits(hf_model, tokens))
-    assert Tokenizer(tmp_path / "hf2" / "tokenizer.model").sha256 == tokenizer.sha256
+    assert load_tokenizer(tmp_path / "hf2" / "tokenizer.model").fingerprint == tokenizer.fingerprint
 
 
 def test_transformers4_config_and_llama3_scaling(tmp_path):

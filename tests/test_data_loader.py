@@ -74,6 +74,7 @@ def test_labels_positions_and_boundaries_follow_the_packed_stream(store, reset_p
             expected = np.arange(seq_len) - (segment_start if reset_positions else 0)
             assert np.array_equal(batch.positions[row].numpy(), expected)
         assert batch.num_tokens == int((batch.labels != IGNORE_INDEX).sum())
+        assert batch.rope_length == (int(batch.positions.max()) + 1 if reset_positions else seq_len)
         assert batch.tokens.dtype == batch.labels.dtype == batch.positions.dtype == torch.int64
 
 
@@ -98,6 +99,9 @@ def test_shards_over_cp_and_dp_ranks_cover_every_token_exactly_once(store, cp_si
                 assert torch.equal(part.tokens, burst.shard_for_rank(full.tokens[rows], cp, cp_size))
                 assert [b.tolist() for b in part.doc_boundaries] == [b.tolist() for b in full.doc_boundaries[rows]]
             assert sum(p.num_tokens for p in parts) == int((full.labels[rows] != IGNORE_INDEX).sum())
+            # RoPE's sequence length is the whole sequences', on every cp rank alike (with reset positions: the
+            # longest document part + 1, as transformers computes max(position_ids) + 1).
+            assert {p.rope_length for p in parts} == {int(full.positions[rows].max()) + 1}
 
 
 @pytest.mark.parametrize("dp_size, cp_size", [(1, 1), (2, 2)])

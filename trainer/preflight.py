@@ -18,16 +18,17 @@ import torch
 
 from checkpoints.training import complete_checkpoints, is_run_or_checkpoint, resolve_checkpoint, step_of
 from data import SequenceLoader, TokenStore, default_store
-from data.store import TOKENIZER_FILE
+from data.tokenizer import TOKENIZER_FILES
 from models import PRESETS, ModelConfig
 from models.checkpoint import is_native_checkpoint
 from models.convert import is_hf_checkpoint, read_checkpoint
+from models.rope import parse_rope_scaling
 from runtime.precision import Precision, resolve_precision
 from trainer.checkpoint import check_model_config
 from trainer.config import TrainConfig
 
 # What a run that failed during start-up (before its first step) leaves in its directory: a rerun may reuse it.
-STARTUP_FILES = {"config.toml", TOKENIZER_FILE}
+STARTUP_FILES = {"config.toml", *TOKENIZER_FILES}
 
 
 @dataclass(frozen=True)
@@ -64,11 +65,13 @@ def check_run_dir(out: Path) -> None:
 
 
 def model_and_store(config: TrainConfig, store: TokenStore) -> tuple[ModelConfig, Path | None]:
-    """The model config and starting checkpoint for `config.model`, checked against the store's tokenizer."""
+    """The model config and starting checkpoint for `config.model`, with --rope-theta and --rope-scaling applied,
+    checked against the store's tokenizer; the config names the tokenizer's BOS and EOS (exports write them)."""
     if config.model in PRESETS:
-        preset = ModelConfig.from_name(config.model)
+        preset = with_rope(ModelConfig.from_name(config.model), config)
         # A fresh model gets the store's vocabulary, so any tokenizer trains any preset.
-        return dataclasses.replace(preset, vocab_size=store.vocab_size,
+        return dataclasses.replace(preset, vocab_size=store.vocab_size, bos_token_id=store.bos_id,
+                                   eos_token_id=store.eos_id,
                                    max_seq_len=max(preset.max_seq_len, config.seq_len)), None
     path = Path(config.model)
     if not path.is_dir():
@@ -80,14 +83,43 @@ def model_and_store(config: TrainConfig, store: TokenStore) -> tuple[ModelConfig
     if not (is_native_checkpoint(path) or is_hf_checkpoint(path)):
         raise ValueError(f"--model {path} is not a model checkpoint directory (a native or Hugging Face LLaMA "
                          f"config.json with safetensors weights)")
-    model_config = read_checkpoint(path).config  # validated from the file headers, no tensor read
-    if (path / TOKENIZER_FILE).is_file():
-        store.check_tokenizer(path / TOKENIZER_FILE, path)
-    if store.vocab_size != model_config.vocab_size:
-        raise ValueError(f"the token store {store.directory} has a vocabulary of {store.vocab_size} tokens but the "
-                         f"model {path} has {model_config.vocab_size}; prepare the data with the model's tokenizer "
-                         f"(`burst prepare INPUT... --tokenizer TOKENIZER.model --out STORE`)")
-    return model_config, path
+    model_config = with_rope(read_checkpoint(path).config, config)  # validated from the file headers, no tensor read
+    store.check_tokenizer(path, path)
+    max_id = max(store.metadata.get("max_token_id", -1), store.bos_id, store.eos_id)
+    if store.vocab_size > model_config.vocab_size:
+        raise ValueError(f"the token store {store.directory} has a vocabulary of {store.vocab_size:,} tokens (ids up "
+                         f"to {max_id:,} in its documents and specials) but the model {path} has "
+                         f"{model_config.vocab_size:,} embeddings; prepare the data with the model's tokenizer "
+                         f"(`burst prepare INPUT... --tokenizer {path} --out STORE`)")
+    return with_specials(model_config, store, path), path
+
+
+def with_rope(model_config: ModelConfig, config: TrainConfig) -> ModelConfig:
+    """`model_config` with --rope-theta and --rope-scaling, whose original length defaults to its max_seq_len."""
+    changes = {}
+    if config.rope_theta is not None:
+        changes["rope_theta"] = config.rope_theta
+    if config.rope_scaling is not None:
+        changes["rope_scaling"] = parse_rope_scaling(config.rope_scaling, "--rope-scaling",
+                                                     original_length=model_config.max_seq_len)
+    try:
+        return dataclasses.replace(model_config, **changes)
+    except ValueError as err:  # what fits only this model: longrope's factors, one per frequency of its heads
+        raise ValueError(f"--rope-scaling {config.rope_scaling}: {err}") from None
+
+
+def with_specials(model_config: ModelConfig, store: TokenStore, path: Path) -> ModelConfig:
+    """`model_config` naming the store's BOS and EOS; refused when the checkpoint's config.json names others."""
+    bos, eos = model_config.bos_token_id, model_config.eos_token_id
+    eos_ids = eos if isinstance(eos, list) else [eos]
+    if bos not in (None, store.bos_id) or eos is not None and store.eos_id not in eos_ids:
+        raise ValueError(f"the model {path} names BOS {bos} and EOS {eos} (config.json's bos_token_id and "
+                         f"eos_token_id) but the token store {store.directory} was prepared with a tokenizer whose BOS "
+                         f"is {store.bos_id} and EOS {store.eos_id}: the documents would be framed with tokens the "
+                         f"model does not know as such; prepare the data with the model's tokenizer "
+                         f"(`burst prepare INPUT... --tokenizer {path} --out STORE`)")
+    return dataclasses.replace(model_config, bos_token_id=store.bos_id,
+                               eos_token_id=store.eos_id if eos is None else eos)
 
 
 def device_memory_bytes() -> int:

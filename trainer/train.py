@@ -19,7 +19,6 @@ import contextlib
 import dataclasses
 import datetime
 import math
-import shutil
 import signal
 import time
 from dataclasses import dataclass
@@ -35,7 +34,6 @@ from torch.distributed.tensor import DTensor
 from burst.module import set_rank_checks
 from checkpoints.training import complete_checkpoints, remove_interrupted_saves
 from data import Batch, SequenceLoader, TokenStore
-from data.store import TOKENIZER_FILE
 from models import Transformer
 from runtime.memory import peak_memory_mib
 from runtime.process import all_reduce, leaving_process_group
@@ -93,7 +91,7 @@ def forward_backward(model: Transformer, batch: Batch, global_count: torch.Tenso
         for offsets in doc_boundaries:  # documents per row vary from batch to batch: one graph for any count
             torch._dynamo.maybe_mark_dynamic(offsets, 0)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.precision == "bf16"):
-        loss_sum, _ = model.loss(tokens, labels, positions, doc_boundaries)
+        loss_sum, _ = model.loss(tokens, labels, positions, doc_boundaries, rope_length=batch.rope_length)
     (loss_sum / global_count).backward()
     return loss_sum.detach()
 
@@ -209,7 +207,7 @@ def run(plan: RunPlan, env: Distributed, started: float) -> None:
         out.mkdir(parents=True, exist_ok=True)
         # on --resume: the layout this invocation runs with
         save_config(config, out / "config.toml", notes=f"precision {config.precision}: {plan.precision.reason}")
-        shutil.copyfile(store.tokenizer_path, out / TOKENIZER_FILE)  # exports and `burst eval` check data by it
+        store.copy_tokenizer(out)  # exports and `burst eval` check data by it
         print_config(plan, config, console)
 
     # A resumed run builds no initial weights: its checkpoint's load fills every shard.
