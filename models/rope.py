@@ -239,10 +239,10 @@ class Llama3Rope(RopeScaling):
     """LLaMA-3.1: wavelengths shorter than original_max_position_embeddings / high_freq_factor are kept, longer
     than original_max_position_embeddings / low_freq_factor divided by `factor`, the band between interpolated."""
 
-    factor: float = 8.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
     rope_type: ClassVar[str] = "llama3"
 
     def check(self) -> None:

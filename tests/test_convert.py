@@ -239,3 +239,30 @@ def test_tensors_derived_from_others_are_skipped(tmp_path):
     tokens = torch.randint(0, 300, (1, SEQ_LEN))
     with torch.no_grad():
         assert (load_model(tmp_path / "burst")(tokens) - hf_logits(hf_model, tokens)).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("tie_word_embeddings", "false", "tie_word_embeddings = 'false' must be true or false"),
+    ("rms_norm_eps", "1e-5", "rms_norm_eps = '1e-5' must be a number"),
+    ("num_key_value_heads", 2.0, "num_key_value_heads = 2.0 must be a whole number (or null)"),
+    ("max_position_embeddings", True, "max_position_embeddings = True must be a whole number"),
+    ("eos_token_id", "2", "eos_token_id = '2' must be a token id or a list of them (or null)"),
+    ("rope_scaling", {"rope_type": "linear", "factor": "4"}, "rope scaling 'linear': factor = '4' must be a number"),
+    ("rope_scaling", {"rope_type": "llama3", "factor": 8.0}, "rope type 'llama3' needs low_freq_factor, "
+                                                              "high_freq_factor"),
+    ("rope_scaling", "yarn", "rope_scaling = 'yarn' must be a JSON object (or null)"),
+])
+def test_a_config_json_field_of_the_wrong_type_is_named_with_the_file_and_nothing_is_written(tmp_path, field, value,
+                                                                                              message):
+    """A string "false" would drop lm_head.weight and a string rope factor would crash training: refused, exit 2."""
+    save_hf_model(tmp_path / "hf", "gqa")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config.pop("rope_parameters")
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, field: value}))
+    for command in (["convert-checkpoint", str(tmp_path / "hf"), str(tmp_path / "out"), "--to", "burst"],
+                    ["train", "--model", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]):
+        result = CliRunner().invoke(app, command)
+        output = " ".join(result.output.split())
+        assert result.exit_code == 2 and "Traceback" not in output, result.output
+        assert f"{tmp_path / 'hf' / 'config.json'}: " in output and message in output, result.output
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no export, no run, no temporary

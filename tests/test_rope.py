@@ -9,11 +9,17 @@ import json
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
+from typer.testing import CliRunner
 
 import burst
-from models import ModelConfig, convert_checkpoint, init_model, load_model
+from cli import app
+from data import TokenStore
+from models import ModelConfig, convert_checkpoint, init_model, load_model, save_model
 from models.convert import config_from_hf, config_to_hf
-from models.rope import DynamicRope, LongRope, YarnRope, parse_rope_scaling, rope_scaling_from_dict
+from models.rope import DynamicRope, LinearRope, LongRope, YarnRope, parse_rope_scaling, rope_scaling_from_dict
+from tests.test_train import store as store  # noqa: F401  (the module-scoped token store fixture)
+from trainer.config import TrainConfig, load_run_config, save_config
+from trainer.preflight import model_and_store
 
 ORIGINAL = 16  # the "pretraining" context of the tiny models; the parity tests run to LONG positions
 LONG = 48
@@ -180,8 +186,9 @@ def test_native_config_with_a_string_factor_is_refused():
     ("longrope:short_factor=1,1,long_factor=2,3.5,factor=4",
      {"rope_type": "longrope", "short_factor": [1.0, 1.0], "long_factor": [2.0, 3.5], "factor": 4.0,
       "original_max_position_embeddings": 1024}),
-    ("llama3:factor=32", {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                          "original_max_position_embeddings": 1024}),
+    ("llama3:factor=32,low_freq_factor=1,high_freq_factor=4",
+     {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 1024}),
 ])
 def test_the_flag_syntax(spec, expected):
     scaling = parse_rope_scaling(spec, "--rope-scaling", original_length=1024)
@@ -195,7 +202,46 @@ def test_the_flag_syntax(spec, expected):
     ("yarn:factor=abc,original_max_position_embeddings=8", "factor = 'abc' must be a number"),
     ("linear:4", "'4' is not key=value"),
     ("linear", "rope type 'linear' needs factor"),
+    ("llama3:factor=32", "rope type 'llama3' needs low_freq_factor, high_freq_factor"),
 ])
 def test_bad_flags_are_refused(spec, message):
     with pytest.raises(ValueError, match=f"--rope-scaling: .*{message}"):
         parse_rope_scaling(spec, "--rope-scaling", original_length=64)
+
+
+def test_rope_flags_change_a_checkpoints_rope_and_a_resume_may_not(tmp_path, store):
+    vocab = TokenStore(store).vocab_size
+    config = dataclasses.replace(ModelConfig.from_name("debug"), vocab_size=vocab, max_seq_len=512)
+    save_model(init_model(config), config, tmp_path / "model")
+    for flags, theta, scaling in [
+        ({}, 10000.0, None),
+        ({"rope_theta": 8e6}, 8e6, None),
+        ({"rope_scaling": "dynamic:factor=2"}, 10000.0, DynamicRope(factor=2.0, original_max_position_embeddings=512)),
+        ({"rope_theta": 5e5, "rope_scaling": "linear:factor=4"}, 5e5, LinearRope(factor=4.0)),
+    ]:
+        train = TrainConfig(model=str(tmp_path / "model"), data=str(store), seq_len=64, **flags)
+        resolved, checkpoint = model_and_store(train, TokenStore(store))
+        assert (resolved.rope_theta, resolved.rope_scaling, checkpoint) == (theta, scaling, tmp_path / "model")
+    (tmp_path / "run").mkdir()
+    save_config(TrainConfig(data=str(store), rope_theta=8e6), tmp_path / "run" / "config.toml")
+    assert load_run_config(tmp_path / "run", {}).rope_theta == 8e6
+    with pytest.raises(ValueError, match="--rope-theta 1000000.0 differs from the run's 8000000.0"):
+        load_run_config(tmp_path / "run", {"rope_theta": 1e6})
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--rope-theta", "-1"], "--rope-theta -1.0 must be a positive number"),
+    (["--rope-theta", "inf"], "--rope-theta inf must be a positive number"),
+    (["--rope-scaling", "yarn:factor=abc"], "--rope-scaling: rope scaling 'yarn': factor = 'abc' must be a number"),
+    (["--rope-scaling", "su:factor=2"], "--rope-scaling: unknown rope type 'su'"),
+    (["--rope-scaling", "linear:factor=2,beta_fast=3"], "rope type 'linear' has no parameter beta_fast"),
+    (["--rope-scaling", "longrope:short_factor=1,long_factor=1,factor=2"], "short_factor = 1 must be a list"),
+    (["--rope-scaling", "longrope:short_factor=1,1,long_factor=1,1,factor=2"],  # checked against the model's heads
+     "short_factor = '[2 numbers]' must hold head_dim / 2 = 8 numbers"),
+])
+def test_bad_rope_flags_exit_2_before_any_work(tmp_path, store, flags, message):
+    result = CliRunner().invoke(app, ["train", "--model", "debug", "--data", str(store), "--seq-len", "64",
+                                      "--out", str(tmp_path / "run"), *flags])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert message in " ".join(result.output.split())
+    assert not (tmp_path / "run").exists()
