@@ -2,8 +2,9 @@
 
 Any model's: byte-level BPE (LLaMA-3), SentencePiece-converted (LLaMA-2, Mistral), WordPiece, Unigram.
 The ids are exactly those of `tokenizers.Tokenizer.encode(text, add_special_tokens=False)`, which are
-those `AutoTokenizer` gives after its specials (a literal "<|end_of_text|>" in a text is that token,
-in both). Truncation and padding configured in the file are switched off: a store keeps whole documents.
+those `AutoTokenizer` gives after its specials: a literal "<|end_of_text|>" in a text is that token, in
+both, unless tokenizer_config.json sets split_special_tokens (then it is plain text, in both). Truncation
+and padding configured in the file are switched off: a store keeps whole documents.
 
 BOS and EOS come from the tokenizer's own files, first found wins: `tokenizer_config.json`'s bos_token
 and eos_token, then `special_tokens_map.json`'s, then what the post-processor puts before and after
@@ -22,8 +23,9 @@ from tokenizers import Tokenizer as HFTokenizerModel
 
 from data.tokenizer import HF_COMPANIONS, HF_FILE, HUGGINGFACE, Tokenizer
 
-# The parts of a tokenizer.json that decide encode()'s ids without specials; the post-processor, decoder,
-# truncation and padding do not, so an export that adds BOS to the post-processor is the same tokenizer.
+# The parts of a tokenizer.json that decide encode()'s ids without specials (with tokenizer_config.json's
+# split_special_tokens); the post-processor, decoder, truncation and padding do not, so an export that adds
+# BOS to the post-processor is the same tokenizer.
 ENCODING_PARTS = ("added_tokens", "normalizer", "pre_tokenizer", "model")
 SPECIALS_PROBE = "burst"  # any text: what the post-processor adds around it are the specials
 
@@ -46,11 +48,14 @@ class HFTokenizer(Tokenizer):
         self.path = path
         self.files = {HF_FILE: path, **{name: path.parent / name for name in HF_COMPANIONS
                                         if (path.parent / name).is_file()}}
-        self.digest = hashlib.sha256(json.dumps({part: raw.get(part) for part in ENCODING_PARTS}, sort_keys=True,
-                                                ensure_ascii=False).encode()).hexdigest()
         self.vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values()) + 1
         configs = {name: _read_json(self.files[name]) for name in HF_COMPANIONS if name in self.files}
         self._check_added_tokens(configs.get(HF_COMPANIONS[0], {}))
+        split_special_tokens = configs.get(HF_COMPANIONS[0], {}).get("split_special_tokens") is True
+        self._tok.encode_special_tokens = split_special_tokens
+        encoding = {part: raw.get(part) for part in ENCODING_PARTS}
+        self.digest = hashlib.sha256(json.dumps({**encoding, "split_special_tokens": split_special_tokens},
+                                                sort_keys=True, ensure_ascii=False).encode()).hexdigest()
         self.bos_id, self.eos_id = (self._special(role, configs) for role in ("bos", "eos"))
 
     def _special(self, role: str, configs: dict[str, dict[str, Any]]) -> int:

@@ -12,10 +12,10 @@ data/, so the names are repeated here). A native export copies them. A Hugging F
   models (a BPE from its pieces and the merges that rebuild them, as transformers' LlamaConverter does;
   a Unigram from its pieces and scores), SentencePiece's identity normalisation as Prepend/Replace, checked
   on probe texts against SentencePiece itself: a model the conversion cannot express is refused, not
-  exported with a tokenizer that encodes otherwise.
-
-One difference remains, the same as transformers' own conversion: a text holding the literal string of a
-special token ("<s>") is that token to `AutoTokenizer`, and plain characters to SentencePiece.
+  exported with a tokenizer that encodes otherwise. For a BPE its tokenizer_config.json sets
+  split_special_tokens, so that a text holding "<s>" is plain characters to `AutoTokenizer`, as to
+  SentencePiece; for a Unigram such a literal string stays the special token, as in transformers' own
+  conversion (the one difference left).
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ SPM_SPACE = "\u2581"  # SentencePiece's visible space, "▁"
 # Texts a converted tokenizer must encode exactly as SentencePiece does: code, runs of spaces, tabs and newlines,
 # leading and trailing spaces, digits, accents, CJK, emoji (byte fallback).
 PROBES = ("def f(x):\n    return x  *  2\t# tabs\there\n\n\n", "  leading and trailing  ", "1234567 3.14159",
-          "naïve café, Ünïcödé", "数据 データ 데이터", "emoji 🙂🚀 end", "a", " ", "\n")
+          "naïve café, Ünïcödé", "数据 データ 데이터", "emoji 🙂🚀 end", "a", " ", "\n",
+          "states_<s>[0] (?P<unk>x) </s>")  # the last: literal specials (BPE only, see below)
 
 
 def tokenizer_beside(directory: Path) -> Path | None:
@@ -96,7 +97,8 @@ def write_hf_tokenizer(directory: Path, dst: Path, config: ModelConfig) -> None:
     tokenizer = tokenizer_from_sentencepiece(sp, directory / SPM_FILE)
     tokenizer.save(str(dst / HF_FILE))
     _write_configs(dst, {"bos_token": sp.id_to_piece(sp.bos_id()), "eos_token": sp.id_to_piece(sp.eos_id()),
-                         "unk_token": sp.id_to_piece(sp.unk_id())}, config.max_seq_len)
+                         "unk_token": sp.id_to_piece(sp.unk_id())}, config.max_seq_len,
+                   split_special_tokens=tokenizer.encode_special_tokens)
 
 
 def _starts_with_bos(tokenizer: Tokenizer, bos_id: int) -> bool:
@@ -112,9 +114,11 @@ def _add_bos(tokenizer: Tokenizer, bos: str, bos_id: int) -> None:
         processors.Sequence([tokenizer.post_processor, template])
 
 
-def _write_configs(dst: Path, specials: dict[str, str], model_max_length: int) -> None:
+def _write_configs(dst: Path, specials: dict[str, str], model_max_length: int,
+                   split_special_tokens: bool = False) -> None:
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
-              "model_max_length": model_max_length, **specials}
+              "model_max_length": model_max_length, **specials,
+              **({"split_special_tokens": True} if split_special_tokens else {})}
     (dst / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     (dst / SPECIAL_TOKENS_FILE).write_text(json.dumps(specials, indent=2) + "\n")
 
@@ -155,7 +159,11 @@ def tokenizer_from_sentencepiece(sp: spm.SentencePieceProcessor, path: Path) -> 
     tokenizer.decoder = decoders.Sequence([decoders.Replace(SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse(),
                                            decoders.Strip(" ", 1, 0)])
     _add_bos(tokenizer, pieces[sp.bos_id()], sp.bos_id())
-    for text in PROBES:
+    # A BPE never merges into a control piece, so with specials not matched in text ("split_special_tokens", which
+    # tokenizer_config.json passes to AutoTokenizer) "<s>" is plain characters, as to SentencePiece. A Unigram
+    # lattice would take the piece "<s>" itself: there the literal string stays the special token.
+    tokenizer.encode_special_tokens = is_bpe(sp)
+    for text in PROBES if is_bpe(sp) else PROBES[:-1]:
         if tokenizer.encode(text, add_special_tokens=False).ids != sp.encode(text):
             raise ValueError(f"the SentencePiece model {path} cannot be written as a tokenizer.json that encodes "
                              f"alike (they differ on {text!r}; its normalisation is probably not the identity), so "

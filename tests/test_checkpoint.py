@@ -182,7 +182,8 @@ def test_exports_carry_the_run_tokenizer_and_the_hugging_face_one_loads_and_enco
     assert load_tokenizer(native / "tokenizer.model").fingerprint == store_tokenizer.fingerprint
     assert load_tokenizer(hf / "tokenizer.model").fingerprint == store_tokenizer.fingerprint
     loaded = transformers.AutoTokenizer.from_pretrained(hf)
-    for text in ["def f(x):\n    return  self.ring(0) + 1\n", "  über 数据 🙂\t", "", (REPO / "cli.py").read_text()]:
+    for text in ["def f(x):\n    return  self.ring(0) + 1\n", "  über 数据 🙂\t", "", (REPO / "cli.py").read_text(),
+                 "re.compile(r'(?P<s>x)</s><unk>')"]:  # literal specials: plain text, as to SentencePiece
         ids = loaded(text)["input_ids"]
         assert ids == [store_tokenizer.bos_id] + store_tokenizer.encode(text)  # BOS first, as training packs it
         assert loaded.decode(ids, skip_special_tokens=True) == text
