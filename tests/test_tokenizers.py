@@ -24,6 +24,7 @@ from data.store import METADATA_FILE
 from data.tokenizer import file_sha256, fingerprint
 from models import ModelConfig, init_model, save_model
 from models.checkpoint import model_from_tensors
+from models.hf_tokenizer import write_hf_tokenizer
 from tests.test_train import burst_train
 
 TEXTS = ["def f(x):\n    return x * 2  # doubled\n", "  über naïve café 数据 🙂\t\ttabs\n\n\nend",
@@ -142,6 +143,26 @@ def test_bos_and_eos_come_from_the_post_processor_or_special_tokens_map(tmp_path
         load_tokenizer(source)
 
 
+def test_an_export_adds_bos_and_a_tokenizer_config_where_the_tokenizer_has_none(tmp_path):
+    source = byte_level_bpe(tmp_path / "tokenizer")
+    library = Tokenizer.from_file(str(source / "tokenizer.json"))
+    library.post_processor = None  # BOS from nowhere but the files below; AutoTokenizer would add none
+    library.save(str(source / "tokenizer.json"))
+    (source / "tokenizer_config.json").unlink()
+    (source / "special_tokens_map.json").write_text(json.dumps({"bos_token": "<|begin_of_text|>",
+                                                                "eos_token": "<|end_of_text|>"}))
+    tokenizer = load_tokenizer(source)
+    config = ModelConfig(dim=64, n_layers=1, n_heads=4, vocab_size=tokenizer.vocab_size,
+                         bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id)
+    (tmp_path / "export").mkdir()
+    write_hf_tokenizer(source, tmp_path / "export", config)
+    auto = transformers.AutoTokenizer.from_pretrained(tmp_path / "export")
+    assert (auto.bos_token_id, auto.eos_token_id) == (tokenizer.bos_id, tokenizer.eos_id)
+    for text in corpus_texts(10):
+        assert auto(text)["input_ids"] == [tokenizer.bos_id] + tokenizer.encode(text)
+    assert load_tokenizer(tmp_path / "export").fingerprint == tokenizer.fingerprint  # the same ids, BOS and EOS
+
+
 def test_parallel_batch_encoding_gives_the_ids_of_one_by_one(tmp_path):
     tokenizer = load_tokenizer(byte_level_bpe(tmp_path / "tokenizer"))
     texts = corpus_texts(200)
@@ -197,6 +218,18 @@ def test_rope_flags_are_in_the_run_config_its_checkpoints_and_its_export(run):
     config = json.loads((export / "config.json").read_text())
     assert config["rope_theta"] == 20000.0 and config["rope_scaling"]["rope_type"] == "yarn"
     assert transformers.AutoConfig.from_pretrained(export).rope_parameters["factor"] == 4.0
+
+
+def test_a_resume_on_a_store_of_another_tokenizer_is_refused_and_the_run_untouched(run, tmp_path, corpus):
+    root, _ = run
+    shutil.copytree(root / "run", tmp_path / "run")
+    prepare([corpus], tmp_path / "other", tokenizer=sentencepiece_converted(tmp_path / "tokenizer"), progress=False)
+    toml = (tmp_path / "run" / "config.toml").read_text().replace(str(root / "store"), str(tmp_path / "other"))
+    (tmp_path / "run" / "config.toml").write_text(toml)  # as if the store had been prepared again in its place
+    before = {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir() if p.is_file()}
+    refused(invoke("train", "--resume", "--out", tmp_path / "run"), 2,
+            "was prepared with another tokenizer than the model", f"--tokenizer {tmp_path / 'run'}")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir() if p.is_file()} == before
 
 
 def sentencepiece_model(path: Path, model_type: str, vocab_size: int = 500, **options) -> Path:

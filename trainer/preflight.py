@@ -67,6 +67,8 @@ def check_run_dir(out: Path) -> None:
 def model_and_store(config: TrainConfig, store: TokenStore) -> tuple[ModelConfig, Path | None]:
     """The model config and starting checkpoint for `config.model`, with --rope-theta and --rope-scaling applied,
     checked against the store's tokenizer; the config names the tokenizer's BOS and EOS (exports write them)."""
+    if config.resume and config.out:  # the run keeps its data's tokenizer, and continues only on the same
+        store.check_tokenizer(Path(config.out), Path(config.out))
     if config.model in PRESETS:
         preset = with_rope(ModelConfig.from_name(config.model), config)
         # A fresh model gets the store's vocabulary, so any tokenizer trains any preset.
