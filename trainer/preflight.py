@@ -87,8 +87,9 @@ def model_and_store(config: TrainConfig, store: TokenStore) -> tuple[ModelConfig
                          f"config.json with safetensors weights)")
     model_config = with_rope(read_checkpoint(path).config, config)  # validated from the file headers, no tensor read
     store.check_tokenizer(path, path)
-    max_id = max(store.metadata.get("max_token_id", -1), store.bos_id, store.eos_id)
-    if store.vocab_size > model_config.vocab_size:
+    recorded = store.metadata.get("max_token_id")  # the largest id in the documents (stores since it is recorded)
+    max_id = max(recorded if isinstance(recorded, int) else -1, store.bos_id, store.eos_id)
+    if store.vocab_size > model_config.vocab_size or max_id >= model_config.vocab_size:
         raise ValueError(f"the token store {store.directory} has a vocabulary of {store.vocab_size:,} tokens (ids up "
                          f"to {max_id:,} in its documents and specials) but the model {path} has "
                          f"{model_config.vocab_size:,} embeddings; prepare the data with the model's tokenizer "
