@@ -10,6 +10,7 @@ import burst
 from data import SequenceLoader, TokenStore
 from data.loader import IGNORE_INDEX
 from data.store import StoreWriter
+from data.tokenizer import fingerprint
 
 BOS, EOS = 1, 2
 
@@ -19,8 +20,11 @@ def make_store(directory, lengths, val_documents=()) -> TokenStore:
     directory.mkdir()
     writer = StoreWriter(directory, np.dtype(np.uint32))
     writer.append([list(range(3 + d * 1000, 3 + d * 1000 + n)) for d, n in enumerate(lengths)])
-    writer.finish(np.array(val_documents, np.int64), {"tokenizer": {"file": "tokenizer.model", "vocab_size": 300_000,
-                                                                    "bos_id": BOS, "eos_id": EOS}})
+    digest = "0" * 64  # no tokenizer file: the loader reads only the ids
+    writer.finish(np.array(val_documents, np.int64), {"tokenizer": {
+        "kind": "sentencepiece", "files": {"tokenizer.model": digest}, "digest": digest,
+        "fingerprint": fingerprint("sentencepiece", digest, BOS, EOS), "vocab_size": 300_000, "bos_id": BOS,
+        "eos_id": EOS}})
     return TokenStore(directory)
 
 
