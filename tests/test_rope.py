@@ -85,7 +85,7 @@ def test_each_rope_type_matches_transformers_past_the_original_context(tmp_path,
         assert torch.allclose(reloaded(tokens).logits, hf(tokens).logits, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["dynamic", "yarn", "longrope", "llama3"])
+@pytest.mark.parametrize("name", ["linear", "dynamic", "yarn", "longrope", "llama3"])
 def test_the_transformers4_form_reads_the_same(tmp_path, name):
     hf4 = hf_model(ROPES[name], transformers4=True)
     fields = hf4.config.to_dict()
