@@ -48,8 +48,9 @@ class TrainConfig:
                                              "linear (factor), dynamic (factor), yarn (factor; attention_factor, "
                                              "beta_fast, beta_slow, mscale, mscale_all_dim, truncate), longrope "
                                              "(short_factor=a,b,..., long_factor=..., factor or attention_factor) or "
-                                             "llama3 (factor, low_freq_factor, high_freq_factor), each also taking "
-                                             "original_max_position_embeddings (default: the model's max_seq_len); "
+                                             "llama3 (factor, low_freq_factor, high_freq_factor); all but linear also "
+                                             "take original_max_position_embeddings (default: the model's "
+                                             "max_seq_len); "
                                              "e.g. yarn:factor=8,original_max_position_embeddings=1024.",
                                        shown="the model's")
     seq_len: int = setting(1024, "Tokens per sequence, split over the --cp ranks.")
