@@ -80,11 +80,15 @@ def convert_checkpoint_command(
 def prepare_command(
     inputs: list[Path] = typer.Argument(..., help="Text/source files, .jsonl(.gz), .parquet, or directories."),
     out: Path = typer.Option(..., "--out", help="Token store directory to write; created only once complete."),
-    tokenizer: Path | None = typer.Option(None, "--tokenizer", help="Existing SentencePiece .model to use."),
+    tokenizer: Path | None = typer.Option(None, "--tokenizer", help="Existing tokenizer to use: a Hugging Face "
+                                                                    "tokenizer.json, a SentencePiece .model, or a "
+                                                                    "model directory holding one."),
     vocab_size: int | None = typer.Option(None, "--vocab-size", help="Train a tokenizer of this size (32000)."),
     text_field: str = typer.Option("text", "--text-field", help="Field holding the text in .jsonl/.parquet."),
     val_fraction: float = typer.Option(0.01, "--val-fraction", help="Fraction of documents for validation."),
-    workers: int | None = typer.Option(None, "--workers", help="Encoding threads (default: all cores)."),
+    workers: int | None = typer.Option(None, "--workers", help="SentencePiece encoding threads (default: all "
+                                                               "cores; a tokenizer.json uses all, or "
+                                                               "RAYON_NUM_THREADS)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the tokenizer sample and the validation split."),
     force: bool = typer.Option(False, "--force", help="Replace OUT if it is a token store."),
 ) -> None:

@@ -32,7 +32,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from models.checkpoint import CONFIG_NAME, check_tensor_shapes, expected_shapes, read_config
-from models.convert import Checkpoint, tokenizer_beside
+from models.convert import Checkpoint
+from models.hf_tokenizer import tokenizer_beside
 
 CHECKPOINTS_DIR = "checkpoints"
 MARKER = "COMPLETE"

@@ -6,16 +6,22 @@ from data.loader import Batch, SequenceLoader
 from data.passkey import PasskeySample, passkey_sample
 from data.prepare import PrepareSummary, prepare
 from data.store import TokenStore
-from data.tokenizer import Tokenizer, train_tokenizer
+from data.tokenizer import Tokenizer
+from data.tokenizer_files import load_tokenizer
+from data.tokenizer_hf import HFTokenizer
+from data.tokenizer_spm import SentencePieceTokenizer, train_tokenizer
 
 __all__ = [
     "Batch",
+    "HFTokenizer",
     "PasskeySample",
     "PrepareSummary",
+    "SentencePieceTokenizer",
     "SequenceLoader",
     "TokenStore",
     "Tokenizer",
     "default_store",
+    "load_tokenizer",
     "passkey_sample",
     "prepare",
     "train_tokenizer",

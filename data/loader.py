@@ -40,6 +40,8 @@ class Batch:
     doc_boundaries: list[torch.Tensor]  # per sequence, int64 cumulative document starts over the FULL sequence:
     #                                     [0, start_1, ..., seq_len]; a document starts at each BOS
     num_tokens: int  # labels != IGNORE_INDEX in this shard, for normalising the loss across ranks
+    rope_length: int  # max(position id) + 1 over the WHOLE sequences, the same on every cp rank: the length
+    #                   a length-dependent RoPE scaling (dynamic NTK, longrope) is computed for (models/rope.py)
 
 
 class PackedStream:
@@ -191,4 +193,4 @@ class SequenceLoader:
         tokens, labels, positions = shard_for_rank(torch.from_numpy(full), self.cp_rank, self.cp_size, dim=2)
         return Batch(tokens=tokens, labels=labels, positions=positions,  # each [rows, seq_len // cp_size]
                      doc_boundaries=[torch.from_numpy(b.astype(np.int64)) for b in boundaries],
-                     num_tokens=int((labels != IGNORE_INDEX).sum()))
+                     num_tokens=int((labels != IGNORE_INDEX).sum()), rope_length=int(full[2].max()) + 1)

@@ -173,7 +173,7 @@ def open_sources(specs: list[SourceSpec]) -> list[Source]:
         sources.append(Source(spec, train, val))
     first = sources[0]
     for other in sources[1:]:
-        if other.store.metadata["tokenizer"] != first.store.metadata["tokenizer"]:
+        if other.store.tokenizer_fingerprint != first.store.tokenizer_fingerprint:
             raise ValueError(f"--data {other.spec.name} ({other.spec.path}) was prepared with another tokenizer than "
                              f"--data {first.spec.name} ({first.spec.path}); every source of a mixture must speak the "
                              f"same vocabulary: prepare them all with the same --tokenizer")

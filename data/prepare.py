@@ -24,8 +24,10 @@ from rich.text import Text
 
 from data.pieces import DocumentCutter, Piece
 from data.sources import DocumentReader, InputReport, find_input_files
-from data.store import TOKENIZER_FILE, StoreWriter, TokenStore, token_dtype
-from data.tokenizer import Tokenizer, train_tokenizer
+from data.store import StoreWriter, TokenStore, token_dtype
+from data.tokenizer import SPM_FILE, Tokenizer
+from data.tokenizer_files import load_tokenizer, tokenizer_beside
+from data.tokenizer_spm import train_tokenizer
 from runtime.directories import exclusive_writer
 from runtime.failure import writing
 from runtime.launch import available_cores
@@ -60,12 +62,13 @@ def prepare(inputs: Sequence[str | Path], out_dir: str | Path, *, tokenizer: str
             workers: int | None = None, seed: int = 0, force: bool = False, progress: bool = True) -> PrepareSummary:
     """Tokenize `inputs` (files or directories) into a token store at `out_dir`.
 
-    With `tokenizer` (a SentencePiece .model) its ids are used; otherwise a tokenizer of
-    `vocab_size` (default 32,000) is trained on the corpus. `val_fraction` of the documents,
-    chosen with `seed`, form the validation split. Prints a progress bar and a summary table
-    unless `progress` is False. An existing `out_dir` is replaced only with `force`, and only when
-    it is a token store; while another process writes `out_dir` this one is refused (DirectoryBusy).
-    A write that fails during the work (disk full) raises WriteFailed; `out_dir` is then as it was.
+    With `tokenizer` (a Hugging Face tokenizer.json, a SentencePiece .model, or a model directory holding
+    one) its ids are used; otherwise a SentencePiece tokenizer of `vocab_size` (default 32,000) is trained
+    on the corpus. `val_fraction` of the documents, chosen with `seed`, form the validation split.
+    Prints a progress bar and a summary table unless `progress` is False. An existing `out_dir` is replaced
+    only with `force`, and only when it is a token store; while another process writes `out_dir` this one
+    is refused (DirectoryBusy). A write that fails during the work (disk full) raises WriteFailed; `out_dir`
+    is then as it was.
     """
     started = time.perf_counter()
     out_dir = Path(out_dir)
@@ -81,7 +84,7 @@ def prepare(inputs: Sequence[str | Path], out_dir: str | Path, *, tokenizer: str
         with directory.staging() as work_dir, writing(out_dir, kept):
             with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeElapsedColumn(),
                           TimeRemainingColumn(), console=console) as bar:
-                tok = _tokenizer_for(files, work_dir / TOKENIZER_FILE, tokenizer, vocab_size, text_field, seed, bar)
+                tok = _tokenizer_for(files, work_dir, tokenizer, vocab_size, text_field, seed, bar)
                 writer = StoreWriter(work_dir, token_dtype(tok.vocab_size))
                 try:
                     hard_cuts = _tokenize(DocumentReader(files, report, text_field), tok, writer, workers, bar)
@@ -91,8 +94,7 @@ def prepare(inputs: Sequence[str | Path], out_dir: str | Path, *, tokenizer: str
                 raise ValueError(no_documents_message(inputs, report))
             val_documents = _choose_val_documents(writer.num_documents, val_fraction, seed)
             writer.finish(val_documents, {
-                "tokenizer": {"file": TOKENIZER_FILE, "sha256": tok.sha256, "vocab_size": tok.vocab_size,
-                              "bos_id": tok.bos_id, "eos_id": tok.eos_id},
+                "tokenizer": tok.metadata(),
                 "split": {"val_fraction": val_fraction, "seed": seed},
                 "inputs": [str(i) for i in inputs], "text_field": text_field,
                 "input_report": {"files": report.files, "documents": report.documents, **report.problems()}})
@@ -147,20 +149,24 @@ def _check_arguments(inputs: Sequence[str | Path], out_dir: Path, tokenizer: str
                                  f"choose another --out")
 
 
-def _tokenizer_for(files: list[Path], path: Path, existing: str | Path | None, vocab_size: int | None,
+def _tokenizer_for(files: list[Path], directory: Path, existing: str | Path | None, vocab_size: int | None,
                    text_field: str, seed: int, bar: Progress) -> Tokenizer:
-    """Copy the given tokenizer into the store, or train one on the corpus there."""
+    """Copy the given tokenizer's files into the store directory, or train a SentencePiece model on the corpus
+    there; the tokenizer as loaded from the store."""
     if existing is not None:
-        Tokenizer(existing)  # fail here, with a clear message, if it is not a usable model
-        shutil.copyfile(existing, path)
-        return Tokenizer(path)
+        source = load_tokenizer(existing)  # refused here, saying what to pass instead, if it is not a tokenizer
+        for name, path in source.files.items():
+            shutil.copyfile(path, directory / name)
+        bar.console.print(f"tokenizer: {source.kind}, {', '.join(map(str, source.files.values()))}, vocabulary "
+                          f"{source.vocab_size:,}, BOS {source.bos_id}, EOS {source.eos_id}")
+        return tokenizer_beside(directory, prefer=source.kind)
     started, wanted = time.perf_counter(), vocab_size or DEFAULT_VOCAB_SIZE
     bar.console.print(f"training a tokenizer (vocabulary {wanted:,}) on {len(files):,} files")
     report = InputReport()  # problems are reported from the main pass, unless there is no text at all
     reader = DocumentReader(files, report, text_field)
     if next(iter(reader), None) is None:
         raise ValueError(no_documents_message([str(f) for f in files], report))
-    tok = train_tokenizer(reader, path, wanted, seed=seed)
+    tok = train_tokenizer(reader, directory / SPM_FILE, wanted, seed=seed)
     bar.console.print(f"trained the tokenizer in {time.perf_counter() - started:.1f} s")
     if tok.vocab_size < wanted:
         bar.console.print(f"[yellow]warning:[/] the corpus gave a vocabulary of {tok.vocab_size:,} tokens, not the "

@@ -3,9 +3,14 @@
     tokens.bin         every document's tokens, back to back (uint16 if the vocabulary fits, else uint32)
     offsets.bin        int64 [num_documents + 1]: document i is tokens[offsets[i]:offsets[i + 1]]
     val_documents.bin  int64, sorted: the documents of the validation split; the rest are training
-    tokenizer.model    the SentencePiece model the tokens came from
-    metadata.json      format version, dtype, counts, tokenizer hash, split; written last, so a
-                       directory without it is not (yet) a store
+    tokenizer files    the tokenizer the tokens came from, under their usual names: tokenizer.json and,
+                       when it came with them, tokenizer_config.json and special_tokens_map.json; or a
+                       SentencePiece tokenizer.model
+    metadata.json      format version, dtype, counts, the tokenizer (kind, files and their SHA-256s,
+                       fingerprint, vocabulary, BOS, EOS), split; written last, so a directory without
+                       it is not (yet) a store
+
+Stores of format version 1 (a SentencePiece tokenizer.model, before tokenizer.json was read) open as they are.
 
 BOS/EOS are not stored: the loader adds them when it packs documents into sequences.
 """
@@ -13,16 +18,23 @@ BOS/EOS are not stored: the loader adds them when it packs documents into sequen
 from __future__ import annotations
 
 import json
+import os
+import uuid
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
 
-FORMAT_VERSION = 1
+from data.tokenizer import SENTENCEPIECE, TOKENIZER_FILES, Tokenizer, file_sha256, fingerprint
+from data.tokenizer_files import tokenizer_beside
+
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # 1: before tokenizer.json, its tokenizer one SentencePiece file
 TOKENS_FILE, OFFSETS_FILE, VAL_FILE = "tokens.bin", "offsets.bin", "val_documents.bin"
-TOKENIZER_FILE, METADATA_FILE = "tokenizer.model", "metadata.json"
+METADATA_FILE = "metadata.json"
 SPLITS = ("train", "val")
-TOKENIZER_KEYS = {"file": str, "vocab_size": int, "bos_id": int, "eos_id": int}
+TOKENIZER_KEYS = {"kind": str, "files": dict, "digest": str, "fingerprint": str, "vocab_size": int, "bos_id": int,
+                  "eos_id": int}
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -99,18 +111,36 @@ def _read_metadata(path: Path) -> dict[str, Any]:
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise _damaged(path.parent, f"{METADATA_FILE} is not valid JSON ({err})") from None
     version = metadata.get("format_version") if isinstance(metadata, dict) else None
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS:
         raise ValueError(f"{path.parent} is a token store of format version {version}, this burst reads "
-                         f"version {FORMAT_VERSION}; prepare the store again with this version of `burst prepare`")
+                         f"versions {', '.join(map(str, READABLE_VERSIONS))}; prepare the store again with this "
+                         f"version of `burst prepare`")
     counts = ("num_documents", "num_tokens", "num_val_documents")
     tokenizer = metadata.get("tokenizer")
+    if version == 1 and isinstance(tokenizer, dict):
+        tokenizer = metadata["tokenizer"] = _tokenizer_of_version_1(tokenizer)
     missing = [key for key in counts if not isinstance(metadata.get(key), int) or metadata[key] < 0]
     missing += [] if metadata.get("dtype") in ("uint16", "uint32") else ["dtype"]
     missing += [f"tokenizer.{key}" for key in TOKENIZER_KEYS
                 if not isinstance(tokenizer, dict) or not isinstance(tokenizer.get(key), TOKENIZER_KEYS[key])]
+    if not missing and (not tokenizer["files"] or not set(tokenizer["files"]) <= set(TOKENIZER_FILES)):
+        missing.append(f"tokenizer.files (names among {', '.join(TOKENIZER_FILES)})")
+    if not missing and tokenizer["fingerprint"] != fingerprint(tokenizer["kind"], tokenizer["digest"],
+                                                               tokenizer["bos_id"], tokenizer["eos_id"]):
+        missing.append("tokenizer.fingerprint (it does not match the tokenizer's digest, BOS and EOS)")
     if missing:
         raise _damaged(path.parent, f"{METADATA_FILE} lacks valid {', '.join(missing)}")
     return metadata
+
+
+def _tokenizer_of_version_1(tokenizer: dict[str, Any]) -> dict[str, Any]:
+    """A version-1 store's tokenizer metadata ({file, sha256, vocab_size, bos_id, eos_id} of a SentencePiece
+    model) in today's form; values of the wrong type are kept, for the check that follows to name."""
+    file, sha256 = tokenizer.get("file"), tokenizer.get("sha256")
+    bos, eos = tokenizer.get("bos_id"), tokenizer.get("eos_id")
+    return {"kind": SENTENCEPIECE, "files": {file: sha256} if isinstance(file, str) else None, "digest": sha256,
+            "fingerprint": fingerprint(SENTENCEPIECE, sha256, bos, eos), "vocab_size": tokenizer.get("vocab_size"),
+            "bos_id": bos, "eos_id": eos}
 
 
 def _check_contents(store: TokenStore) -> None:
@@ -201,18 +231,54 @@ class TokenStore:
         return view
 
     @property
-    def tokenizer_path(self) -> Path:
-        return self.directory / self.metadata["tokenizer"]["file"]
+    def tokenizer_files(self) -> dict[str, Path]:
+        """The tokenizer's files in the store, by name (tokenizer.json and companions, or tokenizer.model)."""
+        return {name: self.directory / name for name in self.metadata["tokenizer"]["files"]}
 
-    def check_tokenizer(self, tokenizer: Path, model: Path) -> None:
-        """Refuse to feed this store to the model at `model` when it was prepared with another tokenizer than
-        `tokenizer`, the one kept beside the model (compared by fingerprint: the SHA-256 of the .model file)."""
-        from data.tokenizer import file_sha256  # sentencepiece: only when there is a tokenizer to compare
+    @property
+    def tokenizer_fingerprint(self) -> str:
+        return self.metadata["tokenizer"]["fingerprint"]
 
-        if file_sha256(tokenizer) != self.metadata["tokenizer"].get("sha256"):
+    def tokenizer(self) -> Tokenizer:
+        """The tokenizer the store was prepared with, loaded from its files and checked to be that one."""
+        tokenizer = tokenizer_beside(self.directory, prefer=self.metadata["tokenizer"]["kind"])
+        if tokenizer is None or tokenizer.fingerprint != self.tokenizer_fingerprint:
+            raise _damaged(self.directory, f"its tokenizer files {', '.join(self.tokenizer_files)} are "
+                                           f"{'missing' if tokenizer is None else 'not those it was prepared with'}")
+        return tokenizer
+
+    def check_tokenizer(self, directory: Path, model: Path) -> None:
+        """Refuse to feed this store to the model at `model` when the tokenizer kept in `directory` (beside the
+        model, or in its run) is not the one the store was prepared with, compared by fingerprint: what decides
+        the ids (tokenizer.json's model and pre-processing, or the .model file), BOS and EOS. No tokenizer there:
+        nothing to compare."""
+        tokenizer = tokenizer_beside(Path(directory), prefer=self.metadata["tokenizer"]["kind"])
+        if tokenizer is not None and tokenizer.fingerprint != self.tokenizer_fingerprint:
             raise ValueError(f"the token store {self.directory} was prepared with another tokenizer than the model "
-                             f"{model} was trained with ({tokenizer}); prepare the data with the model's tokenizer: "
-                             f"`burst prepare INPUT... --tokenizer {tokenizer} --out STORE`")
+                             f"{model} was trained with ({', '.join(map(str, tokenizer.files.values()))}); prepare "
+                             f"the data with the model's tokenizer: `burst prepare INPUT... --tokenizer {directory} "
+                             f"--out STORE`")
+
+    def copy_tokenizer(self, directory: Path) -> None:
+        """Put the store's tokenizer files into `directory` (a run), each checked against its SHA-256 and written
+        under a temporary name, then renamed. A file already there is kept when it is the same and refused when
+        it is not: a run's tokenizer is never replaced."""
+        for name, sha256 in self.metadata["tokenizer"]["files"].items():
+            source, target = self.directory / name, Path(directory) / name
+            if not source.is_file() or file_sha256(source) != sha256:
+                raise _damaged(self.directory, f"its tokenizer file {name} is missing or not the one it was "
+                                               f"prepared with")
+            if target.is_file():
+                if file_sha256(target) != sha256:
+                    raise ValueError(f"{target} is another tokenizer than the one {self.directory} was prepared with; "
+                                     f"a run keeps the tokenizer of its data: use the run's data, or a new --out")
+                continue
+            temporary = target.with_name(f"{name}.tmp-{uuid.uuid4().hex[:8]}")
+            try:
+                temporary.write_bytes(source.read_bytes())
+                os.replace(temporary, target)
+            finally:
+                temporary.unlink(missing_ok=True)
 
     @property
     def vocab_size(self) -> int:

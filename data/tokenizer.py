@@ -1,128 +1,77 @@
-"""The SentencePiece tokenizer: loading one (ours or, say, LLaMA-2's) and training one on a corpus.
+"""The tokenizer interface of burst: what `prepare`, the loader's specials, passkey samples and `eval` use.
 
-Training settings are chosen so that decode(encode(text)) == text for any text, source code
-included: BPE with byte fallback (no unknown tokens), identity normalisation, whitespace kept
-as it is, and training pieces that keep their newlines so the vocabulary learns indentation.
+Two backends implement it: a SentencePiece `.model` (data/tokenizer_spm.py: ours, LLaMA-2's) and a
+Hugging Face `tokenizer.json` read by the `tokenizers` library (data/tokenizer_hf.py: LLaMA-3's byte-level
+BPE, SentencePiece-converted ones, any other). data/tokenizer_files.py finds either on disk and loads it.
+
+encode() adds no specials: the loader packs BOS + document + EOS itself. BOS and EOS come from the
+tokenizer's own files. A tokenizer's `files` are what a token store, a run and an export keep of it,
+under their usual names; its `fingerprint` is what burst compares to tell whether data and a model
+share a tokenizer: the backend's digest of what decides the ids, and the BOS and EOS ids.
 """
 
 from __future__ import annotations
 
 import hashlib
-import re
-from collections.abc import Iterable, Iterator
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any, ClassVar
 
-import sentencepiece as spm
-
-from runtime.launch import available_cores
-
-UNK_ID, BOS_ID, EOS_ID = 0, 1, 2  # LLaMA's ids, so models and tokenizers agree on the specials
-
-# SentencePiece skips training sentences longer than max_sentence_length bytes; pieces of at
-# most this many characters (<= 4 bytes each in UTF-8) are never skipped.
-MAX_PIECE_CHARS = 4096
+SENTENCEPIECE, HUGGINGFACE = "sentencepiece", "huggingface"  # the kinds, as a store's metadata names them
+SPM_FILE = "tokenizer.model"  # a SentencePiece model (LLaMA-3's tokenizer.model is tiktoken's format instead)
+HF_FILE = "tokenizer.json"
+HF_COMPANIONS = ("tokenizer_config.json", "special_tokens_map.json")  # kept beside tokenizer.json when present
+TOKENIZER_FILES = (HF_FILE, *HF_COMPANIONS, SPM_FILE)  # every name a tokenizer's file has in a store, run, export
 
 
-def file_sha256(path: Path) -> str:
-    """The tokenizer's fingerprint: the SHA-256 of its .model file, as a token store's metadata records it."""
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+def file_sha256(path: str | Path) -> str:
+    """The SHA-256 of a file, read in pieces (a tokenizer.json is several MB)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
-class Tokenizer:
-    """A SentencePiece model file. encode() adds no BOS/EOS: the loader places them."""
+def fingerprint(kind: str, digest: str, bos_id: int, eos_id: int) -> str:
+    """What identifies a tokenizer for training: its kind, the digest of what decides its ids, BOS and EOS."""
+    return hashlib.sha256(f"{kind}\n{digest}\nbos {bos_id}\neos {eos_id}\n".encode()).hexdigest()
 
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        if not self.path.is_file():
-            raise FileNotFoundError(f"tokenizer model {self.path} does not exist; pass the path of a SentencePiece "
-                                    f".model file, or let `burst prepare` train one with --vocab-size")
-        try:
-            self._sp = spm.SentencePieceProcessor(model_file=str(self.path))
-        except RuntimeError as err:  # SentencePiece's parse error names the proto, not the fix
-            raise ValueError(f"{self.path} is not a SentencePiece .model file ({err}); pass the tokenizer.model of "
-                             f"a model or token store, or let `burst prepare` train one with --vocab-size") from None
-        self.vocab_size: int = self._sp.get_piece_size()
-        self.bos_id: int = self._sp.bos_id()
-        self.eos_id: int = self._sp.eos_id()
-        if self.bos_id < 0 or self.eos_id < 0:
-            raise ValueError(f"tokenizer {self.path} defines no BOS or EOS token (bos_id={self.bos_id}, "
-                             f"eos_id={self.eos_id}); documents are packed between BOS and EOS, so use a model "
-                             f"that has both")
-        self.sha256: str = file_sha256(self.path)
 
+class Tokenizer(ABC):
+    """A loaded tokenizer. Subclasses set every attribute in __init__ and implement the three methods."""
+
+    kind: ClassVar[str]
+    path: Path  # the file it was loaded from: a tokenizer.json or a .model (what `--tokenizer` takes)
+    files: dict[str, Path]  # name in a store / run / export -> the file it is read from
+    digest: str  # the backend's digest of what decides the ids (see `fingerprint`)
+    vocab_size: int  # every id is below it: the added tokens of a tokenizer.json included
+    bos_id: int
+    eos_id: int
+
+    @abstractmethod
     def encode(self, text: str) -> list[int]:
-        return self._sp.encode(text)
+        """The ids of `text`, no BOS or EOS added."""
 
+    @abstractmethod
     def encode_batch(self, texts: list[str], num_threads: int | None = None) -> list[list[int]]:
-        """encode() of each text, in order, on `num_threads` native threads (all cores by default)."""
-        return self._sp.encode(texts, num_threads=num_threads or available_cores())
+        """encode() of each text, in order, in parallel on native threads (all cores by default)."""
 
+    @abstractmethod
     def decode(self, ids: Iterable[int]) -> str:
-        return self._sp.decode(list(ids))
+        """The text of `ids`."""
+
+    @property
+    def fingerprint(self) -> str:
+        return fingerprint(self.kind, self.digest, self.bos_id, self.eos_id)
+
+    def metadata(self) -> dict[str, Any]:
+        """What a token store records of its tokenizer (metadata.json's "tokenizer")."""
+        return {"kind": self.kind, "files": {name: file_sha256(path) for name, path in self.files.items()},
+                "digest": self.digest, "fingerprint": self.fingerprint, "vocab_size": self.vocab_size,
+                "bos_id": self.bos_id, "eos_id": self.eos_id}
 
     def __repr__(self) -> str:
-        return f"Tokenizer({str(self.path)!r}, vocab_size={self.vocab_size})"
-
-
-def training_pieces(text: str, max_chars: int = MAX_PIECE_CHARS) -> Iterator[str]:
-    """Cut a document into SentencePiece training sentences: paragraphs, then lines, then slices.
-
-    Each piece keeps its trailing newlines, so newlines and indentation become learnable.
-    """
-    for paragraph in re.split(r"(?<=\n\n)", text):
-        if len(paragraph) <= max_chars:
-            if paragraph.strip():
-                yield paragraph
-            continue
-        piece = ""
-        for line in paragraph.splitlines(keepends=True):
-            if len(piece) + len(line) > max_chars and piece:
-                yield piece
-                piece = ""
-            for start in range(0, len(line), max_chars):
-                piece += line[start:start + max_chars]
-                if len(piece) >= max_chars:
-                    yield piece
-                    piece = ""
-        if piece.strip():
-            yield piece
-
-
-def train_tokenizer(texts_or_files: Iterable[str | Path], out_path: str | Path, vocab_size: int, *,
-                    input_sentence_size: int = 300_000, max_training_chars: int = 200_000_000,
-                    seed: int = 0, num_threads: int | None = None) -> Tokenizer:
-    """Train a BPE SentencePiece model on documents (str) or plain text files (Path).
-
-    SentencePiece keeps a seeded random sample of `input_sentence_size` pieces; reading stops after
-    `max_training_chars` characters so a huge corpus does not make training slow. Returns the
-    tokenizer written to `out_path` (a `.model` file). With little text the vocabulary may come out
-    smaller than `vocab_size`; `Tokenizer.vocab_size` says what it is.
-    """
-    out_path = Path(out_path)
-    if vocab_size < 300:
-        raise ValueError(f"vocab size {vocab_size} is too small: byte fallback alone takes 259 ids; use >= 300")
-    if out_path.suffix != ".model":
-        raise ValueError(f"tokenizer path {out_path} must end in .model (SentencePiece writes <prefix>.model)")
-
-    def sentences() -> Iterator[str]:
-        chars = 0
-        for item in texts_or_files:
-            text = item.read_text(encoding="utf-8", errors="replace") if isinstance(item, Path) else item
-            for piece in training_pieces(text):
-                yield piece
-                chars += len(piece)
-            if chars >= max_training_chars:
-                return
-
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    spm.set_random_generator_seed(seed)
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=sentences(), model_prefix=str(out_path.with_suffix("")), model_type="bpe",
-        vocab_size=vocab_size, hard_vocab_limit=False, byte_fallback=True, split_digits=True,
-        normalization_rule_name="identity", remove_extra_whitespaces=False, allow_whitespace_only_pieces=True,
-        input_sentence_size=input_sentence_size, shuffle_input_sentence=True,
-        max_sentence_length=4 * MAX_PIECE_CHARS, character_coverage=0.9995,
-        unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, pad_id=-1,
-        num_threads=num_threads or available_cores(), minloglevel=2)
-    out_path.with_suffix(".vocab").unlink(missing_ok=True)  # a human-readable copy nothing reads
-    return Tokenizer(out_path)
+        return (f"{type(self).__name__}({', '.join(map(str, self.files.values()))}, vocab_size={self.vocab_size}, "
+                f"bos_id={self.bos_id}, eos_id={self.eos_id})")

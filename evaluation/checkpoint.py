@@ -63,6 +63,7 @@ def check_tokenizer(checkpoint: EvalCheckpoint, store: TokenStore) -> None:
     if store.vocab_size > vocab_size:
         raise ValueError(f"the token store {store.directory} uses a tokenizer of {store.vocab_size:,} tokens but "
                          f"the model at {checkpoint.path} has a vocabulary of {vocab_size:,}; evaluate on a store "
-                         f"prepared with the model's tokenizer (`burst prepare ... --tokenizer TOKENIZER.model`)")
+                         f"prepared with the model's tokenizer (`burst prepare ... --tokenizer {checkpoint.path}`, "
+                         f"when it keeps one)")
     if checkpoint.checkpoint.tokenizer is not None:
         store.check_tokenizer(checkpoint.checkpoint.tokenizer, checkpoint.path)

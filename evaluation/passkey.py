@@ -57,7 +57,7 @@ def greedy_answer(model: Transformer, sample: PasskeySample, group: dist.Process
     """
     device = model.output_weight.device
     tokens, positions = shard_tokens(torch.tensor([sample.tokens], device=device), group)  # [1, L // cp], [L // cp]
-    hidden = model.hidden_states(tokens, positions)[0]  # [L // cp, dim]
+    hidden = model.hidden_states(tokens, positions, rope_length=len(sample.tokens))[0]  # [L // cp, dim]
     # The logits at position p predict token p + 1, so the answer is read one position early.
     answer_offset = positions - (sample.answer_start - 1)  # [L // cp]
     held = (answer_offset >= 0) & (answer_offset < len(sample.answer_ids))

@@ -103,9 +103,10 @@ def document_sequences(split: TokenStore, seq_len: int, count: int, cp_rank: int
 POSITION_MODES = {"packed": packed_sequences, "document": document_sequences}
 
 
-def bucket_losses(model: Transformer, shards: Iterable[Shard], boundaries: torch.Tensor,
+def bucket_losses(model: Transformer, shards: Iterable[Shard], boundaries: torch.Tensor, seq_len: int,
                   chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Summed loss and scored tokens per position bucket over `shards`, and how many shards there were.
+    """Summed loss and scored tokens per position bucket over `shards` of sequences of `seq_len` tokens (positions
+    0..seq_len-1, the length a length-dependent RoPE is computed for), and how many shards there were.
 
     boundaries: the start of every bucket but the first. Returns float64 [buckets] and
     int64 [buckets] sums of this rank only.
@@ -116,7 +117,7 @@ def bucket_losses(model: Transformer, shards: Iterable[Shard], boundaries: torch
     sequences = 0
     for shard in shards:
         tokens, labels, positions = (t.to(device) for t in shard)
-        hidden = model.hidden_states(tokens, positions)  # [1, seq // cp, dim]
+        hidden = model.hidden_states(tokens, positions, rope_length=seq_len)  # [1, seq // cp, dim]
         losses = token_losses(hidden.flatten(0, 1), model.output_weight, labels.flatten(), chunk_size, IGNORE_INDEX)
         bucket = torch.bucketize(positions.flatten(), boundaries, right=True)  # [seq // cp]
         loss_sums.index_add_(0, bucket, losses.double())
@@ -141,7 +142,7 @@ def evaluate_perplexity(model: Transformer, split: TokenStore, seq_len: int, num
     shards = POSITION_MODES[positions](split, seq_len, num_sequences, rank, cp_size)
     starts = bucket_starts(seq_len, buckets) + [seq_len]
     boundaries = torch.tensor(starts[1:-1], device=model.output_weight.device)
-    loss_sums, counts, sequences = bucket_losses(model, shards, boundaries, chunk_size)
+    loss_sums, counts, sequences = bucket_losses(model, shards, boundaries, seq_len, chunk_size)
     all_reduce(loss_sums, group)
     all_reduce(counts, group)
     by_position = [PositionBucket(start=starts[i], end=starts[i + 1], tokens=int(counts[i]),

@@ -151,7 +151,7 @@ def open_inputs(config: EvalConfig) -> EvalInputs:
     store = TokenStore(config.data if config.data is not None else default_store())
     check_tokenizer(checkpoint, store)
     available = available_val_sequences(config, store)
-    tokenizer = Tokenizer(store.tokenizer_path)
+    tokenizer = store.tokenizer()
     if config.passkey_trials:
         for trial in range(config.passkey_trials):  # the passkey's digits may tokenize to different lengths
             try:

@@ -8,23 +8,11 @@ preset describe the same model.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Any
 
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """LLaMA-3.1 rotary frequency scaling: long wavelengths are stretched by `factor`.
-
-    Wavelengths shorter than original_max_position_embeddings / high_freq_factor are kept,
-    longer than original_max_position_embeddings / low_freq_factor are divided by `factor`,
-    and the band in between is interpolated smoothly.
-    """
-
-    factor: float = 8.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
+from models.rope import Llama3Rope, RopeScaling, rope_scaling_from_dict
 
 
 @dataclass
@@ -35,6 +23,9 @@ class ModelConfig:
     code does) only when it is None; `dataclasses.replace(config, dim=...)` therefore needs
     `ffn_hidden_dim=None` as well to re-derive it. `max_seq_len` is the context length the
     model is meant for (written to exported configs); RoPE itself works at any position.
+    `rope_scaling` is one of the types of models/rope.py, or None for plain RoPE. `bos_token_id` and
+    `eos_token_id` name the tokenizer's specials the model was trained with (exports write them); they
+    do not change the model, so two configs that differ only there compare equal.
     """
 
     dim: int = 4096
@@ -51,6 +42,8 @@ class ModelConfig:
     max_seq_len: int = 4096
     tie_embeddings: bool = False
     init_std: float = 0.02
+    bos_token_id: int | None = field(default=None, compare=False)
+    eos_token_id: int | list[int] | None = field(default=None, compare=False)  # a list: several stop tokens
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -65,8 +58,19 @@ class ModelConfig:
         for name in sizes:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} = {getattr(self, name)} must be at least 1")
-        if isinstance(self.rope_scaling, dict):
-            self.rope_scaling = RopeScaling(**self.rope_scaling)
+        if not self.rope_theta > 0 or not math.isfinite(self.rope_theta):
+            raise ValueError(f"rope_theta = {self.rope_theta} must be a positive number (10000 in LLaMA-2, "
+                             f"500000 in LLaMA-3)")
+        if isinstance(self.rope_scaling, dict):  # a native config.json; before the other types, llama3's had no type
+            self.rope_scaling = rope_scaling_from_dict(self.rope_scaling, "rope_scaling", default_type="llama3")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise ValueError(f"rope_scaling = {self.rope_scaling!r} must be a rope scaling (models/rope.py) or None")
+        for name in ("bos_token_id", "eos_token_id"):
+            value = getattr(self, name)
+            ids = value if isinstance(value, list) and value and name == "eos_token_id" else [value]
+            if value is not None and not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+                raise ValueError(f"{name} = {value!r} must be a token id (a whole number >= 0)"
+                                 + (" or a list of them" if name == "eos_token_id" else ""))
         if self.ffn_hidden_dim is None:
             hidden = int(2 * 4 * self.dim / 3)
             if self.ffn_dim_multiplier is not None:
@@ -80,6 +84,8 @@ class ModelConfig:
                              f"grouped-query attention needs each kv head to serve the same number of heads")
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim = dim / n_heads = {self.head_dim} must be even for rotary embeddings")
+        if self.rope_scaling is not None:
+            self.rope_scaling.check_head_dim(self.head_dim)
 
     @property
     def head_dim(self) -> int:
@@ -94,7 +100,9 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields (the content of a native config.json)."""
-        return dataclasses.asdict(self)
+        fields = dataclasses.asdict(self)
+        fields["rope_scaling"] = None if self.rope_scaling is None else self.rope_scaling.to_dict()
+        return fields
 
     @classmethod
     def from_dict(cls, fields: dict[str, Any]) -> ModelConfig:
@@ -106,7 +114,7 @@ class ModelConfig:
         return cls(**fields)
 
 
-LLAMA32_ROPE_SCALING = RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+LLAMA32_ROPE_SCALING = Llama3Rope(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                    original_max_position_embeddings=8192)
 
 PRESETS: dict[str, ModelConfig] = {
@@ -123,7 +131,7 @@ PRESETS: dict[str, ModelConfig] = {
                              ffn_dim_multiplier=1.3, norm_eps=1e-5, rope_theta=500000.0, max_seq_len=8192),
     "llama3.1-8b": ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, multiple_of=1024,
                                ffn_dim_multiplier=1.3, norm_eps=1e-5, rope_theta=500000.0,
-                               rope_scaling=RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                               rope_scaling=Llama3Rope(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                                         original_max_position_embeddings=8192),
                                max_seq_len=131072),
     # The small LLaMA-3.2 models people fine-tune for long context on few GPUs: tied embeddings and

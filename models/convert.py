@@ -20,8 +20,9 @@ from typing import NamedTuple
 import torch
 
 from models.checkpoint import CONFIG_NAME, check_tensor_shapes, expected_shapes, is_native_checkpoint, read_config
-from models.config import ModelConfig, RopeScaling
-from models.hf_tokenizer import load_sentencepiece, write_hf_tokenizer
+from models.config import ModelConfig
+from models.hf_config import config_from_hf, config_to_hf
+from models.hf_tokenizer import check_tokenizer, copy_tokenizer_files, tokenizer_beside, write_hf_tokenizer
 from models.storage import (
     DEFAULT_MAX_SHARD_BYTES,
     read_json,
@@ -54,12 +55,8 @@ NATIVE_TO_HF = {native: hf for hf, native in HF_TO_NATIVE.items()}
 
 # Older transformers saved the rotary inverse frequencies as weights; they follow from the config.
 HF_DERIVED_SUFFIX = "rotary_emb.inv_freq"
-# The SentencePiece model a model was trained with, kept beside its weights (also data.store.TOKENIZER_FILE,
-# the name burst prepare gives it; models/ does not import data/).
-TOKENIZER_FILE = "tokenizer.model"
-# Copied unchanged from source to destination when present: Hugging Face's file names.
-CARRIED_FILES = (TOKENIZER_FILE, "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                 "generation_config.json")
+# Copied unchanged from source to destination when present (the tokenizer's files: hf_tokenizer.py).
+GENERATION_CONFIG = "generation_config.json"
 
 
 def rename(name: str, table: dict[str, str]) -> str:
@@ -81,13 +78,8 @@ class Checkpoint:
 
     config: ModelConfig
     tensors: Callable[[], Iterator[tuple[str, torch.Tensor]]]
-    tokenizer: Path | None = None  # the tokenizer.model the model was trained with, when the source keeps one
+    tokenizer: Path | None = None  # the directory keeping the tokenizer the model was trained with, if any
     rows: Callable[[str, range], torch.Tensor] | None = None
-
-
-def tokenizer_beside(directory: Path) -> Path | None:
-    """The tokenizer.model in `directory`, or None."""
-    return directory / TOKENIZER_FILE if (directory / TOKENIZER_FILE).is_file() else None
 
 
 # ---- Hugging Face side -----------------------------------------------------------------------------------------
@@ -95,62 +87,6 @@ def tokenizer_beside(directory: Path) -> Path | None:
 def is_hf_checkpoint(path: Path) -> bool:
     config = path / CONFIG_NAME
     return config.is_file() and bool({"model_type", "architectures"} & set(read_json(config)))
-
-
-HF_REQUIRED_SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size")
-
-
-def config_from_hf(hf: dict, where: Path | str) -> ModelConfig:
-    """ModelConfig from a transformers 4.x (rope_theta, rope_scaling) or 5.x (rope_parameters) config.json."""
-    architectures = hf.get("architectures") or []
-    if hf.get("model_type") != "llama" and "LlamaForCausalLM" not in architectures:
-        raise ValueError(f"{where} describes model_type {hf.get('model_type')!r} {architectures}, not LLaMA "
-                         f"(model_type 'llama', LlamaForCausalLM); only LLaMA checkpoints can be converted")
-    missing = [key for key in HF_REQUIRED_SIZES if key not in hf]
-    if missing:
-        raise ValueError(f"{where} lacks {missing}; it is not a complete LlamaConfig")
-    not_whole = [key for key in HF_REQUIRED_SIZES if isinstance(hf[key], bool) or not isinstance(hf[key], int)]
-    if not_whole or hf["num_attention_heads"] < 1:
-        raise ValueError(f"{where}: {', '.join(f'{k} = {hf[k]!r}' for k in not_whole or ['num_attention_heads'])} "
-                         f"must be a whole number of at least 1; it is not a valid LlamaConfig")
-    natural_head_dim = hf["hidden_size"] // hf["num_attention_heads"]
-    for key, supported in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False),
-                           ("head_dim", natural_head_dim)):
-        if hf.get(key) not in (supported, None):
-            raise ValueError(f"{where}: {key}={hf[key]!r} is not supported (the native model has {key}={supported!r})")
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "llama3"):
-        raise ValueError(f"{where}: rope type {rope_type!r} is not supported; only 'default' and 'llama3' are")
-    scaling = None
-    if rope_type == "llama3":
-        scaling = RopeScaling(factor=rope["factor"], low_freq_factor=rope["low_freq_factor"],
-                              high_freq_factor=rope["high_freq_factor"],
-                              original_max_position_embeddings=rope["original_max_position_embeddings"])
-    return ModelConfig(
-        dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=hf["num_attention_heads"],
-        n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"], vocab_size=hf["vocab_size"],
-        ffn_hidden_dim=hf["intermediate_size"], norm_eps=hf.get("rms_norm_eps", 1e-6),
-        rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)), rope_scaling=scaling,
-        max_seq_len=hf.get("max_position_embeddings", 2048), tie_embeddings=hf.get("tie_word_embeddings", False),
-        init_std=hf.get("initializer_range", 0.02))
-
-
-def config_to_hf(config: ModelConfig, dtype: torch.dtype) -> dict:
-    """A config.json that transformers 4.x and 5.x load as LlamaForCausalLM."""
-    rope_scaling = None
-    if config.rope_scaling is not None:
-        rope_scaling = {"rope_type": "llama3", **vars(config.rope_scaling)}
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-        "hidden_size": config.dim, "intermediate_size": config.ffn_hidden_dim,
-        "num_hidden_layers": config.n_layers, "num_attention_heads": config.n_heads,
-        "num_key_value_heads": config.n_kv_heads, "head_dim": config.head_dim, "vocab_size": config.vocab_size,
-        "rms_norm_eps": config.norm_eps, "rope_theta": config.rope_theta, "rope_scaling": rope_scaling,
-        "max_position_embeddings": config.max_seq_len, "tie_word_embeddings": config.tie_embeddings,
-        "initializer_range": config.init_std, "attention_bias": False, "mlp_bias": False,
-        "torch_dtype": str(dtype).removeprefix("torch."),
-    }
 
 
 def read_hf(src: Path) -> Checkpoint:
@@ -246,8 +182,9 @@ def convert_checkpoint(src: str | Path, dst: str | Path, to: str, force: bool = 
     Tensors are streamed one at a time; `dst` appears only when complete (runtime/directories.py: one
     writer at a time, staged beside it). An existing `dst` is replaced only with force=True, only when burst
     wrote it as a model directory (never a run, a token store or a directory of the user's), and never when
-    it holds `src`. The model's tokenizer comes along; a Hugging Face export gets the files `AutoTokenizer`
-    loads (hf_tokenizer.py). A write that fails midway (disk full) raises WriteFailed. Returns `dst`.
+    it holds `src`. The model's tokenizer comes along, written first, so a tokenizer that cannot be exported
+    is refused before any weight is; a Hugging Face export gets the files `AutoTokenizer` loads
+    (hf_tokenizer.py). A write that fails midway (disk full) raises WriteFailed. Returns `dst`.
     """
     if to not in TARGET_FORMATS:
         raise ValueError(f"unknown target format {to!r}; choose one of {', '.join(TARGET_FORMATS)}")
@@ -259,15 +196,14 @@ def convert_checkpoint(src: str | Path, dst: str | Path, to: str, force: bool = 
         directory.check_replaceable(force, recognize=lambda path: _recognize(path, formats))  # by name
         checkpoint = read_checkpoint(src, formats)
         if checkpoint.tokenizer is not None:
-            load_sentencepiece(checkpoint.tokenizer)  # a damaged one is refused here, before any weight is written
+            check_tokenizer(checkpoint.tokenizer)  # a damaged one is refused here, before DST is touched
         kept = f"; {dst} is as it was before" if dst.exists() else f"; {dst} was not created"
         with directory.staging() as tmp, writing(dst, kept):
-            TARGET_FORMATS[to](checkpoint, tmp, max_shard_bytes)
-            for name in CARRIED_FILES:
-                if (src / name).is_file():
-                    shutil.copy2(src / name, tmp / name)
-            if checkpoint.tokenizer is not None and to == "hf" and not (src / "tokenizer.json").is_file():
-                write_hf_tokenizer(checkpoint.tokenizer, tmp, checkpoint.config.max_seq_len)
+            if checkpoint.tokenizer is not None and to == "hf":
+                write_hf_tokenizer(checkpoint.tokenizer, tmp, checkpoint.config)
             elif checkpoint.tokenizer is not None:
-                shutil.copyfile(checkpoint.tokenizer, tmp / TOKENIZER_FILE)
+                copy_tokenizer_files(checkpoint.tokenizer, tmp)
+            TARGET_FORMATS[to](checkpoint, tmp, max_shard_bytes)
+            if (src / GENERATION_CONFIG).is_file():
+                shutil.copy2(src / GENERATION_CONFIG, tmp / GENERATION_CONFIG)
     return dst

@@ -3,7 +3,9 @@
 Rotary embeddings use the "rotate half" layout of Hugging Face's LlamaForCausalLM (the first
 and second halves of each head form the rotated pairs), so converted checkpoints need only a
 renaming, no q/k permutation. RoPE is computed from explicit global positions on every call,
-so a rank holding a zigzag shard of a long sequence rotates each token by its true position.
+so a rank holding a zigzag shard of a long sequence rotates each token by its true position. The
+scalings whose frequencies depend on the sequence length (dynamic NTK, longrope) take it as
+`rope_length`, which the caller computes over the whole sequence (models/rope.py says why).
 
 Build on the meta device, then materialise and initialise:
 
@@ -15,42 +17,34 @@ Build on the meta device, then materialise and initialise:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models import rope
 from models.attention import LocalAttention
 from models.config import ModelConfig
 from models.init import initial_rows
 from models.loss import chunked_cross_entropy
 
 
-def rope_inv_freq(config: ModelConfig, device: torch.device | str | None = None) -> torch.Tensor:
-    """Rotary inverse frequencies [head_dim // 2] in float32, with LLaMA-3.1 scaling when configured."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
-    scaling = config.rope_scaling
-    if scaling is None:
-        return inv_freq
-    wavelen = 2 * math.pi / inv_freq
-    low_freq_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
-    high_freq_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
-    # Same arithmetic as Meta's and Hugging Face's reference, so converted models agree to the last bit.
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
-    smooth = ((scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor)
-              / (scaling.high_freq_factor - scaling.low_freq_factor))
-    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
-    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
+def rope_frequencies(config: ModelConfig, length: int | None = None,
+                     device: torch.device | str | None = None) -> tuple[torch.Tensor, float]:
+    """RoPE's inverse frequencies [head_dim // 2] float32 and the factor cos/sin are scaled by, for `config`'s
+    rope_theta and rope_scaling at sequences of `length` positions (see models/rope.py)."""
+    return rope.rope_frequencies(config.rope_theta, config.head_dim, config.rope_scaling, length, device)
 
 
-def rotary_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions [seq] or [batch, seq] int64 -> cos, sin [..., seq, 1, head_dim // 2] float32."""
+def rotary_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor,
+                   scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [seq] or [batch, seq] int64 -> cos, sin [..., seq, 1, head_dim // 2] float32, times `scale`
+    (yarn's and longrope's attention factor)."""
     angles = positions[..., None].float() * inv_freq  # [..., seq, head_dim // 2]
-    return angles.cos()[..., None, :], angles.sin()[..., None, :]
+    if scale == 1.0:
+        return angles.cos()[..., None, :], angles.sin()[..., None, :]
+    return (angles.cos() * scale)[..., None, :], (angles.sin() * scale)[..., None, :]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -150,34 +144,43 @@ class Transformer(nn.Module):
             param.copy_(initial_rows(self.config, name, tuple(param.shape), seed, range(param.shape[0])))
 
     def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                      doc_boundaries: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+                      doc_boundaries: Sequence[torch.Tensor] | None = None, *,
+                      rope_length: int | None = None) -> torch.Tensor:
         """tokens [batch, seq] -> final-normed hidden states [batch, seq, dim].
 
         positions: global position ids [seq] or [batch, seq] (default 0..seq-1).
         doc_boundaries: one 1-D tensor of document offsets per batch row, or None.
+        rope_length: the sequence length a length-dependent RoPE scaling (dynamic, longrope) is computed for,
+        transformers' max(position_ids) + 1; default that of `positions`, which under sequence parallelism is
+        only this rank's shard: pass the whole sequence's (`Batch.rope_length`).
         """
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)
-        cos, sin = rotary_cos_sin(positions, rope_inv_freq(self.config, tokens.device))
+        scaling = self.config.rope_scaling
+        if rope_length is None and scaling is not None and scaling.depends_on_length:
+            rope_length = int(positions.max()) + 1
+        cos, sin = rotary_cos_sin(positions, *rope_frequencies(self.config, rope_length, tokens.device))
         h = self.tok_embeddings(tokens)  # [batch, seq, dim]
         for layer in self.layers:
             h = layer(h, cos, sin, doc_boundaries)
         return self.norm(h)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                doc_boundaries: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+                doc_boundaries: Sequence[torch.Tensor] | None = None, *,
+                rope_length: int | None = None) -> torch.Tensor:
         """tokens [batch, seq] -> logits [batch, seq, vocab]."""
-        return F.linear(self.hidden_states(tokens, positions, doc_boundaries), self.output_weight)
+        return F.linear(self.hidden_states(tokens, positions, doc_boundaries, rope_length=rope_length),
+                        self.output_weight)
 
     def loss(self, tokens: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None = None,
              doc_boundaries: Sequence[torch.Tensor] | None = None,
-             chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+             chunk_size: int = 1024, *, rope_length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Summed cross-entropy over labels [batch, seq] (-100 = ignored) and the count of scored tokens.
 
         Returns (loss_sum float32 scalar, num_tokens int64 scalar); the caller divides, after
         reducing both across ranks. Logits are formed chunk_size rows at a time, never in full.
         """
-        hidden = self.hidden_states(tokens, positions, doc_boundaries)
+        hidden = self.hidden_states(tokens, positions, doc_boundaries, rope_length=rope_length)
         return chunked_cross_entropy(hidden.flatten(0, 1), self.output_weight, labels.flatten(), chunk_size)
 
 

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from checkpoints import read_checkpoint
 from checkpoints.training import MARKER, complete_checkpoints
 from cli import app
-from data import Tokenizer, TokenStore
+from data import TokenStore, load_tokenizer
 from models import ModelConfig, Transformer, load_model
 from tests.test_train import burst_train, metrics, relative_gap
 from tests.test_train import store as store  # noqa: F401  (the module-scoped token store fixture)
@@ -173,16 +173,17 @@ def test_convert_a_run_to_native_and_hugging_face_and_evaluate_it(run, store, tm
 def test_exports_carry_the_run_tokenizer_and_the_hugging_face_one_loads_and_encodes_like_training(run, store,
                                                                                                    tmp_path):
     transformers = pytest.importorskip("transformers")
-    store_tokenizer = Tokenizer(TokenStore(store).tokenizer_path)
-    assert Tokenizer(run / "tokenizer.model").sha256 == store_tokenizer.sha256
+    store_tokenizer = TokenStore(store).tokenizer()
+    assert load_tokenizer(run).fingerprint == store_tokenizer.fingerprint
     native, hf = tmp_path / "native", tmp_path / "hf"
     for src, dst, to in ((run, native, "burst"), (run / "checkpoints" / "step-000002", hf, "hf")):
         result = CliRunner().invoke(app, ["convert-checkpoint", str(src), str(dst), "--to", to])
         assert result.exit_code == 0, result.output
-    assert Tokenizer(native / "tokenizer.model").sha256 == Tokenizer(hf / "tokenizer.model").sha256 \
-        == store_tokenizer.sha256
+    assert load_tokenizer(native / "tokenizer.model").fingerprint == store_tokenizer.fingerprint
+    assert load_tokenizer(hf / "tokenizer.model").fingerprint == store_tokenizer.fingerprint
     loaded = transformers.AutoTokenizer.from_pretrained(hf)
-    for text in ["def f(x):\n    return  self.ring(0) + 1\n", "  über 数据 🙂\t", "", (REPO / "cli.py").read_text()]:
+    for text in ["def f(x):\n    return  self.ring(0) + 1\n", "  über 数据 🙂\t", "", (REPO / "cli.py").read_text(),
+                 "re.compile(r'(?P<s>x)</s><unk>')"]:  # literal specials: plain text, as to SentencePiece
         ids = loaded(text)["input_ids"]
         assert ids == [store_tokenizer.bos_id] + store_tokenizer.encode(text)  # BOS first, as training packs it
         assert loaded.decode(ids, skip_special_tokens=True) == text

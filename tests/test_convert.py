@@ -12,10 +12,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from typer.testing import CliRunner
 
 from cli import app
-from data import Tokenizer, train_tokenizer
+from data import load_tokenizer, train_tokenizer
 from models import ModelConfig, convert_checkpoint, load_model
 from models.convert import config_from_hf
-from models.llama import rope_inv_freq
+from models.llama import rope_frequencies
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 16}
@@ -69,7 +69,7 @@ def test_hf_to_burst_to_hf(tmp_path, name):
         diff = (model(tokens) - hf_logits(hf_model, tokens)).abs().max().item()
     print(f"{name}: max |logit diff| burst vs transformers = {diff:.3e}")
     assert diff <= 1e-4
-    assert Tokenizer(tmp_path / "burst" / "tokenizer.model").sha256 == tokenizer.sha256
+    assert load_tokenizer(tmp_path / "burst" / "tokenizer.model").fingerprint == tokenizer.fingerprint
 
     convert_checkpoint(tmp_path / "burst", tmp_path / "hf2", to="hf")
     source, round_trip = hf_tensors(tmp_path / "hf"), hf_tensors(tmp_path / "hf2")
@@ -77,7 +77,7 @@ def test_hf_to_burst_to_hf(tmp_path, name):
     assert all(torch.equal(source[k], round_trip[k]) and source[k].dtype == round_trip[k].dtype for k in source)
     reloaded = LlamaForCausalLM.from_pretrained(tmp_path / "hf2").eval()
     assert torch.equal(hf_logits(reloaded, tokens), hf_logits(hf_model, tokens))
-    assert Tokenizer(tmp_path / "hf2" / "tokenizer.model").sha256 == tokenizer.sha256
+    assert load_tokenizer(tmp_path / "hf2" / "tokenizer.model").fingerprint == tokenizer.fingerprint
 
 
 def test_transformers4_config_and_llama3_scaling(tmp_path):
@@ -89,8 +89,8 @@ def test_transformers4_config_and_llama3_scaling(tmp_path):
     with torch.no_grad():
         assert (model(tokens) - hf_logits(hf_model, tokens)).abs().max() <= 1e-4
     # The scaling changes the frequencies, so a converter that dropped it would fail the parity above.
-    assert not torch.equal(rope_inv_freq(model.config),
-                           rope_inv_freq(dataclasses.replace(model.config, rope_scaling=None)))
+    assert not torch.equal(rope_frequencies(model.config)[0],
+                           rope_frequencies(dataclasses.replace(model.config, rope_scaling=None))[0])
 
 
 def test_sharded_checkpoints(tmp_path):
@@ -243,8 +243,9 @@ def test_unsupported_llama_variants_are_named():
             "vocab_size": 300, "intermediate_size": 96}
     with pytest.raises(ValueError, match="attention_bias=True is not supported"):
         config_from_hf({**base, "attention_bias": True}, "config.json")
-    with pytest.raises(ValueError, match="rope type 'yarn' is not supported"):
-        config_from_hf({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "config.json")
+    with pytest.raises(ValueError, match="unknown rope type 'proportional'; the types transformers' LLaMA implements "
+                                         "are default, linear, dynamic, yarn, longrope, llama3"):
+        config_from_hf({**base, "rope_scaling": {"rope_type": "proportional", "factor": 4.0}}, "config.json")
 
 
 def test_cli(tmp_path):
@@ -269,3 +270,30 @@ def test_tensors_derived_from_others_are_skipped(tmp_path):
     tokens = torch.randint(0, 300, (1, SEQ_LEN))
     with torch.no_grad():
         assert (load_model(tmp_path / "burst")(tokens) - hf_logits(hf_model, tokens)).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("tie_word_embeddings", "false", "tie_word_embeddings = 'false' must be true or false"),
+    ("rms_norm_eps", "1e-5", "rms_norm_eps = '1e-5' must be a number"),
+    ("num_key_value_heads", 2.0, "num_key_value_heads = 2.0 must be a whole number (or null)"),
+    ("max_position_embeddings", True, "max_position_embeddings = True must be a whole number"),
+    ("eos_token_id", "2", "eos_token_id = '2' must be a token id or a list of them (or null)"),
+    ("rope_scaling", {"rope_type": "linear", "factor": "4"}, "rope scaling 'linear': factor = '4' must be a number"),
+    ("rope_scaling", {"rope_type": "llama3", "factor": 8.0}, "rope type 'llama3' needs low_freq_factor, "
+                                                              "high_freq_factor"),
+    ("rope_scaling", "yarn", "rope_scaling = 'yarn' must be a JSON object (or null)"),
+])
+def test_a_config_json_field_of_the_wrong_type_is_named_with_the_file_and_nothing_is_written(tmp_path, field, value,
+                                                                                              message):
+    """A string "false" would drop lm_head.weight and a string rope factor would crash training: refused, exit 2."""
+    save_hf_model(tmp_path / "hf", "gqa")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config.pop("rope_parameters")
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, field: value}))
+    for command in (["convert-checkpoint", str(tmp_path / "hf"), str(tmp_path / "out"), "--to", "burst"],
+                    ["train", "--model", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]):
+        result = CliRunner().invoke(app, command)
+        output = " ".join(result.output.split())
+        assert result.exit_code == 2 and "Traceback" not in output, result.output
+        assert f"{tmp_path / 'hf' / 'config.json'}: " in output and message in output, result.output
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no export, no run, no temporary

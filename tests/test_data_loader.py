@@ -10,6 +10,7 @@ import burst
 from data import SequenceLoader, TokenStore
 from data.loader import IGNORE_INDEX
 from data.store import StoreWriter
+from data.tokenizer import fingerprint
 
 BOS, EOS = 1, 2
 
@@ -19,8 +20,11 @@ def make_store(directory, lengths, val_documents=()) -> TokenStore:
     directory.mkdir()
     writer = StoreWriter(directory, np.dtype(np.uint32))
     writer.append([list(range(3 + d * 1000, 3 + d * 1000 + n)) for d, n in enumerate(lengths)])
-    writer.finish(np.array(val_documents, np.int64), {"tokenizer": {"file": "tokenizer.model", "vocab_size": 300_000,
-                                                                    "bos_id": BOS, "eos_id": EOS}})
+    digest = "0" * 64  # no tokenizer file: the loader reads only the ids
+    writer.finish(np.array(val_documents, np.int64), {"tokenizer": {
+        "kind": "sentencepiece", "files": {"tokenizer.model": digest}, "digest": digest,
+        "fingerprint": fingerprint("sentencepiece", digest, BOS, EOS), "vocab_size": 300_000, "bos_id": BOS,
+        "eos_id": EOS}})
     return TokenStore(directory)
 
 
@@ -74,6 +78,7 @@ def test_labels_positions_and_boundaries_follow_the_packed_stream(store, reset_p
             expected = np.arange(seq_len) - (segment_start if reset_positions else 0)
             assert np.array_equal(batch.positions[row].numpy(), expected)
         assert batch.num_tokens == int((batch.labels != IGNORE_INDEX).sum())
+        assert batch.rope_length == (int(batch.positions.max()) + 1 if reset_positions else seq_len)
         assert batch.tokens.dtype == batch.labels.dtype == batch.positions.dtype == torch.int64
 
 
@@ -98,6 +103,9 @@ def test_shards_over_cp_and_dp_ranks_cover_every_token_exactly_once(store, cp_si
                 assert torch.equal(part.tokens, burst.shard_for_rank(full.tokens[rows], cp, cp_size))
                 assert [b.tolist() for b in part.doc_boundaries] == [b.tolist() for b in full.doc_boundaries[rows]]
             assert sum(p.num_tokens for p in parts) == int((full.labels[rows] != IGNORE_INDEX).sum())
+            # RoPE's sequence length is the whole sequences', on every cp rank alike (with reset positions: the
+            # longest document part + 1, as transformers computes max(position_ids) + 1).
+            assert {p.rope_length for p in parts} == {int(full.positions[rows].max()) + 1}
 
 
 @pytest.mark.parametrize("dp_size, cp_size", [(1, 1), (2, 2)])

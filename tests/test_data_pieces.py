@@ -18,7 +18,7 @@ import data.sources
 from data import TokenStore, prepare
 from data.pieces import CONTEXT_CHARS, DocumentCutter
 from data.sources import DocumentReader, InputReport, find_input_files
-from data.tokenizer import Tokenizer
+from data.tokenizer_spm import SentencePieceTokenizer
 from tests.test_data_prepare import make_text
 from tests.test_data_prepare import tokenizer as tokenizer  # noqa: F401  (module-scoped fixture)
 
@@ -124,8 +124,8 @@ def test_prepare_encodes_a_one_line_file_and_a_long_row_in_bounded_pieces(tmp_pa
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "line.txt").write_text(one_line)
     (tmp_path / "in" / "rows.jsonl").write_text(json.dumps({"text": row}) + "\n" + json.dumps({"text": "short"}))
-    lengths, encode_batch = [], Tokenizer.encode_batch
-    monkeypatch.setattr(Tokenizer, "encode_batch",
+    lengths, encode_batch = [], SentencePieceTokenizer.encode_batch
+    monkeypatch.setattr(SentencePieceTokenizer, "encode_batch",
                         lambda self, texts, threads=None: lengths.extend(map(len, texts)) or encode_batch(self, texts))
     prepare([tmp_path / "in"], tmp_path / "store", tokenizer=tokenizer.path, val_fraction=0, progress=False)
     store = TokenStore(tmp_path / "store")

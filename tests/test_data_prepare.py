@@ -20,6 +20,7 @@ from data import Tokenizer, TokenStore, default_store, prepare, train_tokenizer
 from data.prepare import summary_table
 from data.sources import InputReport, find_input_files
 from data.store import METADATA_FILE, TOKENS_FILE, token_dtype
+from data.tokenizer import file_sha256
 
 prepare_module = sys.modules["data.prepare"]  # `data.prepare` names the function
 
@@ -64,7 +65,7 @@ def test_trained_tokenizer_round_trips_text_and_has_llama_specials(tokenizer):
     text = "def f(x):\n\tif x:\n        return 'über 数据 🙂 Ω'  # unseen: Ω\n\n"
     assert tokenizer.decode(tokenizer.encode(text)) == text
     assert (tokenizer.bos_id, tokenizer.eos_id) == (1, 2)
-    assert tokenizer.vocab_size == 400 and len(tokenizer.sha256) == 64
+    assert tokenizer.vocab_size == 400 and len(tokenizer.fingerprint) == 64
     assert tokenizer.bos_id not in tokenizer.encode(text)  # encode adds no specials
 
 
@@ -78,8 +79,8 @@ def test_store_holds_exactly_the_tokenizer_encoding_of_every_document(tmp_path, 
         assert store.document(i).tolist() == tokenizer.encode(text)
     assert store.num_tokens == sum(len(tokenizer.encode(t)) for t in docs) == summary.num_tokens
     assert store.metadata["dtype"] == "uint16" and store.document(0).dtype == np.uint16
-    assert store.metadata["tokenizer"]["sha256"] == tokenizer.sha256
-    assert Tokenizer(store.tokenizer_path).sha256 == tokenizer.sha256
+    assert store.metadata["tokenizer"]["files"] == {"tokenizer.model": file_sha256(tokenizer.path)}
+    assert store.tokenizer().fingerprint == store.tokenizer_fingerprint == tokenizer.fingerprint
     train, val = store.split("train"), store.split("val")
     assert val.num_documents == summary.num_val_documents == 4  # round(14 x 0.25)
     assert train.num_documents + val.num_documents == store.num_documents
@@ -191,7 +192,7 @@ def test_cli_prepare_trains_a_tokenizer_and_reports_errors(tmp_path):
     assert result.exit_code == 0, result.output
     assert "documents" in result.output and "14 (13 train, 1 val)" in result.output
     store = TokenStore(tmp_path / "store")
-    assert store.vocab_size == Tokenizer(store.tokenizer_path).vocab_size <= 300
+    assert store.vocab_size == store.tokenizer().vocab_size <= 300
     result = runner.invoke(app, ["prepare", str(tmp_path / "corpus"), "--out", str(tmp_path / "store")])
     assert result.exit_code == 2 and "--force" in result.output
 

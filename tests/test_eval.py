@@ -16,7 +16,7 @@ from torch import nn
 from typer.testing import CliRunner
 
 from cli import app
-from data import SequenceLoader, Tokenizer, TokenStore, passkey_sample, prepare
+from data import SequenceLoader, TokenStore, passkey_sample, prepare, train_tokenizer
 from data.loader import IGNORE_INDEX
 from data.passkey import FILLER, INTRO, NEEDLE, QUESTION
 from evaluation import (
@@ -152,12 +152,12 @@ class NextTokenOracle(nn.Module):
         self.output_weight = torch.eye(vocab_size)  # hidden states are one-hot logits
         self.shift = shift
 
-    def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor, rope_length: int) -> torch.Tensor:
         return F.one_hot(tokens.roll(-self.shift, dims=1), self.output_weight.shape[0]).float()
 
 
 def test_passkey_scoring_reads_exactly_the_answer_positions(store):
-    tokenizer = Tokenizer(store.tokenizer_path)
+    tokenizer = store.tokenizer()
     oracle = NextTokenOracle(tokenizer.vocab_size)
     sample = passkey_sample(tokenizer, 200, 0.5, seed=3)
     assert greedy_answer(oracle, sample) == sample.answer_ids
@@ -226,7 +226,7 @@ def test_bad_input_is_refused_before_any_work(store, checkpoint, tmp_path):
 
     no_val = tmp_path / "no-val"
     (tmp_path / "one.txt").write_text("def only(document):\n    return document\n")
-    prepare([tmp_path / "one.txt"], no_val, tokenizer=store.tokenizer_path, val_fraction=0, progress=False)
+    prepare([tmp_path / "one.txt"], no_val, tokenizer=store.directory, val_fraction=0, progress=False)
     assert "validation split" in refused("--checkpoint", checkpoint, "--data", no_val, "--seq-len", 64)
 
     small_vocab = tmp_path / "small-vocab"
@@ -235,8 +235,10 @@ def test_bad_input_is_refused_before_any_work(store, checkpoint, tmp_path):
     assert "has a vocabulary of 300" in refused("--checkpoint", small_vocab, *data)
     other_tokenizer = tmp_path / "other-tokenizer"
     convert_checkpoint(checkpoint, other_tokenizer, to="burst")
-    (other_tokenizer / "tokenizer.model").write_bytes(b"not the store's tokenizer")
+    train_tokenizer([f"other {i} text\n" for i in range(300)], other_tokenizer / "tokenizer.model", vocab_size=320)
     assert "was prepared with another tokenizer than the model" in refused("--checkpoint", other_tokenizer, *data)
+    (other_tokenizer / "tokenizer.model").write_bytes(b"not the store's tokenizer")
+    assert "tokenizer.model is not a SentencePiece .model file" in refused("--checkpoint", other_tokenizer, *data)
 
 
 def long_validation_documents(store: TokenStore) -> list[int]:
@@ -318,13 +320,13 @@ def _evaluate_on_ranks(rank: int, world_size: int, checkpoint, store_dir, expect
     assert [c.retrieved for c in result.passkey.cells] == expected["retrieved"]
     model = load_for_eval(checkpoint).model()
     use_burst_attention(model, dist.group.WORLD)
-    sample = passkey_sample(Tokenizer(store.tokenizer_path), 256, 0.5, seed=1)
+    sample = passkey_sample(store.tokenizer(), 256, 0.5, seed=1)
     assert greedy_answer(model, sample, dist.group.WORLD) == expected["greedy"]
 
 
 def test_two_context_parallel_ranks_give_the_single_process_figures(store, checkpoint):
     single = evaluate(cp_config(checkpoint, store, cp=1))
-    sample = passkey_sample(Tokenizer(store.tokenizer_path), 256, 0.5, seed=1)
+    sample = passkey_sample(store.tokenizer(), 256, 0.5, seed=1)
     expected = {"perplexity": single.perplexity.perplexity, "tokens": single.perplexity.tokens,
                 "bucket_losses": [b.mean_loss for b in single.perplexity.loss_by_position],
                 "retrieved": [c.retrieved for c in single.passkey.cells],

@@ -32,7 +32,7 @@ def batch_for(step: int, cp_rank: int, cp: int) -> Batch:
     positions = torch.arange(SEQ_LEN).expand(ROWS, SEQ_LEN)
     shards = [burst.shard_for_rank(t, cp_rank, cp) for t in (tokens, labels, positions)]
     return Batch(*shards, doc_boundaries=[torch.tensor(d) for d in DOCUMENTS[step % len(DOCUMENTS)]],
-                 num_tokens=shards[1].numel())
+                 num_tokens=shards[1].numel(), rope_length=SEQ_LEN)
 
 
 def config_for(**settings) -> TrainConfig:

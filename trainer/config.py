@@ -52,6 +52,18 @@ class TrainConfig:
                                            "code=stores/code:0.6 --data short=stores/web:0.4 (the shares sum to 1; "
                                            "min_doc keeps documents of at least that many tokens).",
                                      shown="the embedded stdlib corpus")
+    rope_theta: float | None = setting(None, "RoPE base of the model trained, replacing the preset's or checkpoint's "
+                                             "(e.g. 8e6 to extend a LLaMA-3 to 64K tokens, as ProLong does).",
+                                       shown="the model's")
+    rope_scaling: str | None = setting(None, "RoPE scaling of the model trained: none, or TYPE:key=value,... with TYPE "
+                                             "linear (factor), dynamic (factor), yarn (factor; attention_factor, "
+                                             "beta_fast, beta_slow, mscale, mscale_all_dim, truncate), longrope "
+                                             "(short_factor=a,b,..., long_factor=..., factor or attention_factor) or "
+                                             "llama3 (factor, low_freq_factor, high_freq_factor); all but linear also "
+                                             "take original_max_position_embeddings (default: the model's "
+                                             "max_seq_len); "
+                                             "e.g. yarn:factor=8,original_max_position_embeddings=1024.",
+                                       shown="the model's")
     seq_len: int = setting(1024, "Tokens per sequence, split over the --cp ranks.")
     cp: int = setting(1, "Sequence-parallel degree: ranks that share one sequence (BurstAttention).")
     dp: int = setting(1, "Data-parallel degree: groups of --cp ranks that see different sequences.")
@@ -114,6 +126,7 @@ class TrainConfig:
         from burst.topology import check_topology
         from data.mixture import parse_mixture, resolved_sources
         from models.config import PRESETS
+        from models.rope import parse_rope_scaling
         from runtime.precision import PRECISIONS
 
         for name in ("seq_len", "cp", "dp", "batch_size", "grad_accum", "steps", "log_every", "max_bad_steps",
@@ -158,6 +171,12 @@ class TrainConfig:
         if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
             raise ValueError(f"--activation-checkpointing {self.activation_checkpointing!r} is not one of "
                              f"{', '.join(ACTIVATION_CHECKPOINTING)}")
+        if self.rope_theta is not None and not 0 < self.rope_theta < math.inf:
+            raise ValueError(f"--rope-theta {self.rope_theta} must be a positive number, e.g. 500000 or 8e6")
+        if self.rope_scaling is not None:
+            # The model's context length is known only once the model is (trainer/preflight.py fills it in);
+            # seq_len stands in for it here, where everything else about the flag is checked.
+            parse_rope_scaling(self.rope_scaling, "--rope-scaling", original_length=self.seq_len)
         check_backward_mode(self.attention_backward, "--attention-backward")
         check_topology(self.cp_topology, "--cp-topology")
         try:

@@ -27,10 +27,10 @@ from checkpoints.training import (
 )
 from data import SequenceLoader, TokenStore, default_store
 from data.mixture import Source, open_sources, parse_mixture
-from data.store import TOKENIZER_FILE
 from models import PRESETS, ModelConfig
 from models.checkpoint import expected_shapes, is_native_checkpoint
-from models.convert import is_hf_checkpoint, read_checkpoint, tokenizer_beside
+from models.convert import is_hf_checkpoint, read_checkpoint
+from models.rope import parse_rope_scaling
 from runtime.directories import check_writable
 from runtime.precision import Precision, resolve_precision
 from trainer.checkpoint import check_model_config, metrics_rows
@@ -66,12 +66,14 @@ def check_world_size(config: TrainConfig, world_size: int) -> None:
 
 def model_and_store(config: TrainConfig, store: TokenStore) -> tuple[ModelConfig, Path | None]:
     """The model config and starting checkpoint for `config.model` (a preset, default tiny, or a model directory),
-    checked against the store's tokenizer."""
+    with --rope-theta and --rope-scaling applied, checked against the store's tokenizer; the config names the
+    tokenizer's BOS and EOS (exports write them)."""
     name = config.model or DEFAULT_MODEL
     if name in PRESETS:
-        preset = ModelConfig.from_name(name)
+        preset = with_rope(ModelConfig.from_name(name), config)
         # A fresh model gets the store's vocabulary, so any tokenizer trains any preset.
-        return dataclasses.replace(preset, vocab_size=store.vocab_size,
+        return dataclasses.replace(preset, vocab_size=store.vocab_size, bos_token_id=store.bos_id,
+                                   eos_token_id=store.eos_id,
                                    max_seq_len=max(preset.max_seq_len, config.seq_len)), None
     path = Path(name)
     if not path.is_dir():
@@ -83,20 +85,51 @@ def model_and_store(config: TrainConfig, store: TokenStore) -> tuple[ModelConfig
     if not (is_native_checkpoint(path) or is_hf_checkpoint(path)):
         raise ValueError(f"--model {path} is not a model checkpoint directory (a native or Hugging Face LLaMA "
                          f"config.json with safetensors weights)")
-    model_config = read_checkpoint(path).config  # validated from the file headers, no tensor read
-    check_store_fits(store, model_config, tokenizer_beside(path), path)
-    return model_config, path
+    model_config = with_rope(read_checkpoint(path).config, config)  # validated from the file headers, no tensor read
+    check_store_fits(store, model_config, path, path)
+    return with_specials(model_config, store, path), path
+
+
+def with_rope(model_config: ModelConfig, config: TrainConfig) -> ModelConfig:
+    """`model_config` with --rope-theta and --rope-scaling, whose original length defaults to its max_seq_len."""
+    changes = {}
+    if config.rope_theta is not None:
+        changes["rope_theta"] = config.rope_theta
+    if config.rope_scaling is not None:
+        changes["rope_scaling"] = parse_rope_scaling(config.rope_scaling, "--rope-scaling",
+                                                     original_length=model_config.max_seq_len)
+    try:
+        return dataclasses.replace(model_config, **changes)
+    except ValueError as err:  # what fits only this model: longrope's factors, one per frequency of its heads
+        raise ValueError(f"--rope-scaling {config.rope_scaling}: {err}") from None
+
+
+def with_specials(model_config: ModelConfig, store: TokenStore, path: Path) -> ModelConfig:
+    """`model_config` naming the store's BOS and EOS; refused when the checkpoint's config.json names others."""
+    bos, eos = model_config.bos_token_id, model_config.eos_token_id
+    eos_ids = eos if isinstance(eos, list) else [eos]
+    if bos not in (None, store.bos_id) or eos is not None and store.eos_id not in eos_ids:
+        raise ValueError(f"the model {path} names BOS {bos} and EOS {eos} (config.json's bos_token_id and "
+                         f"eos_token_id) but the token store {store.directory} was prepared with a tokenizer whose BOS "
+                         f"is {store.bos_id} and EOS {store.eos_id}: the documents would be framed with tokens the "
+                         f"model does not know as such; prepare the data with the model's tokenizer "
+                         f"(`burst prepare INPUT... --tokenizer {path} --out STORE`)")
+    return dataclasses.replace(model_config, bos_token_id=store.bos_id,
+                               eos_token_id=store.eos_id if eos is None else eos)
 
 
 def check_store_fits(store: TokenStore, model_config: ModelConfig, tokenizer: Path | None, model: Path) -> None:
-    """Refuse data prepared with another tokenizer than the model's (when the model keeps one), or whose
-    vocabulary does not fit the model's."""
+    """Refuse data prepared with another tokenizer than the model's (kept in the directory `tokenizer`, when
+    there is one), or whose ids do not all have an embedding in the model."""
     if tokenizer is not None:
         store.check_tokenizer(tokenizer, model)
-    if store.vocab_size != model_config.vocab_size:
-        raise ValueError(f"the token store {store.directory} has a vocabulary of {store.vocab_size} tokens but the "
-                         f"model {model} has {model_config.vocab_size}; prepare the data with the model's tokenizer "
-                         f"(`burst prepare INPUT... --tokenizer TOKENIZER.model --out STORE`)")
+    recorded = store.metadata.get("max_token_id")  # the largest id in the documents (stores since it is recorded)
+    max_id = max(recorded if isinstance(recorded, int) else -1, store.bos_id, store.eos_id)
+    if store.vocab_size > model_config.vocab_size or max_id >= model_config.vocab_size:
+        raise ValueError(f"the token store {store.directory} has a vocabulary of {store.vocab_size:,} tokens (ids up "
+                         f"to {max_id:,} in its documents and specials) but the model {model} has "
+                         f"{model_config.vocab_size:,} embeddings; prepare the data with the model's tokenizer "
+                         f"(`burst prepare INPUT... --tokenizer {model} --out STORE`)")
 
 
 def init_checkpoint(config: TrainConfig, store: TokenStore) -> tuple[ModelConfig, Path]:
@@ -111,10 +144,10 @@ def init_checkpoint(config: TrainConfig, store: TokenStore) -> tuple[ModelConfig
             is_hf_checkpoint(path) else "pass a run directory of `burst train` or one of its checkpoints"
         raise ValueError(f"--init-from {path} is not a training run or checkpoint; {hint}")
     checkpoint = read_model_checkpoint(path)  # the newest complete checkpoint of a run; checked, no tensor read
-    model_config = dataclasses.replace(checkpoint.config,
-                                       max_seq_len=max(checkpoint.config.max_seq_len, config.seq_len))
+    model_config = with_rope(dataclasses.replace(checkpoint.config, max_seq_len=max(checkpoint.config.max_seq_len,
+                                                                                    config.seq_len)), config)
     check_store_fits(store, model_config, checkpoint.tokenizer, path)
-    return model_config, resolve_checkpoint(path)
+    return with_specials(model_config, store, path), resolve_checkpoint(path)
 
 
 def check_sequence_fits(config: TrainConfig, sources: list[Source]) -> None:
@@ -211,7 +244,7 @@ def plan_run(config: TrainConfig, world_size: int, restart: int = 0) -> RunPlan:
     init_from = checkpoint = None
     if config.init_from is not None and config.resume:  # a stage continues with the model its checkpoints hold
         model_config = read_model_checkpoint(Path(out)).config
-        check_store_fits(store, model_config, tokenizer_beside(Path(out)), Path(out))
+        check_store_fits(store, model_config, Path(out), Path(out))
     elif config.init_from is not None:
         model_config, init_from = init_checkpoint(config, store)
     else:
@@ -231,6 +264,7 @@ def plan_run(config: TrainConfig, world_size: int, restart: int = 0) -> RunPlan:
 def check_resume(config: TrainConfig, out: Path, model_config: ModelConfig, store: TokenStore) -> Path:
     """The newest complete checkpoint of the run in `out`, checked whole and against the run's model, settings,
     tokenizer and history; nothing is written (a refused resume leaves the run as it was)."""
+    store.check_tokenizer(out, out)  # first: the likeliest cause of any other difference (data prepared again)
     path = resolve_checkpoint(out)
     check_model_config(path, model_config)
     recorded = read_train_state(path).get("settings")
@@ -243,8 +277,6 @@ def check_resume(config: TrainConfig, out: Path, model_config: ModelConfig, stor
                                                       f"checkpoint" for name in changed)
                              + "; it was edited after the run started: restore those settings, or start a new "
                                f"stage from it with --init-from {out}")
-    if (out / TOKENIZER_FILE).is_file():
-        store.check_tokenizer(out / TOKENIZER_FILE, out)
     metrics_rows(out)  # a damaged history is refused here; a torn last line is dropped on resume
     step = step_of(path)
     if step >= config.steps:

@@ -18,7 +18,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from data.store import TOKENIZER_FILE
+from data.tokenizer import TOKENIZER_FILES
 from runtime.directories import (
     MARKER,
     DirectoryRefused,
@@ -32,7 +32,7 @@ from runtime.directories import (
 HELD_ENV = "BURST_RUN_DIRECTORY_HELD"  # set by the process holding the lock, for the workers it starts
 METRICS_FILE = "metrics.jsonl"
 # What a run that failed during start-up (before its first step) leaves: a rerun may reuse the directory.
-STARTUP_FILES = {MARKER, "config.toml", TOKENIZER_FILE, METRICS_FILE}
+STARTUP_FILES = {MARKER, "config.toml", *TOKENIZER_FILES, METRICS_FILE}
 
 
 @contextlib.contextmanager

@@ -43,7 +43,7 @@ def forward_backward(model: Transformer, batch: Batch, global_count: torch.Tenso
         for offsets in doc_boundaries:  # documents per row vary from batch to batch: one graph for any count
             torch._dynamo.maybe_mark_dynamic(offsets, 0)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.precision == "bf16"):
-        loss_sum, _ = model.loss(tokens, labels, positions, doc_boundaries)
+        loss_sum, _ = model.loss(tokens, labels, positions, doc_boundaries, rope_length=batch.rope_length)
     (loss_sum / global_count).backward()
     return loss_sum.detach()
 

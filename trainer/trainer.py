@@ -29,8 +29,6 @@ from rich.table import Table
 from checkpoints.training import complete_checkpoints, remove_interrupted_saves
 from data import SequenceLoader
 from data.mixture import open_sources, parse_mixture
-from data.store import TOKENIZER_FILE
-from runtime.directories import write_atomically
 from runtime.memory import peak_memory_mib
 from runtime.process import all_reduce
 from trainer.checkpoint import forget_metrics_after, load_checkpoint, load_stage_start
@@ -151,8 +149,7 @@ class Trainer:
         continued = plan.resume_from is not None or plan.restart > 0
         claim_run_directory(self.out)
         save_config(config, self.out / "config.toml", notes=f"precision {config.precision}: {plan.precision.reason}")
-        if not (continued and (self.out / TOKENIZER_FILE).is_file()):  # exports and eval check data by it
-            write_atomically(self.out / TOKENIZER_FILE, self.store.tokenizer_path.read_bytes())
+        self.store.copy_tokenizer(self.out)  # never replaced (preflight compared it on resume); exports carry it
         if continued:
             remove_interrupted_saves(self.out)
             forget_metrics_after(self.out, self.state.step)  # steps past the checkpoint (or all: none) come again

@@ -50,7 +50,8 @@ class Validator:
             tokens, labels, positions = (t.to(env.device) for t in (batch.tokens, batch.labels, batch.positions))
             with torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=config.precision == "bf16"):
                 loss_sum, count = model.loss(tokens, labels, positions,
-                                             batch.doc_boundaries if config.doc_mask else None)
+                                             batch.doc_boundaries if config.doc_mask else None,
+                                             rope_length=batch.rope_length)
             totals += torch.stack([loss_sum.double(), count.double()])
         model.train(was_training)
         loss_sum, count = all_reduce(totals).tolist()

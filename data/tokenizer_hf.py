@@ -1,0 +1,115 @@
+"""The Hugging Face backend of the tokenizer interface: a `tokenizer.json` read by the `tokenizers` library.
+
+Any model's: byte-level BPE (LLaMA-3), SentencePiece-converted (LLaMA-2, Mistral), WordPiece, Unigram.
+The ids are exactly those of `tokenizers.Tokenizer.encode(text, add_special_tokens=False)`, which are
+those `AutoTokenizer` gives after its specials: a literal "<|end_of_text|>" in a text is that token, in
+both, unless tokenizer_config.json sets split_special_tokens (then it is plain text, in both). Truncation
+and padding configured in the file are switched off: a store keeps whole documents.
+
+BOS and EOS come from the tokenizer's own files, first found wins: `tokenizer_config.json`'s bos_token
+and eos_token, then `special_tokens_map.json`'s, then what the post-processor puts before and after
+a text. The vocabulary is every id the tokenizer can give, its added tokens included (LLaMA-3: 128,256).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer as HFTokenizerModel
+
+from data.tokenizer import HF_COMPANIONS, HF_FILE, HUGGINGFACE, Tokenizer
+
+# The parts of a tokenizer.json that decide encode()'s ids without specials (with tokenizer_config.json's
+# split_special_tokens); the post-processor, decoder, truncation and padding do not, so an export that adds
+# BOS to the post-processor is the same tokenizer.
+ENCODING_PARTS = ("added_tokens", "normalizer", "pre_tokenizer", "model")
+SPECIALS_PROBE = "burst"  # any text: what the post-processor adds around it are the specials
+
+
+class HFTokenizer(Tokenizer):
+    """`tokenizer.json` and, beside it, tokenizer_config.json and special_tokens_map.json when present."""
+
+    kind = HUGGINGFACE
+
+    def __init__(self, path: str | Path) -> None:
+        path = Path(path)
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+            self._tok = HFTokenizerModel.from_file(str(path))
+        except Exception as err:  # OSError, json's errors, and the tokenizers library's plain Exception
+            raise ValueError(f"{path} is not a Hugging Face tokenizer.json the `tokenizers` library can read "
+                             f"({err}); pass a model's tokenizer.json, or the directory holding it") from None
+        self._tok.no_truncation()
+        self._tok.no_padding()
+        self.path = path
+        self.files = {HF_FILE: path, **{name: path.parent / name for name in HF_COMPANIONS
+                                        if (path.parent / name).is_file()}}
+        self.vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values()) + 1
+        configs = {name: _read_json(self.files[name]) for name in HF_COMPANIONS if name in self.files}
+        self._check_added_tokens(configs.get(HF_COMPANIONS[0], {}))
+        split_special_tokens = configs.get(HF_COMPANIONS[0], {}).get("split_special_tokens") is True
+        self._tok.encode_special_tokens = split_special_tokens
+        encoding = {part: raw.get(part) for part in ENCODING_PARTS}
+        self.digest = hashlib.sha256(json.dumps({**encoding, "split_special_tokens": split_special_tokens},
+                                                sort_keys=True, ensure_ascii=False).encode()).hexdigest()
+        self.bos_id, self.eos_id = (self._special(role, configs) for role in ("bos", "eos"))
+
+    def _special(self, role: str, configs: dict[str, dict[str, Any]]) -> int:
+        """The id of the BOS or EOS token, named by the first file that names one."""
+        for name, config in configs.items():
+            token = config.get(f"{role}_token")
+            content = token.get("content") if isinstance(token, dict) else token
+            if isinstance(content, str):
+                token_id = self._tok.token_to_id(content)
+                if token_id is None:
+                    raise ValueError(f"{self.files[name]} names {role}_token {content!r}, which "
+                                     f"{self.files[HF_FILE]} does not hold; the files are of different tokenizers")
+                return token_id
+        with_specials = self._tok.encode(SPECIALS_PROBE).ids
+        plain = self._tok.encode(SPECIALS_PROBE, add_special_tokens=False).ids
+        start = next((i for i in range(len(with_specials) - len(plain) + 1)
+                      if with_specials[i:i + len(plain)] == plain), None)
+        added = (with_specials[:start] if role == "bos" else with_specials[start + len(plain):]) if start is not None \
+            else []
+        if len(added) == 1:
+            return added[0]
+        raise ValueError(f"the tokenizer {self.files[HF_FILE]} names no {role.upper()} token (no {role}_token in "
+                         f"{' or '.join(HF_COMPANIONS)}, and its post-processor adds none): documents are packed "
+                         f"between BOS and EOS; put a tokenizer_config.json beside it naming them, e.g. "
+                         f'{{"bos_token": "<s>", "eos_token": "</s>"}}')
+
+    def _check_added_tokens(self, config: dict[str, Any]) -> None:
+        """Refuse a tokenizer_config.json whose added tokens are not tokenizer.json's: AutoTokenizer would add them,
+        and encode otherwise than the `tokenizers` library does."""
+        for token_id, token in (config.get("added_tokens_decoder") or {}).items():
+            content = token.get("content") if isinstance(token, dict) else None
+            if not str(token_id).isdigit() or self._tok.token_to_id(content or "") != int(token_id):
+                raise ValueError(f"{self.files[HF_COMPANIONS[0]]} adds token {content!r} as id {token_id}, which "
+                                 f"{self.files[HF_FILE]} does not hold under that id; the files are of different "
+                                 f"tokenizers: use the ones a model was published with")
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str], num_threads: int | None = None) -> list[list[int]]:
+        """On the `tokenizers` library's thread pool: every core, or RAYON_NUM_THREADS (num_threads is not used:
+        the pool is made once per process)."""
+        return [encoding.ids for encoding in self._tok.encode_batch_fast(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON ({err}); restore it from the model it came with") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} holds {type(value).__name__}, not a JSON object; restore it from the model it "
+                         f"came with")
+    return value
