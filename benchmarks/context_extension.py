@@ -116,8 +116,9 @@ def summarize(before: dict, after: dict, out: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("runs/extension"))
-    parser.add_argument("--stage1-steps", type=int, default=400, help="steps of 8 x 1,024 tokens")
-    parser.add_argument("--stage2-steps", type=int, default=100, help="steps of 1 x 8,192 tokens")
+    parser.add_argument("--stage1-steps", type=int, default=300, help="steps of --stage1-batch x 1,024 tokens")
+    parser.add_argument("--stage1-batch", type=int, default=4)
+    parser.add_argument("--stage2-steps", type=int, default=60, help="steps of 1 x 8,192 tokens")
     parser.add_argument("--cp", type=int, default=2, help="ranks sharing each 8,192-token sequence in stage 2")
     parser.add_argument("--documents", type=int, default=16, help="held-out documents to score")
     args = parser.parse_args()
@@ -129,7 +130,7 @@ def main() -> None:
     model = make_model(out, TokenStore(store).vocab_size)
     stage1, stage2 = out / "stage1", out / "stage2"
     if not (stage1 / "checkpoints").is_dir():
-        burst("train", "--model", model, "--data", store, "--seq-len", ORIGINAL, "--batch-size", 8,
+        burst("train", "--model", model, "--data", store, "--seq-len", ORIGINAL, "--batch-size", args.stage1_batch,
               "--steps", args.stage1_steps, "--lr", 3e-3, "--warmup", args.stage1_steps // 20, "--doc-mask",
               "--precision", "fp32",
               "--out", stage1)
