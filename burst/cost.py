@@ -3,25 +3,36 @@
 All counts are per rank and per pass, for the tensors as `burst_attn` receives them:
 q [b, C, q_heads, d], k/v [b, C, kv_heads, d], C tokens per rank, W ranks in I nodes of L.
 The small all-gather that compares the ranks' inputs is left out (see `comm.gather_from_every_rank`).
+With document masking a block goes only where the plan needs it: `planned_sends` counts what a rank
+sends for any plan (the benchmark's plan-only mode and the tests use it).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from burst.plan import AttentionPlan
 from burst.ulysses import heads_per_rank
 
 
-def backward_bytes_per_hop(q: torch.Tensor, k: torch.Tensor, mode: str) -> int:
-    """Bytes one rank sends per backward ring step in `mode` ("burst" or "ring").
+def packet_bytes(q: torch.Tensor, k: torch.Tensor, mode: str) -> tuple[int, int]:
+    """(visitor, gradient) bytes of one block in the backward `mode` ("burst" or "ring").
 
-    burst: q and dout in their dtype, lse and delta (one float32 each per query row), dq in float32.
-    ring:  k and v in their dtype, dk and dv in float32.
+    burst: q and dout in their dtype, lse and delta (one float32 each per query row); dq in float32.
+    ring:  k and v in their dtype; dk and dv in float32.
     """
     if mode == "burst":
         rows = q.numel() // q.shape[-1]
-        return 2 * q.numel() * q.element_size() + 2 * rows * 4 + q.numel() * 4
-    return 2 * k.numel() * k.element_size() + 2 * k.numel() * 4
+        return 2 * q.numel() * q.element_size() + 2 * rows * 4, q.numel() * 4
+    return 2 * k.numel() * k.element_size(), 2 * k.numel() * 4
+
+
+def backward_bytes_per_hop(q: torch.Tensor, k: torch.Tensor, mode: str) -> int:
+    """Bytes one rank sends per backward ring step in `mode` when every block is needed: a visitor
+    out and a gradient back."""
+    return sum(packet_bytes(q, k, mode))
 
 
 def choose_backward(q: torch.Tensor, k: torch.Tensor, mode: str) -> str:
@@ -39,13 +50,98 @@ def node_blocks(q: torch.Tensor, k: torch.Tensor, node_size: int) -> tuple[torch
             torch.empty(b, node_size * shard_len, len(kv_heads[0]), d, dtype=k.dtype, device="meta"))
 
 
+@dataclass(frozen=True)
+class Sends:
+    """Blocks one rank sends in one pass (visitors out, gradients back), and how many leave its node."""
+
+    visitors: int = 0
+    visitors_inter_node: int = 0
+    gradients: int = 0
+    gradients_inter_node: int = 0
+
+
+def planned_sends(needs, rounds: int, steps: int, position: int, node_size: int) -> Sends:
+    """What position `position` of a schedule of `rounds` x `steps` positions sends in one pass, when
+    needs(host, owner) says which positions work on which visitor (burst/ring.py's `circulate`).
+
+    One round (flat, and Ulysses' ring over nodes): every visitor straight from its owner to each
+    position that needs it, and a gradient straight back from each. Two-level: a visitor once to
+    every other node where a rank needs it, to the counterpart there, who hands it to the ranks
+    of the node that need it; gradients back to that holder, and the node's sum back to the owner.
+    node_size: positions per node for `rounds` = 1 (1 when every position is a node of its own).
+    """
+    count = {"visitors": 0, "visitors_inter_node": 0, "gradients": 0, "gradients_inter_node": 0}
+
+    def send(kind: str, peer: int, across: bool) -> None:
+        count[kind] += 1
+        count[f"{kind}_inter_node"] += across
+
+    node, local = divmod(position, steps)
+    if rounds == 1:
+        for other in range(steps):
+            if other != position:
+                across = other // node_size != position // node_size
+                if needs(other, position):
+                    send("visitors", other, across)
+                if needs(position, other):
+                    send("gradients", other, across)
+        return Sends(**count)
+
+    def at(node_: int, local_: int) -> int:
+        return node_ % rounds * steps + local_ % steps
+
+    def node_needs(node_: int, owner: int) -> bool:
+        return any(needs(at(node_, lo), owner) for lo in range(steps))
+
+    for offset in range(rounds):
+        held = at(node - offset, local)  # the visitor this position holds for its node in round `offset`
+        if offset and node_needs(node + offset, position):
+            send("visitors", at(node + offset, local), True)
+        if offset and node_needs(node, held):
+            send("gradients", held, True)  # the node's sum, back to the owner
+        for s in range(1, steps):
+            if needs(at(node, local + s), held):
+                send("visitors", at(node, local + s), False)
+            if needs(position, at(node - offset, local - s)):
+                send("gradients", at(node, local - s), False)
+    return Sends(**count)
+
+
+def planned_bytes(sends_forward: Sends, sends_backward: Sends, q: torch.Tensor, k: torch.Tensor,
+                  backward: str) -> tuple[int, int, int, int]:
+    """(forward, forward inter-node, backward, backward inter-node) bytes of these sends for blocks
+    like q and k (node-sized ones for Ulysses), `backward` resolved as burst_attn resolves it."""
+    kv = 2 * k.numel() * k.element_size()
+    visitor, gradient = packet_bytes(q, k, choose_backward(q, k, backward))
+    return (sends_forward.visitors * kv, sends_forward.visitors_inter_node * kv,
+            sends_backward.visitors * visitor + sends_backward.gradients * gradient,
+            sends_backward.visitors_inter_node * visitor + sends_backward.gradients_inter_node * gradient)
+
+
+def plan_bytes(plan: AttentionPlan, topology: str, q: torch.Tensor, k: torch.Tensor, backward: str, node_size: int,
+               rank: int) -> tuple[int, int, int, int]:
+    """(forward, forward inter-node, backward, backward inter-node) bytes group rank `rank` sends in one
+    call of `topology` (resolved) whose ring runs `plan`: over ranks, or over nodes for "ulysses", with
+    q and k as the ring gets them (node-sized for "ulysses"). The agreement all-gather is left out."""
+    world = plan.world_size
+    if topology == "ulysses":
+        shape = (1, world, rank // node_size, 1)
+    elif topology == "flat" or node_size in (1, world):
+        shape = (1, world, rank, node_size)
+    else:
+        shape = (world // node_size, node_size, rank, node_size)
+    mode = choose_backward(q, k, backward)
+    backward_needs = plan.has_work if mode == "ring" else (lambda host, owner: plan.has_work(owner, host))
+    return planned_bytes(planned_sends(plan.has_work, *shape), planned_sends(backward_needs, *shape), q, k, mode)
+
+
 def inter_node_bytes(topology: str, q: torch.Tensor, k: torch.Tensor, backward: str, node_size: int,
                      world_size: int, rank: int) -> tuple[int, int]:
-    """(forward, backward) bytes that group rank `rank` sends to other nodes in one call.
+    """(forward, backward) bytes that group rank `rank` sends to other nodes in one call when every
+    block is needed (no document mask).
 
-    A block is k and v (forward) or one backward hop (`backward_bytes_per_hop`, `backward`
-    resolved as burst_attn resolves it).
-      flat:      the last rank of each node sends all W - 1 blocks across; the others none.
+      flat:      every rank sends its block straight to the W - L ranks of other nodes, and a
+                 gradient back to each of their W - L owners.
       two-level: every rank sends I - 1 blocks across (and, in backward, I - 1 gradient sums).
       ulysses:   I - 1 node-sized blocks, [b, L x C, heads / L, d]: the same bytes as two-level
                  when L divides the kv heads, more when each rank needs a whole kv head.
@@ -53,10 +149,16 @@ def inter_node_bytes(topology: str, q: torch.Tensor, k: torch.Tensor, backward: 
     nodes = world_size // node_size
     if nodes == 1:
         return 0, 0
+    every = lambda host, owner: True  # noqa: E731
     if topology == "ulysses":
         q, k = node_blocks(q, k, node_size)
-    hops = nodes - 1 if topology != "flat" else (world_size - 1 if rank % node_size == node_size - 1 else 0)
-    return hops * 2 * k.numel() * k.element_size(), hops * backward_bytes_per_hop(q, k, choose_backward(q, k, backward))
+        sends = planned_sends(every, 1, nodes, rank // node_size, 1)
+    elif topology == "flat" or node_size == 1:
+        sends = planned_sends(every, 1, world_size, rank, node_size)
+    else:
+        sends = planned_sends(every, nodes, node_size, rank, node_size)
+    _, forward, _, backward_ = planned_bytes(sends, sends, q, k, backward)
+    return forward, backward_
 
 
 def choose_topology(topology: str, q: torch.Tensor, k: torch.Tensor, backward: str, node_size: int,

@@ -85,7 +85,7 @@ def ring_forward(schedule: Schedule, kernel: AttentionKernel, plan: AttentionPla
             merge_block(out[seg.batch, seg.q_rows], lse[seg.batch, :, seg.q_rows], block_out, block_lse)
         return []
 
-    circulate(schedule, [k, v], 0, step)
+    circulate(schedule, [k, v], 0, step, plan.has_work)
     return as_result(out, q.dtype), lse
 
 
@@ -93,72 +93,110 @@ def ring_forward(schedule: Schedule, kernel: AttentionKernel, plan: AttentionPla
 # it accumulates the home gradients itself.
 GradPieces = list[tuple[slice, slice, list[torch.Tensor]]]
 StepFn = Callable[[list[torch.Tensor], int], GradPieces]
+NeedsFn = Callable[[int, int], bool]
 
 
-def circulate(schedule: Schedule, visitor: list[torch.Tensor], num_grads: int, step: StepFn) -> list[torch.Tensor]:
-    """Tour `visitor` along `schedule`, calling `step` at every stop; return the float32
-    gradients of this rank's own visitor (shaped like visitor[:num_grads]), summed over ranks.
+def circulate(schedule: Schedule, visitor: list[torch.Tensor], num_grads: int, step: StepFn,
+              needs: NeedsFn) -> list[torch.Tensor]:
+    """Bring this rank every visitor its part of the plan needs, calling `step` on each; return the
+    float32 gradients of this rank's own visitor (shaped like visitor[:num_grads]), summed over ranks.
 
-    Inside a round (a node's tour) a gradient travels one step behind its visitor: computed
-    at step s, it arrives at the next rank during step s + 1 and leaves at the start of step
-    s + 2. The round's first stop (the entry rank) keeps its share, and the rest arrives back
-    at it one hop after the round's last step: the tour's sum. The owner's tour sum is its own
-    (round 0); every later node's is added to the previous nodes' and passed on to the next
-    node's entry rank over `outer`, so the sum of rounds 1..I-1 reaches the owner after the
-    last one, having crossed I - 1 node boundaries, each hop hidden behind a whole round.
-    One round (flat, ulysses): today's ring, W - 1 hops for a visitor and for its gradient.
+    needs(host, owner): whether position `host` works on the visitor of position `owner`; every rank
+    computes the same answers from the same plan, so both ends of every message post it. A visitor
+    goes only to the ranks that work on it, straight from its holder (`Schedule`): at step s the
+    rank posts the sends and receives of step s + 1 and computes step s while they travel. A gradient
+    travels only from a rank that computed one, straight back to the holder, posted one step after
+    it was computed (so it overlaps the next step's compute); the holder sums its node's gradients
+    (the owner itself in round 0). Across nodes (two-level), a node's sum goes back to the owner
+    after its round, on the outer links, overlapping the next round. Steps and rounds where nothing
+    is needed send nothing.
     """
-    rounds, steps = schedule.rounds, schedule.steps
-    grad_like, f32 = visitor[:num_grads], [torch.float32] * num_grads
+    rounds, steps, me = schedule.rounds, schedule.steps, schedule.rank
+    node = me // steps
+    grad_like, f32, dtypes = visitor[:num_grads], [torch.float32] * num_grads, [t.dtype for t in visitor]
 
     def zeros() -> list[torch.Tensor]:
         return [torch.zeros_like(t, dtype=torch.float32) for t in grad_like]
 
-    def finish_tour(round_: int, arrived: list[torch.Tensor], chain: Pending) -> Pending:
-        """Add the tour's returning part (none for a one-stop tour) to its entry share; pass the sum
-        on unless it is the owner's."""
-        if arrived:
-            for acc, grad in zip(entry, arrived, strict=True):
-                acc += grad
-        if round_ == 0:
-            return chain  # `entry` is `own`
-        if round_ > 1:
-            for acc, grad in zip(entry, chain.wait(), strict=True):
-                acc += grad
-        return schedule.outer.exchange(entry, grad_like, f32)  # receives the next visitor's sum so far
+    def add(accumulators: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        for acc, grad in zip(accumulators, grads, strict=True):
+            acc += grad
+
+    def node_needs(node_: int, owner: int) -> bool:
+        return any(needs(node_ % rounds * steps + local, owner) for local in range(steps))
 
     own = zeros()
-    entry, traveling = own, []  # this round's entry share; the gradient computed at the last step
-    chain = next_round = Pending()  # the previous nodes' gradient sum; the next round's first visitor
+    holding, holding_owner, holding_grad = visitor, me, own  # this round's visitor held for the node, its gradient
+    current = visitor if needs(me, me) else None  # the visitor of this step, where this rank works on it
+    previous = None  # (step, gradient computed there or None, the holder's owner and accumulator): still to send
+    returned = Pending()  # a node's sum of this rank's gradient on its way back over the outer links
+    finished = (me, None)  # (owner, node sum) of the round before this one
+
+    def gradient_messages():
+        if previous is None:
+            return [], []
+        s, grad, owner, _ = previous
+        host = schedule.host(s)
+        return ([(schedule.holder(s), grad)] if grad is not None else []), \
+            ([(host, grad_like, f32)] if needs(host, owner) else [])
+
+    def collect(pending: Pending) -> None:
+        for grads in pending.wait():
+            add(own, grads)
+
+    def return_node_sum(round_: int, owner: int, accumulator: list[torch.Tensor] | None) -> Pending:
+        """Send round `round_`'s node sum back to its owner; receive this rank's from the node that had it."""
+        collect(returned)  # the previous round's, which had a whole round to arrive
+        source = schedule.counterpart(round_)
+        return schedule.outer.exchange([(owner, accumulator)] if accumulator is not None else [],
+                                       [(source, grad_like, f32)] if node_needs(node + round_, me) else [])
+
     for round_ in range(rounds):
+        arriving = Pending()  # next round's visitor, from its owner on another node, behind this whole round
+        if round_ + 1 < rounds:
+            source = schedule.counterpart(-(round_ + 1))
+            arriving = schedule.outer.exchange(
+                [(schedule.counterpart(round_ + 1), visitor)] if node_needs(node + round_ + 1, me) else [],
+                [(source, visitor, dtypes)] if node_needs(node, source) else [])
         for s in range(steps):
-            if s == 0 and round_ + 1 < rounds:
-                next_round = schedule.outer.exchange(visitor, visitor)  # overlaps the whole round
-            passing = visitor if s + 1 < steps else []
-            pending = schedule.inner.exchange(passing + traveling, passing + (grad_like if traveling else []),
-                                              [x.dtype for x in passing] + (f32 if traveling else []))
-            pieces = step(visitor, schedule.owner(round_, s))
+            visitor_out, visitor_in = [], []
+            if s + 1 < steps:
+                host = schedule.host(s + 1)
+                if holding is not None and needs(host, holding_owner):
+                    visitor_out.append((host, holding))
+                if needs(me, schedule.owner(round_, s + 1)):
+                    visitor_in.append((schedule.holder(s + 1), visitor, dtypes))
+            grad_out, grad_in = gradient_messages() if num_grads else ([], [])
+            pending = schedule.inner.exchange(visitor_out + grad_out, visitor_in + grad_in)
+            pieces = step(current, schedule.owner(round_, s)) if current is not None else []
             received = pending.wait()
-            next_visitor, arrived = received[:len(passing)], received[len(passing):]
-            if s == 0:
-                if arrived:  # the previous round's tour is back at its entry rank
-                    chain = finish_tour(round_ - 1, arrived, chain)
-                entry = own if round_ == 0 else zeros()
-                target = entry
-            else:
-                target = arrived or zeros()
+            if grad_in:
+                add(previous[3], received[-1])
+            if s == 0 and round_ > 1 and num_grads:  # round_ - 1's node sum is complete: back to its owner
+                returned = return_node_sum(round_ - 1, *finished)
+            if num_grads and s == 0:
+                previous = None
+                target = holding_grad  # this rank's work on the visitor it holds: summed in place
+            elif num_grads:
+                target = zeros() if current is not None else None
+                previous = (s, target, holding_owner, holding_grad)
             for batch, rows, grads in pieces:
                 for acc, grad in zip(target, grads, strict=True):
                     acc[batch, rows] += grad
-            traveling = target if s > 0 else []
-            if steps == 1:  # a tour of one stop is complete at once
-                chain = finish_tour(round_, [], chain)
-            visitor = next_visitor or (next_round.wait() if round_ + 1 < rounds else visitor)
-    if traveling:
-        chain = finish_tour(rounds - 1, schedule.inner.exchange(traveling, grad_like, f32).wait(), chain)
-    if rounds > 1:
-        for acc, grad in zip(own, chain.wait(), strict=True):
-            acc += grad
+            current = received[0] if visitor_in else None
+        if round_ + 1 < rounds:
+            finished = (schedule.counterpart(-round_), holding_grad)
+            arrived = arriving.wait()
+            holding, holding_owner = (arrived[0] if arrived else None), schedule.counterpart(-(round_ + 1))
+            holding_grad = zeros() if holding is not None and num_grads else None
+            current = holding if holding is not None and needs(me, holding_owner) else None
+    if num_grads:
+        grad_out, grad_in = gradient_messages()
+        received = schedule.inner.exchange(grad_out, grad_in).wait()
+        if grad_in:
+            add(previous[3], received[-1])
+        if rounds > 1:
+            collect(return_node_sum(rounds - 1, schedule.counterpart(-(rounds - 1)), holding_grad))
     return own
 
 
@@ -204,7 +242,7 @@ def burst_backward(schedule: Schedule, kernel: AttentionKernel, plan: AttentionP
             pieces.append((b, rows, [dq_blk]))
         return pieces
 
-    (dq,) = circulate(schedule, [q, dout, lse, delta], 1, step)
+    (dq,) = circulate(schedule, [q, dout, lse, delta], 1, step, lambda host, owner: plan.has_work(owner, host))
     return as_result(dq, q.dtype), as_result(dk, k.dtype), as_result(dv, v.dtype)
 
 
@@ -224,5 +262,5 @@ def ring_backward(schedule: Schedule, kernel: AttentionKernel, plan: AttentionPl
             pieces.append((b, cols, [dk_blk, dv_blk]))
         return pieces
 
-    dk, dv = circulate(schedule, [k, v], 2, step)
+    dk, dv = circulate(schedule, [k, v], 2, step, plan.has_work)
     return as_result(dq, q.dtype), as_result(dk, k.dtype), as_result(dv, v.dtype)

@@ -1,0 +1,189 @@
+"""The balanced layout: per packed sequence, which equal chunks each rank holds so that every rank
+does the same attention work in forward and in backward.
+
+Work is counted as the fused kernels do it, in tiles of `tile` x `tile` (query rows x key rows): a
+kernel call on an r x c rectangle computes ceil(r / tile) x ceil(c / tile) tiles, one on a causal
+square of n rows the ceil(n / tile) (ceil(n / tile) + 1) / 2 tiles on and below its diagonal, and
+masked pairs outside the calls cost nothing (burst/plan.py). With packed documents the work of a
+query chunk is the sum over its documents of the keys before it in the same document; the work
+against a key chunk (where the backward of "burst" computes it) the queries after it. Both must
+balance: the forward's ring steps wait for the rank with the most query work, the backward's for
+the one with the most key work.
+
+The layout cuts the sequence into K chunks per rank and assigns them (`assign_chunks`): the chunks
+in decreasing order of work, each to the rank it leaves least loaded (longest-processing-time
+first, on the larger of its forward and backward shares), then swaps between the most loaded rank
+and the others while that lowers it. More chunks balance better but cut documents into more kernel
+calls and smaller tiles, so a cost model (`choose_layout`) weighs the candidates, K = 2, 4, 8, 16
+with chunks of at least `min_chunk_tiles` tiles, and zigzag itself: the slowest rank's forward work
+plus BACKWARD_WEIGHT x its backward work, in tiles, each kernel call counted as `call_tiles` more.
+It is never worse than zigzag in that model.
+
+Everything here is a pure function of (boundaries, seq_len, world_size, causal, options): each rank
+and the data loader compute the same layout with no communication. It is memoised, so the model's
+layers and the loader plan a sequence once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from itertools import pairwise
+
+from burst.layout import Layout, check_sequence_length, zigzag_layout
+
+# A tile's backward costs about 2.5 of its forward: five matrix products against two.
+BACKWARD_WEIGHT = 2.5
+
+
+@dataclass(frozen=True)
+class BalanceOptions:
+    tile: int = 128  # the kernels' tile (query rows = key rows); GPU flash kernels use 128 x 128
+    min_chunk_tiles: int = 4  # no chunk shorter than this many tiles (512 tokens): smaller ones waste tiles
+    max_chunks_per_rank: int = 16
+    call_tiles: float = 1.0  # a kernel call's fixed cost (launch, merge), in tiles of work
+
+
+DEFAULT_OPTIONS = BalanceOptions()
+
+
+def tile_count(rows: int, cols: int, causal: bool, tile: int) -> int:
+    """Tiles a kernel call computes on a rows x cols rectangle (a causal call: a square, diagonal tiles on)."""
+    r = -(-rows // tile)
+    return r * (r + 1) // 2 if causal else r * -(-cols // tile)
+
+
+@dataclass(frozen=True)
+class ChunkWork:
+    """Per chunk: tiles and kernel calls of its queries (forward) and against its keys (backward)."""
+
+    forward: tuple[int, ...]
+    backward: tuple[int, ...]
+    forward_calls: tuple[int, ...]
+    backward_calls: tuple[int, ...]
+
+    def costs(self, call_tiles: float) -> tuple[list[float], list[float]]:
+        return ([t + call_tiles * c for t, c in zip(self.forward, self.forward_calls, strict=True)],
+                [t + call_tiles * c for t, c in zip(self.backward, self.backward_calls, strict=True)])
+
+
+def chunk_work(boundaries: Sequence[int], seq_len: int, chunks: int, causal: bool, tile: int) -> ChunkWork:
+    """The work of each of `chunks` equal chunks of a sequence with documents at `boundaries`.
+
+    A document's piece in chunk i meets its piece in chunk j in one kernel call (j <= i when causal,
+    a causal square when j = i), whichever ranks hold the two chunks. O(chunks spanned) per document.
+    """
+    size = seq_len // chunks
+    forward, backward = [0] * chunks, [0] * chunks
+    forward_calls, backward_calls = [0] * chunks, [0] * chunks
+    for start, end in pairwise(boundaries):
+        first = start // size
+        pieces = [-(-(min(end, (c + 1) * size) - max(start, c * size)) // tile)
+                  for c in range(first, (end - 1) // size + 1)]  # tiles along each piece of the document
+        if not causal:
+            total = sum(pieces)
+            for k, t in enumerate(pieces):
+                forward[first + k] += t * total
+                backward[first + k] += t * total
+                forward_calls[first + k] += len(pieces)
+                backward_calls[first + k] += len(pieces)
+            continue
+        before = 0
+        for k, t in enumerate(pieces):  # queries of piece k see every earlier piece, and themselves causally
+            forward[first + k] += t * before + t * (t + 1) // 2
+            forward_calls[first + k] += k + 1
+            before += t
+        after = 0
+        for k in reversed(range(len(pieces))):  # keys of piece k are seen by every later piece
+            t = pieces[k]
+            backward[first + k] += t * after + t * (t + 1) // 2
+            backward_calls[first + k] += len(pieces) - k
+            after += t
+    return ChunkWork(tuple(forward), tuple(backward), tuple(forward_calls), tuple(backward_calls))
+
+
+def assign_chunks(forward: Sequence[float], backward: Sequence[float], world_size: int) -> tuple[tuple[int, ...], ...]:
+    """Chunks per rank (ascending), as many to each, balancing both costs (see the module docstring)."""
+    per_rank = len(forward) // world_size
+    mean_f, mean_b = sum(forward) / world_size or 1.0, sum(backward) / world_size or 1.0
+    f = [x / mean_f for x in forward]  # in units of the mean rank's load
+    b = [x / mean_b for x in backward]
+    load_f, load_b = [0.0] * world_size, [0.0] * world_size
+    held: list[list[int]] = [[] for _ in range(world_size)]
+    for c in sorted(range(len(f)), key=lambda c: (-max(f[c], b[c]), c)):
+        r = min((r for r in range(world_size) if len(held[r]) < per_rank),
+                key=lambda r: (max(load_f[r] + f[c], load_b[r] + b[c]), load_f[r] + load_b[r], r))
+        held[r].append(c)
+        load_f[r] += f[c]
+        load_b[r] += b[c]
+    for _ in range(4 * len(f)):  # each swap lowers the most loaded rank; a bound, not a budget
+        worst = max(range(world_size), key=lambda r: (max(load_f[r], load_b[r]), -r))
+        current = max(load_f[worst], load_b[worst])
+        best = None
+        for x in held[worst]:
+            for r in range(world_size):
+                if r == worst:
+                    continue
+                for y in held[r]:
+                    df, db = f[y] - f[x], b[y] - b[x]
+                    after = max(load_f[worst] + df, load_b[worst] + db, load_f[r] - df, load_b[r] - db)
+                    if after < current - 1e-12 and (best is None or after < best[0]):
+                        best = (after, x, r, y, df, db)
+        if best is None:
+            break
+        _, x, r, y, df, db = best
+        held[worst][held[worst].index(x)], held[r][held[r].index(y)] = y, x
+        load_f[worst] += df
+        load_b[worst] += db
+        load_f[r] -= df
+        load_b[r] -= db
+    return tuple(tuple(sorted(h)) for h in held)
+
+
+def layout_cost(layout: Layout, work: ChunkWork, call_tiles: float) -> float:
+    """The slowest rank's forward cost + BACKWARD_WEIGHT x the slowest rank's backward cost, in tiles."""
+    forward, backward = work.costs(call_tiles)
+    return (max(sum(forward[c] for c in held) for held in layout.chunks)
+            + BACKWARD_WEIGHT * max(sum(backward[c] for c in held) for held in layout.chunks))
+
+
+def chunks_per_rank_candidates(seq_len: int, world_size: int, options: BalanceOptions) -> list[int]:
+    """K = 2, 4, 8, ... up to max_chunks_per_rank, whose chunks divide the sequence and are long enough."""
+    candidates, k = [], 2
+    while k <= options.max_chunks_per_rank:
+        if seq_len % (k * world_size) == 0 and (k == 2 or seq_len // (k * world_size) >=
+                                                 options.min_chunk_tiles * options.tile):
+            candidates.append(k)
+        k *= 2
+    return candidates
+
+
+def choose_layout(boundaries: Sequence[int], seq_len: int, world_size: int, causal: bool = True,
+                  options: BalanceOptions = DEFAULT_OPTIONS) -> Layout:
+    """The cheapest of zigzag and the balanced assignments of K chunks per rank (see the module docstring)."""
+    check_sequence_length(seq_len, world_size)
+    best = zigzag_layout(seq_len, world_size)
+    if world_size == 1:
+        return best
+    best_cost = None
+    for k in chunks_per_rank_candidates(seq_len, world_size, options):
+        work = chunk_work(boundaries, seq_len, k * world_size, causal, options.tile)
+        forward, backward = work.costs(options.call_tiles)
+        candidates = [best] if best_cost is None else []
+        candidates.append(Layout(seq_len // (k * world_size), assign_chunks(forward, backward, world_size)))
+        for layout in candidates:
+            cost = layout_cost(layout, work, options.call_tiles)
+            if best_cost is None or cost < best_cost - 1e-9:
+                best, best_cost = layout, cost
+    return best
+
+
+@lru_cache(maxsize=4096)
+def balanced_layout(boundaries: tuple[int, ...], seq_len: int, world_size: int, causal: bool = True,
+                    options: BalanceOptions = DEFAULT_OPTIONS) -> Layout:
+    """`choose_layout`, memoised: boundaries as a tuple of cumulative document offsets [0, ..., seq_len]."""
+    if not boundaries or boundaries[0] != 0 or boundaries[-1] != seq_len:
+        raise ValueError(f"document boundaries must run from 0 to the sequence length {seq_len}; got "
+                         f"{list(boundaries[:8])}{' ...' if len(boundaries) > 8 else ''}")
+    return choose_layout(boundaries, seq_len, world_size, causal, options)
