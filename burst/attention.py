@@ -197,12 +197,12 @@ def boundary_rows(boundaries: torch.Tensor) -> list[list[int]]:
     return rows
 
 
-def sequence_layouts(doc_boundaries: torch.Tensor | None, batch: int, seq_len: int, world_size: int, causal: bool,
+def sequence_layouts(doc_boundaries: torch.Tensor | None, batch: int, seq_len: int, world_size: int,
                      layout: str) -> tuple[list[list[int]] | None, list[Layout]]:
     """(document offsets per batch row or None, the layout of each row) for one call; boundaries as
     `boundaries_tensor` encodes them, checked (ValueError)."""
     rows = None if doc_boundaries is None else normalize_boundaries(boundary_rows(doc_boundaries), batch, seq_len)
-    return rows, row_layouts(layout, rows, seq_len, world_size, batch, causal)
+    return rows, row_layouts(layout, rows, seq_len, world_size, batch)
 
 
 def ring_and_plan(q: torch.Tensor, doc_boundaries: torch.Tensor | None, causal: bool, group: str, topology: str,
@@ -215,7 +215,7 @@ def ring_and_plan(q: torch.Tensor, doc_boundaries: torch.Tensor | None, causal: 
         make_schedule(topology, group_, node_size, traffic)
     _, world_size = group_rank_and_size(group_)
     rows, layouts = sequence_layouts(doc_boundaries, q.shape[0], q.shape[1] * schedule.world_size, world_size,
-                                     causal, layout)
+                                     layout)
     if topology == "ulysses":
         layouts = [lay.grouped(node_size) for lay in layouts]
     return schedule, AttentionPlan(layouts, causal, rows)
@@ -341,7 +341,7 @@ def ulysses_attn(q, k, v, group, node_size: int, causal: bool, boundaries, scale
     ring over the I nodes on node-sized blocks [b, L x C, heads / L, d], and back."""
     q_heads, kv_heads = heads_per_rank(q.shape[2], k.shape[2], node_size)  # raises before any traffic
     rank, world_size = group_rank_and_size(group)
-    _, layouts = sequence_layouts(boundaries, q.shape[0], q.shape[1] * world_size, world_size, causal, layout)
+    _, layouts = sequence_layouts(boundaries, q.shape[0], q.shape[1] * world_size, world_size, layout)
     orders = [lay.group_order(node_size, rank // node_size) for lay in
               (layouts[:1] if all(lay == layouts[0] for lay in layouts) else layouts)]
     order = torch.stack(orders).to(q.device)  # [b or 1, L x C]

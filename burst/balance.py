@@ -16,11 +16,16 @@ first, on the larger of its forward and backward shares), then swaps between the
 and the others while that lowers it. More chunks balance better but cut documents into more kernel
 calls and smaller tiles, so a cost model (`choose_layout`) weighs the candidates, K = 2, 4, 8, 16
 with chunks of at least `min_chunk_tiles` tiles, and zigzag itself: the slowest rank's forward work
-plus BACKWARD_WEIGHT x its backward work, in tiles, each kernel call counted as `call_tiles` more.
-It is never worse than zigzag in that model.
+plus BACKWARD_WEIGHT x the slowest rank's backward work (on the key side or the query side, as the
+backward mode has it: the larger), in tiles, each kernel call counted as `call_tiles` more. It is
+never worse than zigzag in that model. Equal chunk counts per rank are what the fixed-size shards
+need; a long document cut into K x W chunks of nearly equal work then balances to about one chunk
+in K, which is why K goes up to 16.
 
-Everything here is a pure function of (boundaries, seq_len, world_size, causal, options): each rank
-and the data loader compute the same layout with no communication. It is memoised, so the model's
+The layout is chosen for causal attention, what a language model runs (attention without a causal
+mask runs on it as correctly, if less evenly). Everything here is a pure function of (boundaries,
+seq_len, world_size, options): each rank and the data loader compute the same layout with no
+communication. It is memoised, so the model's
 layers and the loader plan a sequence once.
 """
 
@@ -30,6 +35,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from itertools import pairwise
+
+import numpy as np
 
 from burst.layout import Layout, check_sequence_length, zigzag_layout
 
@@ -46,6 +53,9 @@ class BalanceOptions:
 
 
 DEFAULT_OPTIONS = BalanceOptions()
+# The options every balanced layout is chosen with (burst.layout.row_layouts): the data loader's and the
+# attention's must be the same. Tests lower the tile to reach several chunks per rank on short sequences.
+OPTIONS = DEFAULT_OPTIONS
 
 
 def tile_count(rows: int, cols: int, causal: bool, tile: int) -> int:
@@ -68,11 +78,11 @@ class ChunkWork:
                 [t + call_tiles * c for t, c in zip(self.backward, self.backward_calls, strict=True)])
 
 
-def chunk_work(boundaries: Sequence[int], seq_len: int, chunks: int, causal: bool, tile: int) -> ChunkWork:
-    """The work of each of `chunks` equal chunks of a sequence with documents at `boundaries`.
+def chunk_work(boundaries: Sequence[int], seq_len: int, chunks: int, tile: int) -> ChunkWork:
+    """The causal work of each of `chunks` equal chunks of a sequence with documents at `boundaries`.
 
-    A document's piece in chunk i meets its piece in chunk j in one kernel call (j <= i when causal,
-    a causal square when j = i), whichever ranks hold the two chunks. O(chunks spanned) per document.
+    A document's piece in chunk i meets its piece in chunk j <= i in one kernel call (a causal square
+    when j = i), whichever ranks hold the two chunks. O(chunks spanned) per document.
     """
     size = seq_len // chunks
     forward, backward = [0] * chunks, [0] * chunks
@@ -81,14 +91,6 @@ def chunk_work(boundaries: Sequence[int], seq_len: int, chunks: int, causal: boo
         first = start // size
         pieces = [-(-(min(end, (c + 1) * size) - max(start, c * size)) // tile)
                   for c in range(first, (end - 1) // size + 1)]  # tiles along each piece of the document
-        if not causal:
-            total = sum(pieces)
-            for k, t in enumerate(pieces):
-                forward[first + k] += t * total
-                backward[first + k] += t * total
-                forward_calls[first + k] += len(pieces)
-                backward_calls[first + k] += len(pieces)
-            continue
         before = 0
         for k, t in enumerate(pieces):  # queries of piece k see every earlier piece, and themselves causally
             forward[first + k] += t * before + t * (t + 1) // 2
@@ -107,8 +109,7 @@ def assign_chunks(forward: Sequence[float], backward: Sequence[float], world_siz
     """Chunks per rank (ascending), as many to each, balancing both costs (see the module docstring)."""
     per_rank = len(forward) // world_size
     mean_f, mean_b = sum(forward) / world_size or 1.0, sum(backward) / world_size or 1.0
-    f = [x / mean_f for x in forward]  # in units of the mean rank's load
-    b = [x / mean_b for x in backward]
+    f, b = [x / mean_f for x in forward], [x / mean_b for x in backward]  # in units of the mean rank's load
     load_f, load_b = [0.0] * world_size, [0.0] * world_size
     held: list[list[int]] = [[] for _ in range(world_size)]
     for c in sorted(range(len(f)), key=lambda c: (-max(f[c], b[c]), c)):
@@ -117,35 +118,49 @@ def assign_chunks(forward: Sequence[float], backward: Sequence[float], world_siz
         held[r].append(c)
         load_f[r] += f[c]
         load_b[r] += b[c]
-    for _ in range(4 * len(f)):  # each swap lowers the most loaded rank; a bound, not a budget
-        worst = max(range(world_size), key=lambda r: (max(load_f[r], load_b[r]), -r))
-        current = max(load_f[worst], load_b[worst])
-        best = None
-        for x in held[worst]:
-            for r in range(world_size):
-                if r == worst:
-                    continue
-                for y in held[r]:
-                    df, db = f[y] - f[x], b[y] - b[x]
-                    after = max(load_f[worst] + df, load_b[worst] + db, load_f[r] - df, load_b[r] - db)
-                    if after < current - 1e-12 and (best is None or after < best[0]):
-                        best = (after, x, r, y, df, db)
-        if best is None:
+    f, b, load_f, load_b = np.array(f), np.array(b), np.array(load_f), np.array(load_b)
+    for _ in range(4):  # passes over every pair of ranks; more rarely gain anything measurable
+        swapped = False
+        for first in sorted(range(world_size), key=lambda r: (-max(load_f[r], load_b[r]), r)):
+            for second in range(world_size):
+                if second != first and _swap_best(f, b, held, load_f, load_b, first, second):
+                    swapped = True
+        if not swapped:
             break
-        _, x, r, y, df, db = best
-        held[worst][held[worst].index(x)], held[r][held[r].index(y)] = y, x
-        load_f[worst] += df
-        load_b[worst] += db
-        load_f[r] -= df
-        load_b[r] -= db
     return tuple(tuple(sorted(h)) for h in held)
 
 
+def _swap_best(f: np.ndarray, b: np.ndarray, held: list[list[int]], load_f: np.ndarray, load_b: np.ndarray,
+               first: int, second: int) -> bool:
+    """Swap the chunk pair between two ranks that most lowers their larger load (then the spread of
+    their four loads about the mean), if one does; in place."""
+    x, y = np.array(held[first]), np.array(held[second])
+    df = f[y][None, :] - f[x][:, None]  # [chunk of first, chunk of second]: first's forward load change
+    db = b[y][None, :] - b[x][:, None]
+    loads = np.stack([load_f[first] + df, load_b[first] + db, load_f[second] - df, load_b[second] - db])
+    peak, spread = loads.max(axis=0), ((loads - 1) ** 2).sum(axis=0)
+    current = (max(load_f[first], load_b[first], load_f[second], load_b[second]),
+               (load_f[first] - 1) ** 2 + (load_b[first] - 1) ** 2 + (load_f[second] - 1) ** 2
+               + (load_b[second] - 1) ** 2)
+    better = (peak < current[0] - 1e-12) | ((peak <= current[0] + 1e-12) & (spread < current[1] - 1e-9))
+    if not better.any():
+        return False
+    i, j = np.unravel_index(np.lexsort((spread.ravel(), peak.ravel(), ~better.ravel()))[0], peak.shape)
+    held[first][i], held[second][j] = int(y[j]), int(x[i])
+    load_f[first] += df[i, j]
+    load_b[first] += db[i, j]
+    load_f[second] -= df[i, j]
+    load_b[second] -= db[i, j]
+    return True
+
+
 def layout_cost(layout: Layout, work: ChunkWork, call_tiles: float) -> float:
-    """The slowest rank's forward cost + BACKWARD_WEIGHT x the slowest rank's backward cost, in tiles."""
+    """Modelled step time, in tiles: the slowest rank's forward + BACKWARD_WEIGHT x the slowest rank's
+    backward, which is query-side work ("ring") or key-side work ("burst"): the larger of the two."""
     forward, backward = work.costs(call_tiles)
-    return (max(sum(forward[c] for c in held) for held in layout.chunks)
-            + BACKWARD_WEIGHT * max(sum(backward[c] for c in held) for held in layout.chunks))
+    slowest_forward = max(sum(forward[c] for c in held) for held in layout.chunks)
+    slowest_backward = max(sum(backward[c] for c in held) for held in layout.chunks)
+    return slowest_forward + BACKWARD_WEIGHT * max(slowest_forward, slowest_backward)
 
 
 def chunks_per_rank_candidates(seq_len: int, world_size: int, options: BalanceOptions) -> list[int]:
@@ -159,7 +174,7 @@ def chunks_per_rank_candidates(seq_len: int, world_size: int, options: BalanceOp
     return candidates
 
 
-def choose_layout(boundaries: Sequence[int], seq_len: int, world_size: int, causal: bool = True,
+def choose_layout(boundaries: Sequence[int], seq_len: int, world_size: int,
                   options: BalanceOptions = DEFAULT_OPTIONS) -> Layout:
     """The cheapest of zigzag and the balanced assignments of K chunks per rank (see the module docstring)."""
     check_sequence_length(seq_len, world_size)
@@ -168,7 +183,7 @@ def choose_layout(boundaries: Sequence[int], seq_len: int, world_size: int, caus
         return best
     best_cost = None
     for k in chunks_per_rank_candidates(seq_len, world_size, options):
-        work = chunk_work(boundaries, seq_len, k * world_size, causal, options.tile)
+        work = chunk_work(boundaries, seq_len, k * world_size, options.tile)
         forward, backward = work.costs(options.call_tiles)
         candidates = [best] if best_cost is None else []
         candidates.append(Layout(seq_len // (k * world_size), assign_chunks(forward, backward, world_size)))
@@ -180,10 +195,48 @@ def choose_layout(boundaries: Sequence[int], seq_len: int, world_size: int, caus
 
 
 @lru_cache(maxsize=4096)
-def balanced_layout(boundaries: tuple[int, ...], seq_len: int, world_size: int, causal: bool = True,
+def balanced_layout(boundaries: tuple[int, ...], seq_len: int, world_size: int,
                     options: BalanceOptions = DEFAULT_OPTIONS) -> Layout:
     """`choose_layout`, memoised: boundaries as a tuple of cumulative document offsets [0, ..., seq_len]."""
     if not boundaries or boundaries[0] != 0 or boundaries[-1] != seq_len:
         raise ValueError(f"document boundaries must run from 0 to the sequence length {seq_len}; got "
                          f"{list(boundaries[:8])}{' ...' if len(boundaries) > 8 else ''}")
-    return choose_layout(boundaries, seq_len, world_size, causal, options)
+    return choose_layout(boundaries, seq_len, world_size, options)
+
+
+@dataclass(frozen=True)
+class PlanWork:
+    """What a plan's kernel calls compute, per rank, in tiles (see the module docstring)."""
+
+    forward: tuple[int, ...]  # tiles of each rank's queries: its forward (and "ring" backward) work
+    backward: tuple[int, ...]  # tiles against each rank's keys: its "burst" backward work
+    calls: tuple[int, ...]  # kernel calls of each rank's queries
+    visible_pairs: int  # (query, key) pairs the mask leaves visible, all computed
+    idle_pairs: int  # (query rank, key rank) pairs of different ranks with no kernel call
+
+    @property
+    def masked_share(self) -> float:
+        """The share of the computed tiles' area that is masked (diagonals, tiles cut by document ends)."""
+        return 1 - self.visible_pairs / (sum(self.forward) * self._tile_area)
+
+    _tile_area: int = 128 * 128
+
+
+def plan_work(plan, tile: int = 128) -> PlanWork:
+    """Count the tiles, calls and visible pairs of every kernel call `plan` (burst.plan.AttentionPlan) makes."""
+    world, rows = plan.world_size, len(plan.layouts)
+    forward, backward, calls = [0] * world, [0] * world, [0] * world
+    visible = idle = 0
+    for q in range(world):
+        for kv in range(world):
+            segments = plan(q, kv)
+            idle += q != kv and not segments
+            for seg in segments:
+                batch = len(range(rows)[seg.batch])
+                n_q, n_k = len(range(plan.shard_len)[seg.q_rows]), len(range(plan.shard_len)[seg.kv_rows])
+                tiles = batch * tile_count(n_q, n_k, seg.causal, tile)
+                forward[q] += tiles
+                backward[kv] += tiles
+                calls[q] += 1
+                visible += batch * (n_q * (n_q + 1) // 2 if seg.causal else n_q * n_k)
+    return PlanWork(tuple(forward), tuple(backward), tuple(calls), visible, idle, tile * tile)

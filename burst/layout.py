@@ -13,7 +13,7 @@ ids and the data loader all follow the same layout. Two are made here:
 Both are pure functions of (document boundaries, sequence length, world size), so every rank and
 the data loader compute the same layout with no communication. The document boundaries stay over
 the global sequence in its original order whatever the layout. With the balanced layout every batch
-row has its own: tensors hold their batch rows in the dimension just before the sequence's.
+row has its own (the sharding functions take the batch rows' dimension, `batch_dim`).
 
 Functions that take `rank`/`world_size` are pure and need no process group (the data loader cuts
 shards before any communication); the `group` variants ask the process group.
@@ -127,14 +127,13 @@ def zigzag_positions(seq_len: int, rank: int, world_size: int) -> torch.Tensor:
     return zigzag_layout(seq_len, world_size).positions(rank)
 
 
-def row_layouts(layout: str, doc_boundaries, seq_len: int, world_size: int, rows: int,
-                causal: bool = True) -> list[Layout]:
+def row_layouts(layout: str, doc_boundaries, seq_len: int, world_size: int, rows: int) -> list[Layout]:
     """The layout of each of `rows` batch rows: zigzag for all, or each row's balanced layout chosen from
     its document boundaries (doc_boundaries: cumulative offsets per row, as the loader gives them)."""
     check_layout(layout)
     if layout == "zigzag":
         return [zigzag_layout(seq_len, world_size)] * rows
-    from burst.balance import balanced_layout  # balance imports this module
+    from burst import balance  # balance imports this module
 
     if doc_boundaries is None:
         raise ValueError("layout 'balanced' is chosen from the documents' boundaries: pass doc_boundaries (one "
@@ -144,66 +143,63 @@ def row_layouts(layout: str, doc_boundaries, seq_len: int, world_size: int, rows
     if len(offsets) != rows:
         raise ValueError(f"doc_boundaries has {len(offsets)} rows but the tensor has {rows} batch rows; give "
                          "one row of cumulative document offsets per batch row")
-    return [balanced_layout(row, seq_len, world_size, causal) for row in offsets]
+    return [balance.balanced_layout(row, seq_len, world_size, balance.OPTIONS) for row in offsets]
 
 
-def _rows(x: torch.Tensor, dim: int, layouts: list[Layout]) -> list[torch.Tensor | None]:
-    """Per batch row, the row of x (batch rows at dim - 1) when layouts differ by row; [None] when one
-    layout serves every row."""
-    if all(layout is layouts[0] or layout == layouts[0] for layout in layouts):
-        return [None]
-    if dim < 1:
-        raise ValueError(f"per-row layouts need the batch rows in the dimension before the sequence's ({dim})")
-    return list(x.unbind(dim - 1))
+def _same_everywhere(layouts: list[Layout]) -> bool:
+    return all(layout == layouts[0] for layout in layouts)
 
 
 def shard_for_rank(x: torch.Tensor, rank: int, world_size: int, dim: int = 1, *, layout: str = "zigzag",
-                   doc_boundaries=None) -> torch.Tensor:
+                   doc_boundaries=None, batch_dim: int = 0) -> torch.Tensor:
     """`rank`'s shard of the full-sequence tensor `x` along `dim` under `layout` (a contiguous copy).
 
-    x: [..., rows, seq, ...] with seq at `dim` -> [..., rows, seq // world_size, ...]. With the balanced
-    layout each batch row (dimension dim - 1) is cut by its own layout, chosen from its row of
-    doc_boundaries; this is the one function the data loader cuts sequences with.
+    x: [..., seq, ...] with seq at `dim` -> [..., seq // world_size, ...]. With the balanced layout each
+    batch row (dimension `batch_dim`) is cut by its own layout, chosen from its row of doc_boundaries;
+    this is the one function the data loader cuts sequences with.
     """
     check_sequence_length(x.shape[dim], world_size)
-    rows = x.shape[dim - 1] if dim >= 1 else 1
+    rows = x.shape[batch_dim] if layout != "zigzag" else 1
     layouts = row_layouts(layout, doc_boundaries, x.shape[dim], world_size, rows)
-    parts = _rows(x, dim, layouts)
-    if parts == [None]:
+    if _same_everywhere(layouts):
         return x.index_select(dim, layouts[0].positions(rank).to(x.device)).contiguous()
-    return torch.stack([row.index_select(dim - 1, lay.positions(rank).to(x.device))
-                        for row, lay in zip(parts, layouts, strict=True)], dim - 1).contiguous()
+    row_dim = dim - (dim > batch_dim)  # the sequence's dimension in one row
+    return torch.stack([row.index_select(row_dim, lay.positions(rank).to(x.device))
+                        for row, lay in zip(x.unbind(batch_dim), layouts, strict=True)], batch_dim).contiguous()
 
 
-def unshard(parts: list[torch.Tensor], dim: int = 1, *, layout: str = "zigzag", doc_boundaries=None) -> torch.Tensor:
+def unshard(parts: list[torch.Tensor], dim: int = 1, *, layout: str = "zigzag", doc_boundaries=None,
+            batch_dim: int = 0) -> torch.Tensor:
     """Inverse of `shard_for_rank`: the full sequence from every rank's shard, in rank order."""
     world_size = len(parts)
     shape = list(parts[0].shape)
     shape[dim] *= world_size
     full = parts[0].new_empty(shape)
-    rows = shape[dim - 1] if dim >= 1 else 1
+    rows = shape[batch_dim] if layout != "zigzag" else 1
     layouts = row_layouts(layout, doc_boundaries, shape[dim], world_size, rows)
+    row_dim = dim - (dim > batch_dim)
     for rank, part in enumerate(parts):
-        if _rows(full, dim, layouts) == [None]:
+        if _same_everywhere(layouts):
             full.index_copy_(dim, layouts[0].positions(rank).to(part.device), part)
             continue
-        for row, piece, lay in zip(full.unbind(dim - 1), part.unbind(dim - 1), layouts, strict=True):
-            row.index_copy_(dim - 1, lay.positions(rank).to(part.device), piece)
+        for row, piece, lay in zip(full.unbind(batch_dim), part.unbind(batch_dim), layouts, strict=True):
+            row.index_copy_(row_dim, lay.positions(rank).to(part.device), piece)
     return full
 
 
 def shard_sequence(x: torch.Tensor, dim: int = 1, group: dist.ProcessGroup | None = None, *,
-                   layout: str = "zigzag", doc_boundaries=None) -> torch.Tensor:
+                   layout: str = "zigzag", doc_boundaries=None, batch_dim: int = 0) -> torch.Tensor:
     """This rank's shard of a full-sequence tensor that every rank holds.
 
     x: [..., seq, ...] with seq at `dim`  ->  [..., seq // world_size, ...]
     """
     rank, world_size = group_rank_and_size(group)
-    return shard_for_rank(x, rank, world_size, dim, layout=layout, doc_boundaries=doc_boundaries)
+    return shard_for_rank(x, rank, world_size, dim, layout=layout, doc_boundaries=doc_boundaries,
+                          batch_dim=batch_dim)
 
 
 def gather_sequence(x_local: torch.Tensor, dim: int = 1, group: dist.ProcessGroup | None = None, *,
-                    layout: str = "zigzag", doc_boundaries=None) -> torch.Tensor:
+                    layout: str = "zigzag", doc_boundaries=None, batch_dim: int = 0) -> torch.Tensor:
     """The full sequence on every rank from each rank's shard (inverse of `shard_sequence`).
 
     x_local: [..., seq // world_size, ...]  ->  [..., seq, ...]
@@ -214,7 +210,7 @@ def gather_sequence(x_local: torch.Tensor, dim: int = 1, group: dist.ProcessGrou
         return x_local
     parts = [torch.empty_like(x_local) for _ in range(world_size)]
     dist.all_gather(parts, x_local.contiguous(), group=group)
-    return unshard(parts, dim, layout=layout, doc_boundaries=doc_boundaries)
+    return unshard(parts, dim, layout=layout, doc_boundaries=doc_boundaries, batch_dim=batch_dim)
 
 
 def sequence_positions(seq_len: int, group: dist.ProcessGroup | None = None,

@@ -8,7 +8,8 @@ the next sequence.
 
 At each step the next batch_size x dp_size sequences go to the data-parallel ranks, batch_size
 each, in rank order; every sequence-parallel rank of a data-parallel rank builds the same
-sequences and keeps its zigzag shard (`burst.shard_for_rank`), so no communication is needed.
+sequences and keeps its shard (`burst.shard_for_rank`: zigzag, or with cp_layout="balanced" each
+sequence's balanced layout, chosen from its document boundaries), so no communication is needed.
 The loader's state is one position in the stream: resuming continues with exactly the next tokens.
 """
 
@@ -21,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from burst.layout import check_sequence_length, shard_for_rank
+from burst.layout import check_layout, check_sequence_length, shard_for_rank
 from data.store import TokenStore
 
 IGNORE_INDEX = -100  # label of a position whose next token is a document's BOS: nothing to learn there
@@ -31,7 +32,7 @@ IGNORE_INDEX = -100  # label of a position whose next token is a document's BOS:
 class Batch:
     """One rank's share of a step: its sequences, cut to its sequence-parallel shard."""
 
-    tokens: torch.Tensor  # int64 [batch, seq_len // cp_size], zigzag shard
+    tokens: torch.Tensor  # int64 [batch, seq_len // cp_size], the rank's shard under the loader's cp_layout
     labels: torch.Tensor  # int64 [batch, seq_len // cp_size], next tokens; IGNORE_INDEX where the next is a BOS
     positions: torch.Tensor  # int64 [batch, seq_len // cp_size], global position ids of the shard's tokens
     doc_boundaries: list[torch.Tensor]  # per sequence, int64 cumulative document starts over the FULL sequence:
@@ -47,8 +48,10 @@ class SequenceLoader:
     """
 
     def __init__(self, store: TokenStore, seq_len: int, batch_size: int, *, dp_rank: int = 0, dp_size: int = 1,
-                 cp_rank: int = 0, cp_size: int = 1, seed: int = 0, reset_positions: bool = False) -> None:
+                 cp_rank: int = 0, cp_size: int = 1, seed: int = 0, reset_positions: bool = False,
+                 cp_layout: str = "zigzag") -> None:
         check_sequence_length(seq_len, cp_size)
+        check_layout(cp_layout, "cp_layout")
         if batch_size < 1:
             raise ValueError(f"batch size {batch_size} must be at least 1")
         for name, rank, size in (("dp_rank", dp_rank, dp_size), ("cp_rank", cp_rank, cp_size)):
@@ -59,7 +62,7 @@ class SequenceLoader:
                              f"another split (the validation split is empty when --val-fraction is 0)")
         self.store, self.seq_len, self.batch_size = store, seq_len, batch_size
         self.dp_rank, self.dp_size, self.cp_rank, self.cp_size = dp_rank, dp_size, cp_rank, cp_size
-        self.seed, self.reset_positions = seed, reset_positions
+        self.seed, self.reset_positions, self.cp_layout = seed, reset_positions, cp_layout
         self._lengths = store.document_lengths + 2  # BOS + document + EOS, as packed
         self._epoch_tokens = int(self._lengths.sum())
         self._bos, self._eos = store.bos_id, store.eos_id
@@ -104,7 +107,8 @@ class SequenceLoader:
         if self.reset_positions:
             for row, b in enumerate(boundaries):
                 full[2, row] -= np.repeat(b[:-1], np.diff(b))  # the start of each position's document
-        tokens, labels, positions = shard_for_rank(torch.from_numpy(full), self.cp_rank, self.cp_size, dim=2)
+        tokens, labels, positions = shard_for_rank(torch.from_numpy(full), self.cp_rank, self.cp_size, dim=2,
+                                                   layout=self.cp_layout, doc_boundaries=boundaries, batch_dim=1)
         return Batch(tokens=tokens, labels=labels, positions=positions,  # each [rows, seq_len // cp_size]
                      doc_boundaries=[torch.from_numpy(b.astype(np.int64)) for b in boundaries],
                      num_tokens=int((labels != IGNORE_INDEX).sum()))

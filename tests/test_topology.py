@@ -76,7 +76,7 @@ def check_planned_bytes(world_size, node_size, topology, q, k, mode, boundaries,
     """Exactly the bytes of the blocks the plan needs (`burst.cost.plan_bytes`), all of them when unmasked."""
     rank = dist.get_rank()
     resolved = choose_topology(topology, q, k, mode, node_size, world_size)
-    layouts = row_layouts(layout, boundaries, q.shape[1] * world_size, world_size, q.shape[0], causal)
+    layouts = row_layouts(layout, boundaries, q.shape[1] * world_size, world_size, q.shape[0])
     if resolved == "ulysses":
         layouts = [lay.grouped(node_size) for lay in layouts]
         q, k = node_blocks(q, k, node_size)

@@ -219,7 +219,7 @@ def run(plan: RunPlan, env: Distributed, started: float) -> None:
     schedule = build_schedule(optimizer, config)
     loader = SequenceLoader(store.split("train"), config.seq_len, config.batch_size,
                             dp_rank=env.dp_rank, dp_size=config.dp, cp_rank=env.cp_rank, cp_size=config.cp,
-                            seed=config.seed, reset_positions=config.doc_mask)
+                            seed=config.seed, reset_positions=config.doc_mask, cp_layout=config.sequence_layout)
     state = TrainState()
     if plan.resume_from is not None:
         saved = load_checkpoint(plan.resume_from, model, optimizer, env.device)
