@@ -5,13 +5,13 @@
 """
 
 from burst.attention import BACKWARD_MODES, burst_attn, check_backward_mode
-from burst.balance import balanced_layout
 from burst.comm import SENT
 from burst.cost import choose_backward
 from burst.kernels import select_kernel
 from burst.layout import (
     LAYOUTS,
     Layout,
+    balanced_layout,
     gather_sequence,
     sequence_positions,
     shard_for_rank,

@@ -12,33 +12,31 @@ the one with the most key work.
 
 The layout cuts the sequence into K chunks per rank and assigns them (`assign_chunks`): the chunks
 in decreasing order of work, each to the rank it leaves least loaded (longest-processing-time
-first, on the larger of its forward and backward shares), then swaps between the most loaded rank
-and the others while that lowers it. More chunks balance better but cut documents into more kernel
-calls and smaller tiles, so a cost model (`choose_layout`) weighs the candidates, K = 2, 4, 8, 16
-with chunks of at least `min_chunk_tiles` tiles, and zigzag itself: the slowest rank's forward work
-plus BACKWARD_WEIGHT x the slowest rank's backward work (on the key side or the query side, as the
-backward mode has it: the larger), in tiles, each kernel call counted as `call_tiles` more. It is
-never worse than zigzag in that model. Equal chunk counts per rank are what the fixed-size shards
-need; a long document cut into K x W chunks of nearly equal work then balances to about one chunk
-in K, which is why K goes up to 16.
+first, on the larger of its forward and backward shares), then, for every pair of ranks, the swap
+of a chunk between them that most lowers the larger of their loads. More chunks balance better but
+cut documents into more kernel calls and smaller tiles, so a cost model (`choose_chunks`) weighs
+the candidates, K = 2, 4, 8, 16 with chunks of at least `min_chunk_tiles` tiles, and zigzag itself:
+the slowest rank's forward work plus BACKWARD_WEIGHT x the slowest rank's backward work (on the key
+side or the query side, as the backward mode has it: the larger), in tiles, each kernel call
+counted as `call_tiles` more. It is never worse than zigzag in that model. The shards have a fixed
+size, so every rank holds K chunks; a long document cut into K x W chunks of nearly equal work then
+balances to about one chunk in K, which is why K goes up to 16.
 
 The layout is chosen for causal attention, what a language model runs (attention without a causal
 mask runs on it as correctly, if less evenly). Everything here is a pure function of (boundaries,
 seq_len, world_size, options): each rank and the data loader compute the same layout with no
-communication. It is memoised, so the model's
-layers and the loader plan a sequence once.
+communication (`burst.layout.balanced_layout` wraps it, memoised).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from itertools import pairwise
 
 import numpy as np
 
-from burst.layout import Layout, check_sequence_length, zigzag_layout
+Chunks = tuple[tuple[int, ...], ...]  # per rank, the global indices of the chunks it holds, ascending
 
 # A tile's backward costs about 2.5 of its forward: five matrix products against two.
 BACKWARD_WEIGHT = 2.5
@@ -105,7 +103,7 @@ def chunk_work(boundaries: Sequence[int], seq_len: int, chunks: int, tile: int) 
     return ChunkWork(tuple(forward), tuple(backward), tuple(forward_calls), tuple(backward_calls))
 
 
-def assign_chunks(forward: Sequence[float], backward: Sequence[float], world_size: int) -> tuple[tuple[int, ...], ...]:
+def assign_chunks(forward: Sequence[float], backward: Sequence[float], world_size: int) -> Chunks:
     """Chunks per rank (ascending), as many to each, balancing both costs (see the module docstring)."""
     per_rank = len(forward) // world_size
     mean_f, mean_b = sum(forward) / world_size or 1.0, sum(backward) / world_size or 1.0
@@ -154,12 +152,12 @@ def _swap_best(f: np.ndarray, b: np.ndarray, held: list[list[int]], load_f: np.n
     return True
 
 
-def layout_cost(layout: Layout, work: ChunkWork, call_tiles: float) -> float:
+def layout_cost(chunks: Chunks, work: ChunkWork, call_tiles: float) -> float:
     """Modelled step time, in tiles: the slowest rank's forward + BACKWARD_WEIGHT x the slowest rank's
     backward, which is query-side work ("ring") or key-side work ("burst"): the larger of the two."""
     forward, backward = work.costs(call_tiles)
-    slowest_forward = max(sum(forward[c] for c in held) for held in layout.chunks)
-    slowest_backward = max(sum(backward[c] for c in held) for held in layout.chunks)
+    slowest_forward = max(sum(forward[c] for c in held) for held in chunks)
+    slowest_backward = max(sum(backward[c] for c in held) for held in chunks)
     return slowest_forward + BACKWARD_WEIGHT * max(slowest_forward, slowest_backward)
 
 
@@ -174,34 +172,21 @@ def chunks_per_rank_candidates(seq_len: int, world_size: int, options: BalanceOp
     return candidates
 
 
-def choose_layout(boundaries: Sequence[int], seq_len: int, world_size: int,
-                  options: BalanceOptions = DEFAULT_OPTIONS) -> Layout:
-    """The cheapest of zigzag and the balanced assignments of K chunks per rank (see the module docstring)."""
-    check_sequence_length(seq_len, world_size)
-    best = zigzag_layout(seq_len, world_size)
-    if world_size == 1:
-        return best
-    best_cost = None
-    for k in chunks_per_rank_candidates(seq_len, world_size, options):
+def choose_chunks(boundaries: Sequence[int], seq_len: int, world_size: int, zigzag: Chunks,
+                  options: BalanceOptions = DEFAULT_OPTIONS) -> tuple[int, Chunks]:
+    """(chunk length, chunks per rank): the cheapest of `zigzag` (2 chunks per rank) and the balanced
+    assignments of K chunks per rank (see the module docstring). seq_len splits into 2 x world_size."""
+    best, best_cost = (seq_len // (2 * world_size), zigzag), None
+    for k in chunks_per_rank_candidates(seq_len, world_size, options) if world_size > 1 else []:
         work = chunk_work(boundaries, seq_len, k * world_size, options.tile)
         forward, backward = work.costs(options.call_tiles)
-        candidates = [best] if best_cost is None else []
-        candidates.append(Layout(seq_len // (k * world_size), assign_chunks(forward, backward, world_size)))
-        for layout in candidates:
-            cost = layout_cost(layout, work, options.call_tiles)
+        candidates = [zigzag] if best_cost is None else []  # k = 2 comes first: zigzag is costed on its chunks
+        candidates.append(assign_chunks(forward, backward, world_size))
+        for chunks in candidates:
+            cost = layout_cost(chunks, work, options.call_tiles)
             if best_cost is None or cost < best_cost - 1e-9:
-                best, best_cost = layout, cost
+                best, best_cost = (seq_len // (k * world_size), chunks), cost
     return best
-
-
-@lru_cache(maxsize=4096)
-def balanced_layout(boundaries: tuple[int, ...], seq_len: int, world_size: int,
-                    options: BalanceOptions = DEFAULT_OPTIONS) -> Layout:
-    """`choose_layout`, memoised: boundaries as a tuple of cumulative document offsets [0, ..., seq_len]."""
-    if not boundaries or boundaries[0] != 0 or boundaries[-1] != seq_len:
-        raise ValueError(f"document boundaries must run from 0 to the sequence length {seq_len}; got "
-                         f"{list(boundaries[:8])}{' ...' if len(boundaries) > 8 else ''}")
-    return choose_layout(boundaries, seq_len, world_size, options)
 
 
 @dataclass(frozen=True)

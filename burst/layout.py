@@ -23,11 +23,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import torch
 import torch.distributed as dist
 
+from burst import balance
 from burst.groups import group_rank_and_size
 
 LAYOUTS = ("zigzag", "balanced")
@@ -127,14 +128,27 @@ def zigzag_positions(seq_len: int, rank: int, world_size: int) -> torch.Tensor:
     return zigzag_layout(seq_len, world_size).positions(rank)
 
 
+@lru_cache(maxsize=4096)
+def balanced_layout(boundaries: tuple[int, ...], seq_len: int, world_size: int,
+                    options: balance.BalanceOptions = balance.DEFAULT_OPTIONS) -> Layout:
+    """The balanced layout of a sequence with documents at `boundaries` (cumulative offsets [0, ...,
+    seq_len], a tuple), chosen by burst/balance.py; memoised, so the model's layers and the data loader
+    plan a sequence once."""
+    check_sequence_length(seq_len, world_size)
+    if not boundaries or boundaries[0] != 0 or boundaries[-1] != seq_len:
+        raise ValueError(f"document boundaries must run from 0 to the sequence length {seq_len}; got "
+                         f"{list(boundaries[:8])}{' ...' if len(boundaries) > 8 else ''}")
+    chunk, chunks = balance.choose_chunks(boundaries, seq_len, world_size, zigzag_layout(seq_len, world_size).chunks,
+                                          options)
+    return Layout(chunk, chunks)
+
+
 def row_layouts(layout: str, doc_boundaries, seq_len: int, world_size: int, rows: int) -> list[Layout]:
     """The layout of each of `rows` batch rows: zigzag for all, or each row's balanced layout chosen from
     its document boundaries (doc_boundaries: cumulative offsets per row, as the loader gives them)."""
     check_layout(layout)
     if layout == "zigzag":
         return [zigzag_layout(seq_len, world_size)] * rows
-    from burst import balance  # balance imports this module
-
     if doc_boundaries is None:
         raise ValueError("layout 'balanced' is chosen from the documents' boundaries: pass doc_boundaries (one "
                          "row of cumulative offsets per batch row), or use layout 'zigzag'")
@@ -143,7 +157,7 @@ def row_layouts(layout: str, doc_boundaries, seq_len: int, world_size: int, rows
     if len(offsets) != rows:
         raise ValueError(f"doc_boundaries has {len(offsets)} rows but the tensor has {rows} batch rows; give "
                          "one row of cumulative document offsets per batch row")
-    return [balance.balanced_layout(row, seq_len, world_size, balance.OPTIONS) for row in offsets]
+    return [balanced_layout(row, seq_len, world_size, balance.OPTIONS) for row in offsets]
 
 
 def _same_everywhere(layouts: list[Layout]) -> bool:

@@ -10,9 +10,9 @@ import torch.distributed as dist
 
 import burst
 from burst import balance
-from burst.balance import BalanceOptions, choose_layout, chunk_work, layout_cost, plan_work
+from burst.balance import BalanceOptions, choose_chunks, chunk_work, layout_cost, plan_work
 from burst.cost import plan_bytes
-from burst.layout import row_layouts, zigzag_layout
+from burst.layout import balanced_layout, row_layouts, zigzag_layout
 from burst.plan import AttentionPlan
 from tests.distributed import run_on_ranks
 from tests.test_burst_attn import TOLERANCE, make_inputs
@@ -56,23 +56,24 @@ def test_a_layout_is_a_permutation_of_equal_chunks_and_the_same_every_time(world
     seq_len = 2 * 3 * 4 * 8 * 128
     for seed in range(6):
         boundaries = tuple(packed(seq_len, seed, seq_len / 32768))
-        layout = balance.balanced_layout(boundaries, seq_len, world_size)
+        layout = balanced_layout(boundaries, seq_len, world_size)
         held = [c for chunks in layout.chunks for c in chunks]
         assert sorted(held) == list(range(seq_len // layout.chunk))
         assert len({len(chunks) for chunks in layout.chunks}) == 1
         assert all(list(chunks) == sorted(chunks) for chunks in layout.chunks)
         assert layout.chunk % 128 == 0 and (layout.chunk >= 512 or len(layout.chunks[0]) == 2)
-        assert choose_layout(boundaries, seq_len, world_size) == layout  # recomputed, not only remembered
+        recomputed = choose_chunks(boundaries, seq_len, world_size, zigzag_layout(seq_len, world_size).chunks)
+        assert recomputed == (layout.chunk, layout.chunks)  # the same when computed again, not only remembered
         positions = torch.cat([layout.positions(r) for r in range(world_size)])
         assert sorted(positions.tolist()) == list(range(seq_len))
 
 
 def test_known_inputs_balance_exactly():
     seq_len, world = 8192, 4
-    one_document = balance.balanced_layout((0, seq_len), seq_len, world)
+    one_document = balanced_layout((0, seq_len), seq_len, world)
     assert imbalance(one_document, [0, seq_len]) == (1.0, 1.0)  # zigzag's case: it stays perfect
     aligned = tuple(range(0, seq_len + 1, seq_len // 8))  # 8 equal documents on chunk boundaries
-    assert imbalance(balance.balanced_layout(aligned, seq_len, world), list(aligned)) == (1.0, 1.0)
+    assert imbalance(balanced_layout(aligned, seq_len, world), list(aligned)) == (1.0, 1.0)
 
 
 @pytest.mark.parametrize("world_size", [4, 8])
@@ -80,20 +81,20 @@ def test_real_lengths_balance_within_the_targets_and_never_worse_than_zigzag(wor
     seq_len, worst = 32768, []
     for seed in range(8):
         boundaries = packed(seq_len, seed)
-        balanced = balance.balanced_layout(tuple(boundaries), seq_len, world_size)
+        balanced = balanced_layout(tuple(boundaries), seq_len, world_size)
         zigzag = zigzag_layout(seq_len, world_size)
         worst.append(max(imbalance(balanced, boundaries)))
         assert worst[-1] <= max(imbalance(zigzag, boundaries)) + 1e-9, seed
         work = chunk_work(boundaries, seq_len, 2 * world_size, 128)  # in the cost model: never worse
-        assert layout_cost(balanced, chunk_work(boundaries, seq_len, seq_len // balanced.chunk, 128),
-                           1.0) <= layout_cost(zigzag, work, 1.0) + 1e-9
+        assert layout_cost(balanced.chunks, chunk_work(boundaries, seq_len, seq_len // balanced.chunk, 128),
+                           1.0) <= layout_cost(zigzag.chunks, work, 1.0) + 1e-9
     assert sum(worst) / len(worst) <= 1.08 and max(worst) <= 1.15, worst
 
 
 def test_masked_tiles_are_few_and_every_visible_pair_is_computed_once():
     seq_len, world = 32768, 8
     boundaries = packed(seq_len, 3)
-    layout = balance.balanced_layout(tuple(boundaries), seq_len, world)
+    layout = balanced_layout(tuple(boundaries), seq_len, world)
     work = plan_work(AttentionPlan([layout], True, [boundaries]), 128)
     visible = sum((b - a) * (b - a + 1) // 2 for a, b in itertools.pairwise(boundaries))
     assert work.visible_pairs == visible
