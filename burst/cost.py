@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from burst.plan import AttentionPlan
+from burst.plan import AttentionPlan, Rows
 from burst.ulysses import heads_per_rank
 
 
@@ -52,7 +52,8 @@ def node_blocks(q: torch.Tensor, k: torch.Tensor, node_size: int) -> tuple[torch
 
 @dataclass(frozen=True)
 class Sends:
-    """Blocks one rank sends in one pass (visitors out, gradients back), and how many leave its node."""
+    """Rows of blocks one rank sends in one pass (visitors out, gradients back), and how many of them
+    leave its node; a whole block is a shard's rows."""
 
     visitors: int = 0
     visitors_inter_node: int = 0
@@ -60,50 +61,52 @@ class Sends:
     gradients_inter_node: int = 0
 
 
-def planned_sends(needs, rounds: int, steps: int, position: int, node_size: int) -> Sends:
+def planned_sends(rows_of, rounds: int, steps: int, position: int, node_size: int, total: int) -> Sends:
     """What position `position` of a schedule of `rounds` x `steps` positions sends in one pass, when
-    needs(host, owner) says which positions work on which visitor (burst/ring.py's `circulate`).
+    rows_of(host, owner) says which rows of which positions' visitors each position works on (None:
+    none; burst/ring.py's `circulate`), of `total` rows each.
 
     One round (flat, and Ulysses' ring over nodes): every visitor straight from its owner to each
-    position that needs it, and a gradient straight back from each. Two-level: a visitor once to
-    every other node where a rank needs it, to the counterpart there, who hands it to the ranks
-    of the node that need it; gradients back to that holder, and the node's sum back to the owner.
-    node_size: positions per node for `rounds` = 1 (1 when every position is a node of its own).
+    position that needs it, the rows it needs, and a gradient of those rows straight back. Two-level:
+    a whole visitor once to every other node where a rank needs it, to the counterpart there, who
+    hands each rank of the node the rows it needs; gradients back to that holder, and the node's
+    whole sum back to the owner. node_size: positions per node for `rounds` = 1 (1 when every
+    position is a node of its own).
     """
     count = {"visitors": 0, "visitors_inter_node": 0, "gradients": 0, "gradients_inter_node": 0}
 
-    def send(kind: str, peer: int, across: bool) -> None:
-        count[kind] += 1
-        count[f"{kind}_inter_node"] += across
+    def send(kind: str, rows: int, across: bool) -> None:
+        count[kind] += rows
+        count[f"{kind}_inter_node"] += rows if across else 0
 
     node, local = divmod(position, steps)
     if rounds == 1:
         for other in range(steps):
             if other != position:
                 across = other // node_size != position // node_size
-                if needs(other, position):
-                    send("visitors", other, across)
-                if needs(position, other):
-                    send("gradients", other, across)
+                if (going := rows_of(other, position)) is not None:
+                    send("visitors", going.count, across)
+                if (coming := rows_of(position, other)) is not None:
+                    send("gradients", coming.count, across)
         return Sends(**count)
 
     def at(node_: int, local_: int) -> int:
         return node_ % rounds * steps + local_ % steps
 
     def node_needs(node_: int, owner: int) -> bool:
-        return any(needs(at(node_, lo), owner) for lo in range(steps))
+        return any(rows_of(at(node_, lo), owner) is not None for lo in range(steps))
 
     for offset in range(rounds):
         held = at(node - offset, local)  # the visitor this position holds for its node in round `offset`
         if offset and node_needs(node + offset, position):
-            send("visitors", at(node + offset, local), True)
+            send("visitors", total, True)
         if offset and node_needs(node, held):
-            send("gradients", held, True)  # the node's sum, back to the owner
+            send("gradients", total, True)  # the node's sum, back to the owner
         for s in range(1, steps):
-            if needs(at(node, local + s), held):
-                send("visitors", at(node, local + s), False)
-            if needs(position, at(node - offset, local - s)):
-                send("gradients", at(node, local - s), False)
+            if (going := rows_of(at(node, local + s), held)) is not None:
+                send("visitors", going.count, False)
+            if (coming := rows_of(position, at(node - offset, local - s))) is not None:
+                send("gradients", coming.count, False)
     return Sends(**count)
 
 
@@ -111,8 +114,9 @@ def planned_bytes(sends_forward: Sends, sends_backward: Sends, q: torch.Tensor, 
                   backward: str) -> tuple[int, int, int, int]:
     """(forward, forward inter-node, backward, backward inter-node) bytes of these sends for blocks
     like q and k (node-sized ones for Ulysses), `backward` resolved as burst_attn resolves it."""
-    kv = 2 * k.numel() * k.element_size()
-    visitor, gradient = packet_bytes(q, k, choose_backward(q, k, backward))
+    rows = q.shape[1]
+    kv = 2 * k.numel() * k.element_size() // rows  # bytes per row of a block
+    visitor, gradient = (n // rows for n in packet_bytes(q, k, choose_backward(q, k, backward)))
     return (sends_forward.visitors * kv, sends_forward.visitors_inter_node * kv,
             sends_backward.visitors * visitor + sends_backward.gradients * gradient,
             sends_backward.visitors_inter_node * visitor + sends_backward.gradients_inter_node * gradient)
@@ -131,8 +135,9 @@ def plan_bytes(plan: AttentionPlan, topology: str, q: torch.Tensor, k: torch.Ten
     else:
         shape = (world // node_size, node_size, rank, node_size)
     mode = choose_backward(q, k, backward)
-    backward_needs = plan.has_work if mode == "ring" else (lambda host, owner: plan.has_work(owner, host))
-    return planned_bytes(planned_sends(plan.has_work, *shape), planned_sends(backward_needs, *shape), q, k, mode)
+    backward_rows = plan.key_rows if mode == "ring" else (lambda host, owner: plan.query_rows(owner, host))
+    return planned_bytes(planned_sends(plan.key_rows, *shape, plan.shard_len),
+                         planned_sends(backward_rows, *shape, plan.shard_len), q, k, mode)
 
 
 def inter_node_bytes(topology: str, q: torch.Tensor, k: torch.Tensor, backward: str, node_size: int,
@@ -149,14 +154,16 @@ def inter_node_bytes(topology: str, q: torch.Tensor, k: torch.Tensor, backward: 
     nodes = world_size // node_size
     if nodes == 1:
         return 0, 0
-    every = lambda host, owner: True  # noqa: E731
     if topology == "ulysses":
         q, k = node_blocks(q, k, node_size)
-        sends = planned_sends(every, 1, nodes, rank // node_size, 1)
+    whole = Rows.every(q.shape[1])
+    every = lambda host, owner: whole  # noqa: E731
+    if topology == "ulysses":
+        sends = planned_sends(every, 1, nodes, rank // node_size, 1, whole.total)
     elif topology == "flat" or node_size == 1:
-        sends = planned_sends(every, 1, world_size, rank, node_size)
+        sends = planned_sends(every, 1, world_size, rank, node_size, whole.total)
     else:
-        sends = planned_sends(every, nodes, node_size, rank, node_size)
+        sends = planned_sends(every, nodes, node_size, rank, node_size, whole.total)
     _, forward, _, backward_ = planned_bytes(sends, sends, q, k, backward)
     return forward, backward_
 

@@ -14,7 +14,8 @@ document. Documents are contiguous runs of global positions, so the visible part
 runs is one rectangle per document present in both: causal squares on the diagonal, full
 rectangles where the key run lies before the query run. Every other position pair is masked, and
 masked work is never computed: a key/value shard that holds none of a query shard's documents
-costs no kernel call, and the ring sends it nothing (burst/ring.py).
+costs no kernel call, and the ring sends it nothing; of one it needs, only the rows its calls
+touch travel (`Rows`, burst/ring.py).
 """
 
 from __future__ import annotations
@@ -93,6 +94,81 @@ def _documents_overlapping(offsets: Sequence[int], start: int, end: int) -> list
     return docs
 
 
+@dataclass(frozen=True)
+class Rows:
+    """The rows of a shard that a rank's kernel calls touch: merged, ascending spans [start, end) of
+    local rows, out of `total`. Only these rows of a visitor travel (`pack`), packed one span after
+    another, and the gradients that come back hold only these rows (`add_into`)."""
+
+    spans: tuple[tuple[int, int], ...]
+    total: int
+
+    @staticmethod
+    def union(slices: list[slice], total: int) -> Rows:
+        spans: list[list[int]] = []
+        for start, stop, _ in sorted(s.indices(total) for s in slices):
+            if spans and start <= spans[-1][1]:
+                spans[-1][1] = max(spans[-1][1], stop)
+            else:
+                spans.append([start, stop])
+        return Rows(tuple(map(tuple, spans)), total)
+
+    @staticmethod
+    def every(total: int) -> Rows:
+        return Rows(((0, total),), total)
+
+    @property
+    def count(self) -> int:
+        return sum(end - start for start, end in self.spans)
+
+    @property
+    def complete(self) -> bool:
+        return self.spans == ((0, self.total),)
+
+    def local(self, rows: slice) -> slice:
+        """`rows` of the shard (inside one span) as rows of the packed tensor."""
+        if self.complete:
+            return rows
+        start, stop, _ = rows.indices(self.total)
+        offset = 0
+        for span_start, span_end in self.spans:
+            if span_start <= start < span_end:
+                return slice(offset + start - span_start, offset + stop - span_start)
+            offset += span_end - span_start
+        raise ValueError(f"rows {start}:{stop} are outside {self.spans}")
+
+    def empty(self, like: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
+        """An empty tensor like `like` with `count` rows along `dim`, its dimensions in like's memory order
+        (heads-first stays heads-first), so that both ends of a transfer see the same bytes."""
+        if self.complete:
+            return torch.empty_like(like, dtype=dtype)
+        shape = list(like.shape)
+        shape[dim] = self.count
+        order = sorted(range(like.dim()), key=lambda i: (-like.stride(i), i))  # outermost first
+        buffer = torch.empty([shape[i] for i in order], dtype=dtype, device=like.device)
+        return buffer.permute([order.index(i) for i in range(like.dim())])
+
+    def pack(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """These rows of x along `dim`, one span after another (x itself when every row is needed)."""
+        if self.complete:
+            return x
+        packed, offset = self.empty(x, dim, x.dtype), 0
+        for start, end in self.spans:
+            packed.narrow(dim, offset, end - start).copy_(x.narrow(dim, start, end - start))
+            offset += end - start
+        return packed
+
+    def add_into(self, accumulator: torch.Tensor, packed: torch.Tensor, dim: int) -> None:
+        """accumulator (all rows) += packed (these rows), along `dim`."""
+        if self.complete:
+            accumulator += packed
+            return
+        offset = 0
+        for start, end in self.spans:
+            accumulator.narrow(dim, start, end - start).add_(packed.narrow(dim, offset, end - start))
+            offset += end - start
+
+
 class AttentionPlan:
     """segments(query_owner, kv_owner) for one call, computed once and reused by backward.
 
@@ -104,6 +180,7 @@ class AttentionPlan:
         self.layouts, self.causal, self.boundaries = layouts, causal, boundaries
         self.world_size, self.shard_len = layouts[0].world_size, layouts[0].shard_len
         self._cache: dict[tuple[int, int], list[Segment]] = {}
+        self._rows_cache: dict[tuple[int, int, str], Rows | None] = {}
 
     def __call__(self, query_owner: int, kv_owner: int) -> list[Segment]:
         key = (query_owner, kv_owner)
@@ -120,6 +197,22 @@ class AttentionPlan:
     def has_work(self, query_owner: int, kv_owner: int) -> bool:
         """Whether any query of `query_owner`'s shard sees any key of `kv_owner`'s."""
         return bool(self(query_owner, kv_owner))
+
+    def key_rows(self, query_owner: int, kv_owner: int) -> Rows | None:
+        """The rows of `kv_owner`'s keys that `query_owner`'s queries see (None: none), every batch row's."""
+        return self._rows(query_owner, kv_owner, "kv_rows")
+
+    def query_rows(self, query_owner: int, kv_owner: int) -> Rows | None:
+        """The rows of `query_owner`'s queries that see any of `kv_owner`'s keys (None: none)."""
+        return self._rows(query_owner, kv_owner, "q_rows")
+
+    def _rows(self, query_owner: int, kv_owner: int, side: str) -> Rows | None:
+        key = (query_owner, kv_owner, side)
+        if key not in self._rows_cache:
+            segments = self(query_owner, kv_owner)
+            self._rows_cache[key] = Rows.union([getattr(s, side) for s in segments], self.shard_len) \
+                if segments else None
+        return self._rows_cache[key]
 
 
 def normalize_boundaries(doc_boundaries, batch: int, seq_len: int) -> list[list[int]]:

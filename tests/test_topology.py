@@ -51,14 +51,15 @@ def check_case(world_size, node_size, topology, causal, heads, mode, docs, layou
     for name, g, e in zip(("out", "lse", "dq", "dk", "dv"), got, expected, strict=True):
         err = (g.double() - e).abs().max().item()
         assert err <= TOLERANCE[torch.float32], f"{name}: max error {err:.2e} {where}"
-    if not docs:
+    if not docs and not causal:
         check_bytes(world_size, node_size, topology, lq, lk, mode, forward, backward, where)
     check_planned_bytes(world_size, node_size, topology, lq, lk, mode, boundaries if docs else None, causal, layout,
                         forward, backward, where)
 
 
 def check_bytes(world_size, node_size, topology, q, k, mode, forward, backward, where):
-    """Inter-node bytes of this rank as the formulas say; flat and two-level send W - 1 blocks in all."""
+    """Unmasked (no causal mask, no documents): inter-node bytes of this rank as the formulas say; flat and
+    two-level send W - 1 blocks in all."""
     rank = dist.get_rank()
     resolved = choose_topology(topology, q, k, mode, node_size, world_size)
     fwd, bwd = inter_node_bytes(resolved, q, k, mode, node_size, world_size, rank)
@@ -73,7 +74,7 @@ def check_bytes(world_size, node_size, topology, q, k, mode, forward, backward, 
 
 def check_planned_bytes(world_size, node_size, topology, q, k, mode, boundaries, causal, layout, forward, backward,
                         where):
-    """Exactly the bytes of the blocks the plan needs (`burst.cost.plan_bytes`), all of them when unmasked."""
+    """Exactly the rows of the blocks the plan needs (`burst.cost.plan_bytes`), all of them when unmasked."""
     rank = dist.get_rank()
     resolved = choose_topology(topology, q, k, mode, node_size, world_size)
     layouts = row_layouts(layout, boundaries, q.shape[1] * world_size, world_size, q.shape[0])
