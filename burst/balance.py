@@ -12,8 +12,8 @@ the one with the most key work.
 
 The layout cuts the sequence into K chunks per rank and assigns them (`assign_chunks`): the chunks
 in decreasing order of work, each to the rank it leaves least loaded (longest-processing-time
-first, on the larger of its forward and backward shares), then, for every pair of ranks, the swap
-of a chunk between them that most lowers the larger of their loads. More chunks balance better but
+first, on the larger of its forward and backward shares), then swaps of a chunk between the most
+loaded rank and another while one lowers it (vectorised over the chunk pairs). More chunks balance better but
 cut documents into more kernel calls and smaller tiles, so a cost model (`choose_chunks`) weighs
 the candidates, K = 2, 4, 8, 16 with chunks of at least `min_chunk_tiles` tiles, and zigzag itself:
 the slowest rank's forward work plus BACKWARD_WEIGHT x the slowest rank's backward work (on the key
@@ -117,33 +117,27 @@ def assign_chunks(forward: Sequence[float], backward: Sequence[float], world_siz
         load_f[r] += f[c]
         load_b[r] += b[c]
     f, b, load_f, load_b = np.array(f), np.array(b), np.array(load_f), np.array(load_b)
-    for _ in range(4):  # passes over every pair of ranks; more rarely gain anything measurable
-        swapped = False
-        for first in sorted(range(world_size), key=lambda r: (-max(load_f[r], load_b[r]), r)):
-            for second in range(world_size):
-                if second != first and _swap_best(f, b, held, load_f, load_b, first, second):
-                    swapped = True
-        if not swapped:
+    for _ in range(4 * len(f)):  # each swap lowers the most loaded rank; a bound, not a budget
+        worst = max(range(world_size), key=lambda r: (max(load_f[r], load_b[r]), -r))
+        others = sorted((r for r in range(world_size) if r != worst), key=lambda r: (max(load_f[r], load_b[r]), r))
+        if not any(_swap_best(f, b, held, load_f, load_b, worst, other) for other in others):
             break
     return tuple(tuple(sorted(h)) for h in held)
 
 
 def _swap_best(f: np.ndarray, b: np.ndarray, held: list[list[int]], load_f: np.ndarray, load_b: np.ndarray,
                first: int, second: int) -> bool:
-    """Swap the chunk pair between two ranks that most lowers their larger load (then the spread of
-    their four loads about the mean), if one does; in place."""
+    """Swap the chunk pair between two ranks that most lowers the larger of their loads (ties: the one
+    that leaves their four loads closest to the mean), if one lowers it; in place."""
     x, y = np.array(held[first]), np.array(held[second])
     df = f[y][None, :] - f[x][:, None]  # [chunk of first, chunk of second]: first's forward load change
     db = b[y][None, :] - b[x][:, None]
-    loads = np.stack([load_f[first] + df, load_b[first] + db, load_f[second] - df, load_b[second] - db])
-    peak, spread = loads.max(axis=0), ((loads - 1) ** 2).sum(axis=0)
-    current = (max(load_f[first], load_b[first], load_f[second], load_b[second]),
-               (load_f[first] - 1) ** 2 + (load_b[first] - 1) ** 2 + (load_f[second] - 1) ** 2
-               + (load_b[second] - 1) ** 2)
-    better = (peak < current[0] - 1e-12) | ((peak <= current[0] + 1e-12) & (spread < current[1] - 1e-9))
-    if not better.any():
+    loads = (load_f[first] + df, load_b[first] + db, load_f[second] - df, load_b[second] - db)
+    peak = np.maximum(np.maximum(loads[0], loads[1]), np.maximum(loads[2], loads[3]))
+    if peak.min() >= max(load_f[first], load_b[first], load_f[second], load_b[second]) - 1e-12:
         return False
-    i, j = np.unravel_index(np.lexsort((spread.ravel(), peak.ravel(), ~better.ravel()))[0], peak.shape)
+    spread = sum((load - 1) ** 2 for load in loads)
+    i, j = np.unravel_index(np.lexsort((spread.ravel(), peak.ravel()))[0], peak.shape)
     held[first][i], held[second][j] = int(y[j]), int(x[i])
     load_f[first] += df[i, j]
     load_b[first] += db[i, j]
