@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 import torch
@@ -218,7 +219,15 @@ def ring_and_plan(q: torch.Tensor, doc_boundaries: torch.Tensor | None, causal: 
                                      layout)
     if topology == "ulysses":
         layouts = [lay.grouped(node_size) for lay in layouts]
-    return schedule, AttentionPlan(layouts, causal, rows)
+    return schedule, shared_plan(tuple(layouts), causal, None if rows is None else tuple(map(tuple, rows)))
+
+
+@functools.lru_cache(maxsize=16)
+def shared_plan(layouts: tuple[Layout, ...], causal: bool,
+                boundaries: tuple[tuple[int, ...], ...] | None) -> AttentionPlan:
+    """One plan for every call on the same sequences: a model's layers, forward and backward, reuse the
+    segments and rows it has worked out (they cost milliseconds per call at 128K tokens)."""
+    return AttentionPlan(list(layouts), causal, None if boundaries is None else [list(b) for b in boundaries])
 
 
 @torch.library.custom_op("burst::attention", mutates_args=())

@@ -12,8 +12,10 @@ the one with the most key work.
 
 The layout cuts the sequence into K chunks per rank and assigns them (`assign_chunks`): the chunks
 in decreasing order of work, each to the rank it leaves least loaded (longest-processing-time
-first, on the larger of its forward and backward shares), then swaps of a chunk between the most
-loaded rank and another while one lowers it (vectorised over the chunk pairs). More chunks balance better but
+first, on the larger of its forward and backward shares; of the ranks that stay as lightly loaded,
+the one holding most of the chunk's documents, so that fewer rows travel), then swaps of a chunk
+between the most loaded rank and another while one lowers it (vectorised over the chunk pairs).
+More chunks balance better but
 cut documents into more kernel calls and smaller tiles, so a cost model (`choose_chunks`) weighs
 the candidates, K = 2, 4, 8, 16 with chunks of at least `min_chunk_tiles` tiles, and zigzag itself:
 the slowest rank's forward work plus BACKWARD_WEIGHT x the slowest rank's backward work (on the key
@@ -103,19 +105,44 @@ def chunk_work(boundaries: Sequence[int], seq_len: int, chunks: int, tile: int) 
     return ChunkWork(tuple(forward), tuple(backward), tuple(forward_calls), tuple(backward_calls))
 
 
-def assign_chunks(forward: Sequence[float], backward: Sequence[float], world_size: int) -> Chunks:
-    """Chunks per rank (ascending), as many to each, balancing both costs (see the module docstring)."""
-    per_rank = len(forward) // world_size
+def chunk_links(boundaries: Sequence[int], seq_len: int, chunks: int) -> np.ndarray:
+    """[chunks, chunks]: rows of chunk j that share a document with chunk i (i != j): what would travel
+    between the two if different ranks held them."""
+    size = seq_len // chunks
+    links = np.zeros((chunks, chunks))
+    for start, end in pairwise(boundaries):
+        first, last = start // size, (end - 1) // size
+        if first == last:
+            continue
+        span = range(first, last + 1)
+        rows = np.array([min(end, (c + 1) * size) - max(start, c * size) for c in span], float)
+        links[first:last + 1, first:last + 1] += rows[None, :]
+        links[span, span] -= rows
+    return links
+
+
+def assign_chunks(forward: Sequence[float], backward: Sequence[float], world_size: int,
+                  links: np.ndarray | None = None) -> Chunks:
+    """Chunks per rank (ascending), as many to each, balancing both costs (see the module docstring).
+    Among the ranks a chunk leaves no more loaded than the least loaded choice (or the mean), it goes
+    to the one holding most of its `links` (chunk_links): fewer rows travel."""
+    n, per_rank = len(forward), len(forward) // world_size
     mean_f, mean_b = sum(forward) / world_size or 1.0, sum(backward) / world_size or 1.0
     f, b = [x / mean_f for x in forward], [x / mean_b for x in backward]  # in units of the mean rank's load
     load_f, load_b = [0.0] * world_size, [0.0] * world_size
     held: list[list[int]] = [[] for _ in range(world_size)]
-    for c in sorted(range(len(f)), key=lambda c: (-max(f[c], b[c]), c)):
-        r = min((r for r in range(world_size) if len(held[r]) < per_rank),
-                key=lambda r: (max(load_f[r] + f[c], load_b[r] + b[c]), load_f[r] + load_b[r], r))
+    shared = np.zeros((n, world_size))  # [chunk, rank]: rows it shares with the chunks the rank holds
+    for c in sorted(range(n), key=lambda c: (-max(f[c], b[c]), c)):
+        open_ranks = [r for r in range(world_size) if len(held[r]) < per_rank]
+        after = {r: max(load_f[r] + f[c], load_b[r] + b[c]) for r in open_ranks}
+        bound = max(min(after.values()), 1.0)
+        r = min((r for r in open_ranks if after[r] <= bound),
+                key=lambda r: (-shared[c, r], after[r], load_f[r] + load_b[r], r))
         held[r].append(c)
         load_f[r] += f[c]
         load_b[r] += b[c]
+        if links is not None:
+            shared[:, r] += links[:, c]
     f, b, load_f, load_b = np.array(f), np.array(b), np.array(load_f), np.array(load_b)
     for _ in range(4 * len(f)):  # each swap lowers the most loaded rank; a bound, not a budget
         worst = max(range(world_size), key=lambda r: (max(load_f[r], load_b[r]), -r))
@@ -175,7 +202,8 @@ def choose_chunks(boundaries: Sequence[int], seq_len: int, world_size: int, zigz
         work = chunk_work(boundaries, seq_len, k * world_size, options.tile)
         forward, backward = work.costs(options.call_tiles)
         candidates = [zigzag] if best_cost is None else []  # k = 2 comes first: zigzag is costed on its chunks
-        candidates.append(assign_chunks(forward, backward, world_size))
+        candidates.append(assign_chunks(forward, backward, world_size,
+                                        chunk_links(boundaries, seq_len, k * world_size)))
         for chunks in candidates:
             cost = layout_cost(chunks, work, options.call_tiles)
             if best_cost is None or cost < best_cost - 1e-9:
