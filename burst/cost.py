@@ -68,10 +68,10 @@ def planned_sends(rows_of, rounds: int, steps: int, position: int, node_size: in
 
     One round (flat, and Ulysses' ring over nodes): every visitor straight from its owner to each
     position that needs it, the rows it needs, and a gradient of those rows straight back. Two-level:
-    a whole visitor once to every other node where a rank needs it, to the counterpart there, who
-    hands each rank of the node the rows it needs; gradients back to that holder, and the node's
-    whole sum back to the owner. node_size: positions per node for `rounds` = 1 (1 when every
-    position is a node of its own).
+    a visitor once to every other node where a rank needs it, the rows its ranks need, to the
+    counterpart there, who hands each rank of the node the rows it needs; gradients back to that
+    holder, and the node's sum of its rows back to the owner. node_size: positions per node for
+    `rounds` = 1 (1 when every position is a node of its own).
     """
     count = {"visitors": 0, "visitors_inter_node": 0, "gradients": 0, "gradients_inter_node": 0}
 
@@ -93,15 +93,16 @@ def planned_sends(rows_of, rounds: int, steps: int, position: int, node_size: in
     def at(node_: int, local_: int) -> int:
         return node_ % rounds * steps + local_ % steps
 
-    def node_needs(node_: int, owner: int) -> bool:
-        return any(rows_of(at(node_, lo), owner) is not None for lo in range(steps))
+    def node_rows(node_: int, owner: int) -> int:
+        """How many rows of `owner`'s visitor the ranks of node `node_` work on, together."""
+        wanted = [r for lo in range(steps) if (r := rows_of(at(node_, lo), owner)) is not None]
+        return Rows.union([slice(a, b) for r in wanted for a, b in r.spans], total).count if wanted else 0
 
     for offset in range(rounds):
         held = at(node - offset, local)  # the visitor this position holds for its node in round `offset`
-        if offset and node_needs(node + offset, position):
-            send("visitors", total, True)
-        if offset and node_needs(node, held):
-            send("gradients", total, True)  # the node's sum, back to the owner
+        if offset:
+            send("visitors", node_rows(node + offset, position), True)
+            send("gradients", node_rows(node, held), True)  # the node's sum, back to the owner
         for s in range(1, steps):
             if (going := rows_of(at(node, local + s), held)) is not None:
                 send("visitors", going.count, False)

@@ -137,6 +137,10 @@ class Rows:
             offset += span_end - span_start
         raise ValueError(f"rows {start}:{stop} are outside {self.spans}")
 
+    def within(self, outer: Rows) -> Rows:
+        """These rows (a subset of `outer`'s) as rows of a tensor packed with `outer`'s rows."""
+        return Rows.union([outer.local(slice(start, end)) for start, end in self.spans], outer.count)
+
     def empty(self, like: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
         """An empty tensor like `like` with `count` rows along `dim`, its dimensions in like's memory order
         (heads-first stays heads-first), so that both ends of a transfer see the same bytes."""

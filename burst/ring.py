@@ -111,8 +111,9 @@ def circulate(schedule: Schedule, visitor: list[torch.Tensor], seq_dims: list[in
     they travel. A gradient travels only from a rank that computed one, with those rows only,
     straight back to the holder, posted one step after it was computed (so it overlaps the next
     step's compute); the holder sums its node's gradients (the owner itself in round 0). Across nodes
-    (two-level), whole visitors go to the nodes that need them, and a node's sum goes back to the
-    owner after its round on the outer links, overlapping the next round.
+    (two-level), a visitor goes to each node that needs it with the rows its ranks need, and the
+    node's sum of those rows goes back to the owner after its round on the outer links, overlapping
+    the next round.
     """
     rounds, steps, me = schedule.rounds, schedule.steps, schedule.rank
     node = me // steps
@@ -129,50 +130,58 @@ def circulate(schedule: Schedule, visitor: list[torch.Tensor], seq_dims: list[in
         for acc, grad, dim in zip(accumulators, grads, seq_dims, strict=False):
             rows.add_into(acc, grad, dim)
 
-    def node_needs(node_: int, owner: int) -> bool:
-        return any(rows_of(node_ % rounds * steps + local, owner) is not None for local in range(steps))
+    def node_rows(node_: int, owner: int) -> Rows | None:
+        """The rows of `owner`'s visitor that any rank of node `node_` works on."""
+        wanted = [rows for local in range(steps) if (rows := rows_of(node_ % rounds * steps + local, owner))]
+        return Rows.union([slice(a, b) for rows in wanted for a, b in rows.spans], every.total) if wanted else None
 
     own = zeros(every)
-    holding, holding_owner, holding_grad = visitor, me, own  # this round's visitor held for the node, its gradient
+    # this round's visitor, held for the node: its owner, the rows it holds, and their gradient summed over the node
+    holding, holding_owner, holding_rows, holding_grad = visitor, me, every, own
     current, current_rows = (visitor, every) if rows_of(me, me) is not None else (None, None)  # this step's
     previous = None  # (step, gradient computed there or None, the holder's owner and accumulator): still to send
-    returned = Pending()  # a node's sum of this rank's gradient on its way back over the outer links
+    returned = Pending(), None  # a node's sum of this rank's gradient on its way back, and its rows
     finished = (me, None)  # (owner, node sum) of the round before this one
 
     def gradient_messages():
+        """(sends, receives, rows received within the holder's) of the gradients of the previous step."""
         if previous is None:
             return [], [], None
-        s, grad, owner, _ = previous
+        s, grad, owner, held, _ = previous
         host = schedule.host(s)
         coming = rows_of(host, owner)
         return ([(schedule.holder(s), grad)] if grad is not None else []), \
-            ([(host, like(coming, grad_like, f32), f32)] if coming is not None else []), coming
+            ([(host, like(coming, grad_like, f32), f32)] if coming is not None else []), \
+            (coming.within(held) if coming is not None else None)
 
-    def collect(pending: Pending) -> None:
+    def collect(pending: Pending, rows: Rows | None) -> None:
         for grads in pending.wait():
-            add(own, grads)
+            add(own, grads, rows)
 
-    def return_node_sum(round_: int, owner: int, accumulator: list[torch.Tensor] | None) -> Pending:
+    def return_node_sum(round_: int, owner: int, accumulator: list[torch.Tensor] | None) -> tuple[Pending, Rows]:
         """Send round `round_`'s node sum back to its owner; receive this rank's from the node that had it."""
-        collect(returned)  # the previous round's, which had a whole round to arrive
-        source = schedule.counterpart(round_)
-        return schedule.outer.exchange([(owner, accumulator)] if accumulator is not None else [],
-                                       [(source, grad_like, f32)] if node_needs(node + round_, me) else [])
+        collect(*returned)  # the previous round's, which had a whole round to arrive
+        source, coming = schedule.counterpart(round_), node_rows(node + round_, me)
+        pending = schedule.outer.exchange([(owner, accumulator)] if accumulator is not None else [],
+                                          [(source, like(coming, grad_like, f32), f32)] if coming else [])
+        return pending, coming
 
     for round_ in range(rounds):
         arriving = Pending()  # next round's visitor, from its owner on another node, behind this whole round
         if round_ + 1 < rounds:
-            source = schedule.counterpart(-(round_ + 1))
+            source, target_node = schedule.counterpart(-(round_ + 1)), node + round_ + 1
+            going, arriving_rows = node_rows(target_node, me), node_rows(node, source)
             arriving = schedule.outer.exchange(
-                [(schedule.counterpart(round_ + 1), visitor)] if node_needs(node + round_ + 1, me) else [],
-                [(source, visitor, dtypes)] if node_needs(node, source) else [])
+                [(schedule.counterpart(round_ + 1), [going.pack(t, d) for t, d in zip(visitor, seq_dims, strict=True)])]
+                if going else [], [(source, like(arriving_rows, visitor, dtypes), dtypes)] if arriving_rows else [])
         for s in range(steps):
             visitor_out, visitor_in, next_rows = [], [], None
             if s + 1 < steps:
                 host = schedule.host(s + 1)
                 going = rows_of(host, holding_owner) if holding is not None else None
                 if going is not None:
-                    visitor_out.append((host, [going.pack(t, dim) for t, dim in zip(holding, seq_dims, strict=True)]))
+                    within = going.within(holding_rows)
+                    visitor_out.append((host, [within.pack(t, dim) for t, dim in zip(holding, seq_dims, strict=True)]))
                 next_rows = rows_of(me, schedule.owner(round_, s + 1))
                 if next_rows is not None:
                     visitor_in.append((schedule.holder(s + 1), like(next_rows, visitor, dtypes), dtypes))
@@ -181,7 +190,7 @@ def circulate(schedule: Schedule, visitor: list[torch.Tensor], seq_dims: list[in
             pieces = step(current, schedule.owner(round_, s), current_rows) if current is not None else []
             received = pending.wait()
             if grad_in:
-                add(previous[3], received[-1], coming)
+                add(previous[4], received[-1], coming)
             if s == 0 and round_ > 1 and num_grads:  # round_ - 1's node sum is complete: back to its owner
                 returned = return_node_sum(round_ - 1, *finished)
             if num_grads and s == 0:
@@ -189,7 +198,7 @@ def circulate(schedule: Schedule, visitor: list[torch.Tensor], seq_dims: list[in
                 target = holding_grad  # this rank's work on the visitor it holds: summed in place
             elif num_grads:
                 target = zeros(current_rows) if current is not None else None
-                previous = (s, target, holding_owner, holding_grad)
+                previous = (s, target, holding_owner, holding_rows, holding_grad)
             for batch, rows, grads in pieces:
                 for acc, grad in zip(target, grads, strict=True):
                     acc[batch, rows] += grad
@@ -198,16 +207,17 @@ def circulate(schedule: Schedule, visitor: list[torch.Tensor], seq_dims: list[in
             finished = (schedule.counterpart(-round_), holding_grad)
             arrived = arriving.wait()
             holding, holding_owner = (arrived[0] if arrived else None), schedule.counterpart(-(round_ + 1))
-            holding_grad = zeros(every) if holding is not None and num_grads else None
+            holding_rows = arriving_rows
+            holding_grad = zeros(holding_rows) if holding is not None and num_grads else None
             works = holding is not None and rows_of(me, holding_owner) is not None
-            current, current_rows = (holding, every) if works else (None, None)
+            current, current_rows = (holding, holding_rows) if works else (None, None)
     if num_grads:
         grad_out, grad_in, coming = gradient_messages()
         received = schedule.inner.exchange(grad_out, grad_in).wait()
         if grad_in:
-            add(previous[3], received[-1], coming)
+            add(previous[4], received[-1], coming)
         if rounds > 1:
-            collect(return_node_sum(rounds - 1, schedule.counterpart(-(rounds - 1)), holding_grad))
+            collect(*return_node_sum(rounds - 1, schedule.counterpart(-(rounds - 1)), holding_grad))
     return own
 
 
