@@ -146,6 +146,9 @@ def bench_attention_command(
     sequences: int = typer.Option(32, "--sequences", help="With --docs: packed sequences to plan."),
     plan_only: bool = typer.Option(False, "--plan-only", help="With --docs: count the plans only, run no kernel "
                                                               "(any --nproc and --seq-len on any machine)."),
+    replay: bool = typer.Option(False, "--replay", help="With --docs: replay each rank's kernel calls one after "
+                                                         "another in this process and time them in CPU seconds, "
+                                                         "instead of running the ranks."),
     time_quantiles: str = typer.Option("0.9,0", "--time-quantiles",
                                        help="With --docs: time the sequences at these quantiles of zigzag's "
                                             "imbalance (0.9: the p90-imbalanced one, 0: the most balanced)."),
@@ -167,15 +170,15 @@ def bench_attention_command(
                                       modes=_name_list(modes), doc_length=doc_length,
                                       layouts=layout_list if layout_list and docs is None else ["zigzag"],
                                       topology=topology, node_size=node_size)
-        if docs is None and (plan_only or layout_list and layout_list != ["zigzag"] and doc_length is None):
-            raise ValueError("--plan-only and --layouts balanced count or time packed documents: pass --docs STORE "
-                             "(or --doc-length N for equal documents)")
+        if docs is None and (plan_only or replay or layout_list and layout_list != ["zigzag"] and doc_length is None):
+            raise ValueError("--plan-only, --replay and --layouts balanced count or time packed documents: pass "
+                             "--docs STORE (or --doc-length N for equal documents)")
         if docs is not None:
             from data.packing import packed_document_offsets
 
             documents = DocumentsBenchConfig(
                 config, packed_document_offsets(docs, seq_len, sequences) if sequences > 0 else [],
-                **({"layouts": layout_list} if layout_list else {}), plan_only=plan_only,
+                **({"layouts": layout_list} if layout_list else {}), plan_only=plan_only, replay=replay,
                 quantiles=_number_list(time_quantiles, float, "--time-quantiles"))
     except (ValueError, OSError) as err:
         typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)

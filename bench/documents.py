@@ -13,7 +13,9 @@ This reaches cp 8 and 128K tokens on any machine.
 Without --plan-only, the sequences at the given quantiles of zigzag's imbalance (by default the
 p90-imbalanced one and the most balanced one) then run forward and backward on --nproc local
 ranks, every layout and backward mode in alternation (A B A B ...), with random q, k, v: time
-(the slowest rank), each rank's CPU seconds, and bytes sent.
+(the slowest rank), each rank's CPU seconds, and bytes sent. With --replay, each rank's kernel
+calls run one rank after another in this process instead, timed in thread CPU seconds: each
+rank's compute without ranks competing for cores, so cp 4 and 8 on a 2-core machine.
 """
 
 from __future__ import annotations
@@ -27,12 +29,14 @@ import torch
 import torch.distributed as dist
 
 from bench.attention import DTYPES, AttentionBenchConfig, global_inputs
-from burst.attention import burst_attn
+from burst.attention import burst_attn, heads_first
 from burst.balance import OPTIONS, choose_chunks, plan_work
 from burst.comm import SENT
 from burst.cost import plan_bytes
+from burst.kernels import default_scale, select_kernel
 from burst.layout import LAYOUTS, check_layout, row_layouts, shard_sequence, zigzag_layout
 from burst.plan import AttentionPlan
+from burst.ring import merge_block
 from runtime.launch import run_local
 from runtime.process import init_worker_process_group, leaving_process_group
 
@@ -45,6 +49,7 @@ class DocumentsBenchConfig:
     sequences: list[list[int]]  # document offsets of each packed sequence
     layouts: list[str] = field(default_factory=lambda: list(LAYOUTS))
     plan_only: bool = False
+    replay: bool = False  # time each rank's kernel calls in this process instead of running ranks
     quantiles: list[float] = field(default_factory=lambda: [0.9, 0.0])  # of zigzag's imbalance: sequences to time
 
     def __post_init__(self) -> None:
@@ -229,12 +234,66 @@ def time_sequences(config: DocumentsBenchConfig, picks: list[int]) -> list[Timed
     return runs
 
 
+def replay_sequence(index: int, boundaries: list[int], layout: str, mode: str,
+                    config: AttentionBenchConfig) -> TimedRun:
+    """Every rank's kernel calls (and merges) of one forward and backward, one rank after another in this
+    process on one thread, timed in thread CPU seconds, each rank's fastest of --iters: what each rank
+    computes, without ranks or other processes competing for the cores. Backward "burst" computes on the
+    key side, "ring" on the query side."""
+    runs = [_replay_once(boundaries, layout, mode, config) for _ in range(config.iters)]
+    forward = [min(run[0][r] for run in runs) for r in range(config.nproc)]
+    backward = [min(run[1][r] for run in runs) for r in range(config.nproc)]
+    return TimedRun(index, layout, mode, 0.0, 0.0, max(forward), max(backward),
+                    statistics.mean(f + b for f, b in zip(forward, backward, strict=True)), 0.0)
+
+
+def _replay_once(boundaries: list[int], layout: str, mode: str,
+                 config: AttentionBenchConfig) -> tuple[list[float], list[float]]:
+    """(forward, backward) thread CPU seconds of each rank's calls."""
+    world, shard, scale = config.nproc, config.seq_len // config.nproc, default_scale(config.head_dim)
+    (chosen,) = row_layouts(layout, [boundaries], config.seq_len, world, 1)
+    plan = AttentionPlan([chosen] * config.batch, True, [boundaries] * config.batch)
+    # random inputs: any cut into shards serves; heads-first memory, as burst_attn hands the CPU kernels
+    q, k, v, dout = ([heads_first(x) for x in t.chunk(world, dim=1)] for t in global_inputs(config, "cpu"))
+    kernel = select_kernel(torch.device("cpu"), q[0].dtype, "auto", head_dim=config.head_dim)
+    forward, backward = [0.0] * world, [0.0] * world
+    results = []
+    for r in range(world):
+        started = time.thread_time()
+        out = torch.zeros_like(q[r], dtype=torch.float32)
+        lse = torch.full((config.batch, config.heads, shard), float("-inf"))
+        for owner in range(world):
+            for seg in plan(r, owner):
+                block = kernel.forward(q[r][seg.batch, seg.q_rows], k[owner][seg.batch, seg.kv_rows],
+                                       v[owner][seg.batch, seg.kv_rows], seg.causal, scale)
+                merge_block(out[seg.batch, seg.q_rows], lse[seg.batch, :, seg.q_rows], *block)
+        forward[r] = time.thread_time() - started
+        results.append((out.to(q[r].dtype), lse))
+    for r in range(world):
+        started = time.thread_time()
+        for other in range(world):
+            query, key = (other, r) if mode == "burst" else (r, other)
+            out, lse = results[query]
+            for seg in plan(query, key):
+                rows, cols = (seg.batch, seg.q_rows), (seg.batch, seg.kv_rows)
+                kernel.backward(dout[query][rows], q[query][rows], k[key][cols], v[key][cols], out[rows],
+                                lse[seg.batch, :, seg.q_rows].contiguous(), seg.causal, scale)
+        backward[r] = time.thread_time() - started
+    return forward, backward
+
+
 def run_documents_bench(config: DocumentsBenchConfig) -> tuple[list[SequencePlan], list[TimedRun]]:
-    """Plan every sequence under every layout; unless plan_only, time the picked sequences."""
+    """Plan every sequence under every layout; unless plan_only, time the picked sequences (on ranks, or
+    replayed)."""
     plans = plan_sequences(config)
     if config.plan_only:
         return plans, []
-    return plans, time_sequences(config, picked_sequences(plans, config.quantiles))
+    picks = picked_sequences(plans, config.quantiles)
+    if config.replay:
+        torch.set_num_threads(1)
+        return plans, [replay_sequence(index, config.sequences[index], layout, mode, config.attention)
+                       for index in picks for layout in config.layouts for mode in config.attention.modes]
+    return plans, time_sequences(config, picks)
 
 
 def print_documents(config: DocumentsBenchConfig, plans: list[SequencePlan], timed: list[TimedRun]) -> None:
@@ -265,17 +324,20 @@ def print_documents(config: DocumentsBenchConfig, plans: list[SequencePlan], tim
         return
     zigzag = {(r.sequence, r.mode): r for r in timed if r.layout == "zigzag"}
     imbalance = {p.sequence: p.imbalance for p in plans if p.layout == "zigzag"}
-    table = Table(title=f"forward + backward on {attention.nproc} local ranks, {attention.dtype}")
+    title = (f"kernel calls of {attention.nproc} ranks replayed one after another on one thread" if config.replay
+             else f"forward + backward on {attention.nproc} local ranks") + f", {attention.dtype}"
+    table = Table(title=title)
     for column in ("sequence", "zigzag imbalance", "layout", "mode", "fwd s", "bwd s", "total s", "vs zigzag",
                    "fwd CPU s", "bwd CPU s", "CPU s", "vs zigzag", "mean rank CPU s", "sent MiB"):
         table.add_column(column, justify="right")
     for run in timed:
         base = zigzag[run.sequence, run.mode]
-        table.add_row(str(run.sequence), f"{imbalance[run.sequence]:.2f}", run.layout, run.mode,
-                      f"{run.forward_s:.2f}", f"{run.backward_s:.2f}", f"{run.total_s:.2f}",
-                      f"{base.total_s / run.total_s:.2f}x", f"{run.forward_cpu_s:.2f}", f"{run.backward_cpu_s:.2f}",
-                      f"{run.cpu_s:.2f}", f"{base.cpu_s / run.cpu_s:.2f}x", f"{run.cpu_s_mean:.2f}",
-                      f"{run.sent_mib_max:.1f}")
+        wall = ["-"] * 4 if config.replay else [f"{run.forward_s:.2f}", f"{run.backward_s:.2f}", f"{run.total_s:.2f}",
+                                                 f"{base.total_s / run.total_s:.2f}x"]
+        table.add_row(str(run.sequence), f"{imbalance[run.sequence]:.2f}", run.layout, run.mode, *wall,
+                      f"{run.forward_cpu_s:.2f}", f"{run.backward_cpu_s:.2f}", f"{run.cpu_s:.2f}",
+                      f"{base.cpu_s / run.cpu_s:.2f}x", f"{run.cpu_s_mean:.2f}",
+                      "-" if config.replay else f"{run.sent_mib_max:.1f}")
     console.print(table)
     if attention.dtype_reason:
         console.print(f"dtype {attention.dtype}: {attention.dtype_reason}", style="dim")
