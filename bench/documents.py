@@ -234,17 +234,22 @@ def time_sequences(config: DocumentsBenchConfig, picks: list[int]) -> list[Timed
     return runs
 
 
-def replay_sequence(index: int, boundaries: list[int], layout: str, mode: str,
-                    config: AttentionBenchConfig) -> TimedRun:
+def replay_sequences(config: DocumentsBenchConfig, picks: list[int]) -> list[TimedRun]:
     """Every rank's kernel calls (and merges) of one forward and backward, one rank after another in this
-    process on one thread, timed in thread CPU seconds, each rank's fastest of --iters: what each rank
-    computes, without ranks or other processes competing for the cores. Backward "burst" computes on the
-    key side, "ring" on the query side."""
-    runs = [_replay_once(boundaries, layout, mode, config) for _ in range(config.iters)]
-    forward = [min(run[0][r] for run in runs) for r in range(config.nproc)]
-    backward = [min(run[1][r] for run in runs) for r in range(config.nproc)]
-    return TimedRun(index, layout, mode, 0.0, 0.0, max(forward), max(backward),
-                    statistics.mean(f + b for f, b in zip(forward, backward, strict=True)), 0.0)
+    process on one thread, timed in thread CPU seconds: what each rank computes, without ranks or other
+    processes competing for the cores. Backward "burst" computes on the key side, "ring" on the query side.
+    The variants take turns (A B A B ...) for --iters rounds; each rank's fastest round counts."""
+    attention = config.attention
+    variants = [(index, layout, mode) for index in picks for layout in config.layouts for mode in attention.modes]
+    rounds = [[_replay_once(config.sequences[i], layout, mode, attention) for i, layout, mode in variants]
+              for _ in range(attention.iters)]
+    runs = []
+    for v, (index, layout, mode) in enumerate(variants):
+        forward = [min(r[v][0][rank] for r in rounds) for rank in range(attention.nproc)]
+        backward = [min(r[v][1][rank] for r in rounds) for rank in range(attention.nproc)]
+        runs.append(TimedRun(index, layout, mode, 0.0, 0.0, max(forward), max(backward),
+                             statistics.mean(f + b for f, b in zip(forward, backward, strict=True)), 0.0))
+    return runs
 
 
 def _replay_once(boundaries: list[int], layout: str, mode: str,
@@ -291,8 +296,7 @@ def run_documents_bench(config: DocumentsBenchConfig) -> tuple[list[SequencePlan
     picks = picked_sequences(plans, config.quantiles)
     if config.replay:
         torch.set_num_threads(1)
-        return plans, [replay_sequence(index, config.sequences[index], layout, mode, config.attention)
-                       for index in picks for layout in config.layouts for mode in config.attention.modes]
+        return plans, replay_sequences(config, picks)
     return plans, time_sequences(config, picks)
 
 

@@ -20,7 +20,8 @@ cut documents into more kernel calls and smaller tiles, so a cost model (`choose
 the candidates, K = 2, 4, 8, 16 with chunks of at least `min_chunk_tiles` tiles, and zigzag itself:
 the slowest rank's forward work plus BACKWARD_WEIGHT x the slowest rank's backward work (on the key
 side or the query side, as the backward mode has it: the larger), in tiles, each kernel call
-counted as `call_tiles` more. It is never worse than zigzag in that model. The shards have a fixed
+counted as `call_tiles` more. It is never worse than zigzag in that model, and replaces it (or a
+candidate with fewer chunks) only for a gain of more than `min_gain`. The shards have a fixed
 size, so every rank holds K chunks; a long document cut into K x W chunks of nearly equal work then
 balances to about one chunk in K, which is why K goes up to 16.
 
@@ -50,6 +51,9 @@ class BalanceOptions:
     min_chunk_tiles: int = 4  # no chunk shorter than this many tiles (512 tokens): smaller ones waste tiles
     max_chunks_per_rank: int = 16
     call_tiles: float = 1.0  # a kernel call's fixed cost (launch, merge), in tiles of work
+    # A layout replaces zigzag, or one with fewer chunks, only when it lowers the modelled step time by
+    # more than this share: a sequence zigzag balances keeps zigzag's calls, and so its time.
+    min_gain: float = 0.03
 
 
 DEFAULT_OPTIONS = BalanceOptions()
@@ -206,7 +210,7 @@ def choose_chunks(boundaries: Sequence[int], seq_len: int, world_size: int, zigz
                                         chunk_links(boundaries, seq_len, k * world_size)))
         for chunks in candidates:
             cost = layout_cost(chunks, work, options.call_tiles)
-            if best_cost is None or cost < best_cost - 1e-9:
+            if best_cost is None or cost < best_cost * (1 - options.min_gain):
                 best, best_cost = (seq_len // (k * world_size), chunks), cost
     return best
 

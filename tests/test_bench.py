@@ -64,3 +64,16 @@ def test_bench_attention_refuses_bad_document_options(args, message):
     result = CliRunner().invoke(app, ["bench", "attention", "--nproc", "2", "--seq-len", "256", *args])
     assert result.exit_code == 2, result.output
     assert message in " ".join(result.output.split())
+
+
+def test_bench_attention_docs_replays_each_ranks_kernel_calls(store, tmp_path):
+    out = tmp_path / "replay.json"
+    result = CliRunner().invoke(app, ["bench", "attention", "--docs", str(store), "--seq-len", "1024", "--nproc", "4",
+                                      "--sequences", "4", "--replay", "--heads", "2", "--head-dim", "16", "--iters",
+                                      "1", "--dtype", "fp32", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    timed = json.loads(out.read_text())["timed"]
+    assert {(r["layout"], r["mode"]) for r in timed} == {(lay, mode) for lay in ("zigzag", "balanced")
+                                                          for mode in ("burst", "ring")}
+    assert len({r["sequence"] for r in timed}) in (1, 2)  # the p90-imbalanced and the most balanced sequence
+    assert all(r["forward_cpu_s"] > 0 and r["backward_cpu_s"] > 0 and r["cpu_s_mean"] <= r["cpu_s"] for r in timed)
