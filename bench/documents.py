@@ -7,7 +7,8 @@ rank's forward work (its queries' calls) and backward work (against its keys, wh
 backward computes; the "ring" backward computes on the query side, the forward's share) in
 tiles of 128 x 128, the slowest rank over the mean rank; the share of the computed tiles' area
 that is masked; the ring steps between two ranks with no kernel call; the bytes each rank sends
-(flat, one node), and the milliseconds the balanced layout takes to choose (not memoised).
+(flat, one node), and the milliseconds planning takes: choosing the layout (not memoised) and
+working out every pair of ranks' kernel calls and rows (more than any one rank needs).
 This reaches cp 8 and 128K tokens on any machine.
 
 Without --plan-only, the sequences at the given quantiles of zigzag's imbalance (by default the
@@ -101,9 +102,13 @@ def plan_sequence(index: int, boundaries: list[int], layout: str, config: Attent
     started = time.perf_counter()
     if layout == "balanced":  # timed without the memo: what a new sequence costs
         choose_chunks(boundaries, seq_len, world, zigzag_layout(seq_len, world).chunks, OPTIONS)
-    planning_ms = (time.perf_counter() - started) * 1e3
     (chosen,) = row_layouts(layout, [boundaries], seq_len, world, 1)
     plan = AttentionPlan([chosen] * config.batch, True, [boundaries] * config.batch)
+    for q_owner in range(world):  # every rank pair's calls and rows: more than any one rank works out
+        for kv_owner in range(world):
+            plan.key_rows(q_owner, kv_owner)
+            plan.query_rows(q_owner, kv_owner)
+    planning_ms = (time.perf_counter() - started) * 1e3
     work = plan_work(plan)
     q, k = _meta(config)
     mode = config.modes[0]
@@ -323,7 +328,8 @@ def print_documents(config: DocumentsBenchConfig, plans: list[SequencePlan], tim
     console.print("work in 128 x 128 tiles of the kernel calls each rank makes: slowest rank / mean rank per sequence, "
                   "mean and p90 over the sequences (fwd: queries' work; bwd: keys' work; slowest / mean: the worse of "
                   "the two); masked tiles: masked share of the computed tiles' area; idle steps: pairs of ranks with "
-                  "no kernel call; plan ms: choosing the balanced layout, not memoised", style="dim")
+                  "no kernel call; plan ms: choosing the layout (not memoised) and every pair of ranks' kernel "
+                  "calls and rows", style="dim")
     if not timed:
         return
     zigzag = {(r.sequence, r.mode): r for r in timed if r.layout == "zigzag"}
