@@ -93,27 +93,40 @@ _SIGNATURE_FIELDS = (
     ("topology", 1, lambda x: TOPOLOGIES[x[0]] if x[0] >= 0 else "unknown"),
     ("node_size", 1, lambda x: str(x[0])),
     ("layout", 1, lambda x: LAYOUTS[x[0]] if x[0] >= 0 else "unknown"),
+    ("chosen layouts", 1, lambda x: "zigzag" if x[0] == 0 else f"fingerprint {x[0] & 0xFFFFFF:06x}"),
 )
 
 
+def _digest(value) -> int:
+    """A non-zero int64 digest of repr(value), the same in every process (str hashes are not)."""
+    return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=7).digest(), "little") + 1
+
+
 def input_signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, backward: str, kernel: str,
-                    doc_boundaries, topology: str = "flat", node_size=1, layout: str = "zigzag") -> list[int]:
+                    doc_boundaries, topology: str = "flat", node_size=1, layout: str = "zigzag",
+                    world_size: int = 1) -> list[int]:
     """What every rank of the group must agree on, as ints (see `_SIGNATURE_FIELDS`).
 
     Ranks that disagree would post ring messages of different sizes (a gloo error or an NCCL
     hang), or one rank would raise while the others wait for it; comparing these first turns
-    all of that into the same ValueError on every rank. Works on invalid inputs too.
+    all of that into the same ValueError on every rank. Works on invalid inputs too. The balanced
+    layouts each rank chose are compared too: shards of the same size cut differently would give
+    wrong results silently.
     """
-    if doc_boundaries is None:
-        docs = 0
-    else:
+    rows, chosen = None, 0
+    if doc_boundaries is not None:
         rows = doc_boundaries.tolist() if isinstance(doc_boundaries, torch.Tensor) else \
             [r.tolist() if isinstance(r, torch.Tensor) else list(r) for r in doc_boundaries]
-        # a digest, not hash(): str hashes differ between processes; 7 bytes fit an int64, + 1 keeps it non-zero
-        docs = int.from_bytes(hashlib.blake2b(repr(rows).encode(), digest_size=7).digest(), "little") + 1
+        if layout == "balanced":
+            try:
+                chosen = _digest([(lay.chunk, lay.chunks) for lay in
+                                  row_layouts(layout, rows, q.shape[1] * world_size, world_size, len(rows))])
+            except (ValueError, TypeError, IndexError):
+                chosen = -1  # invalid inputs: validation says what is wrong, on every rank, once they agree
     return [*_shape(q), *_shape(k), *_shape(v), *(_code(_DTYPE_CODES, t.dtype) for t in (q, k, v)), int(causal),
-            _code(BACKWARD_MODES, backward), _code(KERNEL_NAMES, kernel), docs, _code(TOPOLOGIES, topology),
-            node_size if isinstance(node_size, int) else -1, _code(LAYOUTS, layout)]
+            _code(BACKWARD_MODES, backward), _code(KERNEL_NAMES, kernel), 0 if rows is None else _digest(rows),
+            _code(TOPOLOGIES, topology), node_size if isinstance(node_size, int) else -1, _code(LAYOUTS, layout),
+            chosen]
 
 
 def check_ranks_agree(group: dist.ProcessGroup | None, signature: list[int], device: torch.device,
@@ -326,7 +339,7 @@ def burst_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
     traffic = Traffic()
     if check_ranks:
         check_ranks_agree(group, input_signature(q, k, v, causal, backward, kernel, doc_boundaries, topology,
-                                                 node_size, layout), q.device, traffic, node_size)
+                                                 node_size, layout, world_size), q.device, traffic, node_size)
     validate_inputs(q, k, v, world_size, backward, kernel)  # the same verdict on every rank now
     validate_topology(topology, node_size, world_size)
     check_layout(layout)

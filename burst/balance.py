@@ -125,8 +125,7 @@ def chunk_links(boundaries: Sequence[int], seq_len: int, chunks: int) -> np.ndar
     return links
 
 
-def assign_chunks(forward: Sequence[float], backward: Sequence[float], world_size: int,
-                  links: np.ndarray | None = None) -> Chunks:
+def assign_chunks(forward: Sequence[float], backward: Sequence[float], world_size: int, links: np.ndarray) -> Chunks:
     """Chunks per rank (ascending), as many to each, balancing both costs (see the module docstring).
     Among the ranks a chunk leaves no more loaded than the least loaded choice (or the mean), it goes
     to the one holding most of its `links` (chunk_links): fewer rows travel."""
@@ -145,8 +144,7 @@ def assign_chunks(forward: Sequence[float], backward: Sequence[float], world_siz
         held[r].append(c)
         load_f[r] += f[c]
         load_b[r] += b[c]
-        if links is not None:
-            shared[:, r] += links[:, c]
+        shared[:, r] += links[:, c]
     f, b, load_f, load_b = np.array(f), np.array(b), np.array(load_f), np.array(load_b)
     for _ in range(4 * len(f)):  # each swap lowers the most loaded rank; a bound, not a budget
         worst = max(range(world_size), key=lambda r: (max(load_f[r], load_b[r]), -r))
@@ -206,8 +204,8 @@ def choose_chunks(boundaries: Sequence[int], seq_len: int, world_size: int, zigz
         work = chunk_work(boundaries, seq_len, k * world_size, options.tile)
         forward, backward = work.costs(options.call_tiles)
         candidates = [zigzag] if best_cost is None else []  # k = 2 comes first: zigzag is costed on its chunks
-        candidates.append(assign_chunks(forward, backward, world_size,
-                                        chunk_links(boundaries, seq_len, k * world_size)))
+        links = chunk_links(boundaries, seq_len, k * world_size)
+        candidates.append(assign_chunks(forward, backward, world_size, links))
         for chunks in candidates:
             cost = layout_cost(chunks, work, options.call_tiles)
             if best_cost is None or cost < best_cost * (1 - options.min_gain):

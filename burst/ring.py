@@ -139,7 +139,8 @@ def circulate(schedule: Schedule, visitor: list[torch.Tensor], seq_dims: list[in
     # this round's visitor, held for the node: its owner, the rows it holds, and their gradient summed over the node
     holding, holding_owner, holding_rows, holding_grad = visitor, me, every, own
     current, current_rows = (visitor, every) if rows_of(me, me) is not None else (None, None)  # this step's
-    previous = None  # (step, gradient computed there or None, the holder's owner and accumulator): still to send
+    previous = None  # the previous step's gradients still to exchange: (step, gradient computed there or None,
+    #                  and of the visitor this rank holds: owner, rows, accumulator)
     returned = Pending(), None  # a node's sum of this rank's gradient on its way back, and its rows
     finished = (me, None)  # (owner, node sum) of the round before this one
 
