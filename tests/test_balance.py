@@ -118,9 +118,25 @@ def _balanced_cases(rank, world_size):
         check_balanced(world_size, rows, causal, heads, mode)
     if world_size == 3:
         check_bytes_follow_the_plan(rank, world_size)
+    if world_size == 2:
+        check_ranks_that_chose_differently_are_refused(rank, rows)
     if world_size == 4:  # the other topologies, on 2 simulated nodes of 2
         check_case(4, 2, "two-level", True, (4, 2), "ring", docs=True, layout="balanced", boundaries=rows)
         check_case(4, 2, "ulysses", True, (4, 2), "burst", docs=True, layout="balanced", boundaries=rows)
+
+
+def check_ranks_that_chose_differently_are_refused(rank, rows):
+    """Ranks whose options differ (as two machines' arithmetic might) choose different layouts for the same
+    documents: the agreement check says so on every rank instead of computing on mismatched shards."""
+    seq = rows[0][-1]
+    assert row_layouts("balanced", rows, seq, 2, 2) != [balanced_layout(tuple(r), seq, 2) for r in rows]
+    if rank == 1:
+        balance.OPTIONS = balance.DEFAULT_OPTIONS
+    q = burst.shard_sequence(torch.randn(2, seq, 2, 8), layout="balanced", doc_boundaries=rows)
+    with pytest.raises(ValueError, match="chosen layouts: rank 0 fingerprint .*, rank 1 fingerprint"):
+        burst.burst_attn(q, q, q, doc_boundaries=rows, layout="balanced")
+    balance.OPTIONS = SMALL_TILES
+    dist.barrier()
 
 
 def check_balanced(world_size, rows, causal, heads, mode):
