@@ -170,27 +170,66 @@ def bench_attention_command(
     modes: str = typer.Option("burst,ring", "--modes", help="Backward modes to run: burst, ring, auto."),
     doc_length: int | None = typer.Option(None, "--doc-length",
                                           help="Also run document-masked, packing documents of this many tokens."),
+    layouts: str | None = typer.Option(None, "--layouts", help="Sequence layouts of the document-masked runs, side "
+                                                               "by side: zigzag, balanced (default: zigzag; with "
+                                                               "--docs both)."),
+    docs: Path | None = typer.Option(None, "--docs", help="Token store: time and count real packed sequences, "
+                                                          "packed as `burst train --doc-mask` packs them."),
+    sequences: int = typer.Option(32, "--sequences", help="With --docs: packed sequences to plan."),
+    plan_only: bool = typer.Option(False, "--plan-only", help="With --docs: count the plans only, run no kernel "
+                                                              "(any --nproc and --seq-len on any machine)."),
+    replay: bool = typer.Option(False, "--replay", help="With --docs: replay each rank's kernel calls one after "
+                                                         "another in this process and time them in CPU seconds, "
+                                                         "instead of running the ranks."),
+    time_quantiles: str = typer.Option("0.9,0", "--time-quantiles",
+                                       help="With --docs: time the sequences at these quantiles of zigzag's "
+                                            "imbalance (0.9: the p90-imbalanced one, 0: the most balanced)."),
     topology: str = typer.Option("auto", "--topology", help="flat, two-level, ulysses or auto: how blocks travel "
                                                             "between nodes (see --node-size)."),
     node_size: int | None = typer.Option(None, "--node-size", help="Local ranks per simulated node "
                                                                    "(default: all on one node)."),
     json_path: Path | None = typer.Option(None, "--json", help="Also write the figures to this JSON file."),
 ) -> None:
-    """Time burst_attn forward and backward on local ranks against a single process."""
+    """Time burst_attn forward and backward on local ranks against a single process; with --docs, compare the
+    sequence layouts on real packed sequences."""
     from bench.attention import AttentionBenchConfig, print_table, run_attention_bench, write_json
+    from bench.documents import DocumentsBenchConfig, print_documents, run_documents_bench, write_documents_json
 
+    layout_list = _name_list(layouts) if layouts is not None else None
     try:
         config = AttentionBenchConfig(nproc=nproc, seq_len=seq_len, heads=heads, kv_heads=kv_heads,
                                       head_dim=head_dim, batch=batch, dtype=dtype, causal=causal, iters=iters,
-                                      modes=[m.strip() for m in modes.split(",") if m.strip()], doc_length=doc_length,
+                                      modes=_name_list(modes), doc_length=doc_length,
+                                      layouts=layout_list if layout_list and docs is None else ["zigzag"],
                                       topology=topology, node_size=node_size)
-    except ValueError as err:
+        if docs is None and (plan_only or replay or layout_list and layout_list != ["zigzag"] and doc_length is None):
+            raise ValueError("--plan-only, --replay and --layouts balanced count or time packed documents: pass "
+                             "--docs STORE (or --doc-length N for equal documents)")
+        if docs is not None:
+            from data.packing import packed_document_offsets
+
+            documents = DocumentsBenchConfig(
+                config, packed_document_offsets(docs, seq_len, sequences) if sequences > 0 else [],
+                **({"layouts": layout_list} if layout_list else {}), plan_only=plan_only, replay=replay,
+                quantiles=_number_list(time_quantiles, float, "--time-quantiles"))
+    except (ValueError, OSError) as err:
         typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from None
+    if docs is not None:
+        plans, timed = run_documents_bench(documents)
+        print_documents(documents, plans, timed)
+        if json_path:
+            write_documents_json(str(json_path), documents, plans, timed)
+        return
     rows = run_attention_bench(config)
     print_table(config, rows)
     if json_path:
         write_json(str(json_path), config, rows)
+
+
+def _name_list(text: str) -> list[str]:
+    """'burst, ring' -> ['burst', 'ring']."""
+    return [name.strip() for name in text.split(",") if name.strip()]
 
 
 def _train_option(setting: dataclasses.Field, annotation: Any) -> inspect.Parameter:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from burst.attention import burst_attn, check_backward_mode
 from burst.comm import SENT
-from burst.layout import check_sequence_length, shard_sequence
+from burst.layout import check_layout, check_sequence_length, shard_sequence
 from burst.topology import check_topology
 from runtime.launch import run_local, threads_per_process
 from runtime.memory import peak_memory_mib, reset_peak_memory
@@ -42,6 +42,7 @@ class AttentionBenchConfig:
     modes: list[str] = field(default_factory=lambda: ["burst", "ring"])
     doc_length: int | None = None  # packed documents of this many tokens: masked runs beside unmasked ones
     single_process: bool = True
+    layouts: list[str] = field(default_factory=lambda: ["zigzag"])  # of the document-masked runs (burst/layout.py)
     topology: str = "auto"  # how blocks travel between nodes (burst/topology.py)
     node_size: int | None = None  # local ranks per simulated node (None: all on one node)
     dtype_reason: str = ""  # why "auto" became `dtype`
@@ -67,11 +68,20 @@ class AttentionBenchConfig:
             raise ValueError(f"--node-size {self.node_size} must divide --nproc {self.nproc}")
         if self.doc_length is not None and not 0 < self.doc_length <= self.seq_len:
             raise ValueError(f"--doc-length must be between 1 and --seq-len {self.seq_len}, got {self.doc_length}")
+        for layout in self.layouts:
+            check_layout(layout, "--layouts layout")
+        if self.layouts != ["zigzag"] and self.doc_length is None:
+            raise ValueError("--layouts other than zigzag need packed documents: pass --doc-length N, or --docs STORE "
+                             "for real ones")
 
-    def variants(self) -> list[tuple[str, str, bool]]:
-        """(name, backward mode, document-masked) of each run; unmasked runs come too for comparison."""
-        masks = [False, True] if self.doc_length else [False]
-        return [(f"{mode}{' docs' if masked else ''}", mode, masked) for masked in masks for mode in self.modes]
+    def variants(self) -> list[tuple[str, str, bool, str]]:
+        """(name, backward mode, document-masked, layout) of each run; unmasked runs (zigzag) come too for
+        comparison."""
+        runs = [(mode, mode, False, "zigzag") for mode in self.modes]
+        if self.doc_length:
+            runs += [(f"{mode} docs{'' if layout == 'zigzag' else ' ' + layout}", mode, True, layout)
+                     for layout in self.layouts for mode in self.modes]
+        return runs
 
     def doc_boundaries(self) -> list[torch.Tensor] | None:
         """Packed documents of doc_length tokens (the last one shorter), the same in every batch row."""
@@ -97,7 +107,7 @@ class BenchRow:
         return self.forward_s + self.backward_s
 
 
-def _global_inputs(config: AttentionBenchConfig, device: torch.device) -> list[torch.Tensor]:
+def global_inputs(config: AttentionBenchConfig, device: torch.device) -> list[torch.Tensor]:
     """The same q, k, v, dout on every rank: [batch, seq, heads, head_dim]."""
     g = torch.Generator().manual_seed(0)
     shape_q = (config.batch, config.seq_len, config.heads, config.head_dim)
@@ -106,7 +116,8 @@ def _global_inputs(config: AttentionBenchConfig, device: torch.device) -> list[t
     return [torch.randn(s, generator=g).to(device, dtype) for s in (shape_q, shape_kv, shape_kv, shape_q)]
 
 
-def _time_once(q, k, v, dout, config: AttentionBenchConfig, mode: str, masked: bool, device) -> tuple[float, float]:
+def _time_once(q, k, v, dout, config: AttentionBenchConfig, mode: str, masked: bool, layout: str,
+               device) -> tuple[float, float]:
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     barrier = dist.barrier if dist.is_initialized() else (lambda: None)
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
@@ -114,7 +125,7 @@ def _time_once(q, k, v, dout, config: AttentionBenchConfig, mode: str, masked: b
     barrier()
     start = time.perf_counter()
     out = burst_attn(q, k, v, causal=config.causal, backward=mode, topology=config.topology,
-                     node_size=node_size, doc_boundaries=config.doc_boundaries() if masked else None)
+                     node_size=node_size, doc_boundaries=config.doc_boundaries() if masked else None, layout=layout)
     sync()
     barrier()
     middle = time.perf_counter()
@@ -124,15 +135,17 @@ def _time_once(q, k, v, dout, config: AttentionBenchConfig, mode: str, masked: b
     return middle - start, time.perf_counter() - middle
 
 
-def _measure(config: AttentionBenchConfig, variants: list[tuple[str, str, bool]], inputs, device) -> dict[str, dict]:
-    """Median forward/backward seconds, bytes sent and peak memory of each variant on this rank."""
-    times: dict[str, list[tuple[float, float]]] = {name: [] for name, _, _ in variants}
+def _measure(config: AttentionBenchConfig, variants: list[tuple[str, str, bool, str]], inputs,
+             device) -> dict[str, dict]:
+    """Median forward/backward seconds, bytes sent and peak memory of each variant on this rank.
+    inputs: layout -> (q, k, v, dout) as the ranks hold them."""
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name, *_ in variants}
     peaks: dict[str, float] = {}
     sent: dict[str, tuple[int, int, int]] = {}
     for i in range(config.iters + 1):  # the first round warms up
-        for name, mode, masked in variants:
+        for name, mode, masked, layout in variants:
             reset_peak_memory(device)
-            fwd, bwd = _time_once(*inputs, config, mode, masked, device)
+            fwd, bwd = _time_once(*inputs[layout], config, mode, masked, layout, device)
             peaks[name] = max(peaks.get(name, 0.0), peak_memory_mib(device))
             sent[name] = (SENT.last_forward, SENT.last_backward,
                           SENT.last_forward_inter_node + SENT.last_backward_inter_node)
@@ -147,7 +160,9 @@ def _measure(config: AttentionBenchConfig, variants: list[tuple[str, str, bool]]
 def _worker(config: AttentionBenchConfig) -> dict[str, dict]:
     device = init_worker_process_group()
     with leaving_process_group():
-        inputs = [shard_sequence(t) for t in _global_inputs(config, device)]
+        full = global_inputs(config, device)
+        inputs = {layout: [shard_sequence(t, layout=layout, doc_boundaries=config.doc_boundaries()) for t in full]
+                  for layout in {v[3] for v in config.variants()}}
         return _measure(config, config.variants(), inputs, device)
 
 
@@ -163,15 +178,15 @@ def run_attention_bench(config: AttentionBenchConfig) -> list[BenchRow]:
     """Measure each backward mode on `config.nproc` local ranks, and the single-process run."""
     results = run_local(_worker, config.nproc, (config,))
     rows = [_rows(f"{name} x{config.nproc}", config.nproc, [results[r][name] for r in results])
-            for name, _, _ in config.variants()]
+            for name, *_ in config.variants()]
     if config.single_process:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         torch.set_num_threads(threads_per_process(config.nproc))  # the same cores per process as a rank
-        variants = [("single process", "auto", False)]
+        variants = [("single process", "auto", False, "zigzag")]
         if config.doc_length:
-            variants.append(("single process docs", "auto", True))
-        single = _measure(config, variants, _global_inputs(config, device), device)
-        rows[:0] = [_rows(name, 1, [single[name]]) for name, _, _ in variants]
+            variants.append(("single process docs", "auto", True, "zigzag"))
+        single = _measure(config, variants, {"zigzag": global_inputs(config, device)}, device)
+        rows[:0] = [_rows(name, 1, [single[name]]) for name, *_ in variants]
     return rows
 
 

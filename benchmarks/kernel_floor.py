@@ -22,6 +22,7 @@ import torch
 
 from burst.attention import heads_first
 from burst.kernels import TorchCPUKernel
+from burst.layout import zigzag_layout
 from burst.plan import block_segments
 
 FORWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -36,9 +37,9 @@ def timed(fn, *args, **kwargs):
 
 def burst_calls(rank: int, world: int, shard: int, q, k, v, dout, scale: float) -> float:
     """Seconds of this rank's kernel calls in burst; q, k, v, dout [1, shard, heads, dim] heads-first."""
-    kernel, seconds = TorchCPUKernel(), 0.0
+    kernel, seconds, layout = TorchCPUKernel(), 0.0, zigzag_layout(shard * world, world)
     for owner in range(world):
-        for seg in block_segments(rank, owner, shard, world, causal=True):
+        for seg in block_segments(layout, rank, owner, causal=True):
             args = (q[:, seg.q_rows], k[:, seg.kv_rows], v[:, seg.kv_rows])
             (out, lse), forward_s = timed(kernel.forward, *args, seg.causal, scale)
             _, backward_s = timed(kernel.backward, dout[:, seg.q_rows], *args, out, lse, seg.causal, scale)

@@ -7,7 +7,7 @@ Run as 2 nodes x 2 ranks on the simulated cluster; rank (node, l) talks to (othe
     one connection, both ways     local rank 0 of each node sends --mib to the other and receives
                                   as much, over the one TCP connection gloo keeps for a pair of
                                   ranks (what the cross-node hops of two nodes did before
-                                  `burst.topology.cross_node_ring` split them)
+                                  `burst.topology.cross_node_links` split them)
     a connection per direction    the same, sending on one process group and receiving on another
     one-way pairs                 0 -> 2 and 3 -> 1, as the flat ring crosses between two nodes
 

@@ -1,6 +1,7 @@
 """burst: exact distributed attention (BurstAttention) for long sequences.
 
     out = burst.burst_attn(q, k, v, causal=True, group=cp_group)   # q, k, v: this rank's shards
+    out = burst.burst_attn(q, k, v, group=cp_group, doc_boundaries=offsets, layout="balanced")  # packed documents
 """
 
 from burst.attention import BACKWARD_MODES, burst_attn, check_backward_mode
@@ -8,6 +9,9 @@ from burst.comm import SENT
 from burst.cost import choose_backward
 from burst.kernels import select_kernel
 from burst.layout import (
+    LAYOUTS,
+    Layout,
+    balanced_layout,
     gather_sequence,
     sequence_positions,
     shard_for_rank,
@@ -20,7 +24,10 @@ from burst.module import BurstAttention
 __all__ = [
     "BACKWARD_MODES",
     "BurstAttention",
+    "LAYOUTS",
+    "Layout",
     "SENT",
+    "balanced_layout",
     "burst_attn",
     "check_backward_mode",
     "choose_backward",

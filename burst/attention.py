@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 import torch
@@ -12,6 +13,7 @@ from burst.comm import Traffic, gather_from_every_rank
 from burst.cost import choose_backward, choose_topology
 from burst.groups import group_rank_and_size
 from burst.kernels import KERNEL_NAMES, default_scale, select_kernel
+from burst.layout import LAYOUTS, Layout, check_layout, row_layouts
 from burst.plan import AttentionPlan, normalize_boundaries
 from burst.ring import burst_backward, ring_backward, ring_forward
 from burst.topology import (
@@ -90,27 +92,41 @@ _SIGNATURE_FIELDS = (
     ("doc_boundaries", 1, lambda x: "none" if x[0] == 0 else f"fingerprint {x[0] & 0xFFFFFF:06x}"),
     ("topology", 1, lambda x: TOPOLOGIES[x[0]] if x[0] >= 0 else "unknown"),
     ("node_size", 1, lambda x: str(x[0])),
+    ("layout", 1, lambda x: LAYOUTS[x[0]] if x[0] >= 0 else "unknown"),
+    ("chosen layouts", 1, lambda x: "zigzag" if x[0] == 0 else f"fingerprint {x[0] & 0xFFFFFF:06x}"),
 )
 
 
+def _digest(value) -> int:
+    """A non-zero int64 digest of repr(value), the same in every process (str hashes are not)."""
+    return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=7).digest(), "little") + 1
+
+
 def input_signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, backward: str, kernel: str,
-                    doc_boundaries, topology: str = "flat", node_size=1) -> list[int]:
+                    doc_boundaries, topology: str = "flat", node_size=1, layout: str = "zigzag",
+                    world_size: int = 1) -> list[int]:
     """What every rank of the group must agree on, as ints (see `_SIGNATURE_FIELDS`).
 
     Ranks that disagree would post ring messages of different sizes (a gloo error or an NCCL
     hang), or one rank would raise while the others wait for it; comparing these first turns
-    all of that into the same ValueError on every rank. Works on invalid inputs too.
+    all of that into the same ValueError on every rank. Works on invalid inputs too. The balanced
+    layouts each rank chose are compared too: shards of the same size cut differently would give
+    wrong results silently.
     """
-    if doc_boundaries is None:
-        docs = 0
-    else:
+    rows, chosen = None, 0
+    if doc_boundaries is not None:
         rows = doc_boundaries.tolist() if isinstance(doc_boundaries, torch.Tensor) else \
             [r.tolist() if isinstance(r, torch.Tensor) else list(r) for r in doc_boundaries]
-        # a digest, not hash(): str hashes differ between processes; 7 bytes fit an int64, + 1 keeps it non-zero
-        docs = int.from_bytes(hashlib.blake2b(repr(rows).encode(), digest_size=7).digest(), "little") + 1
+        if layout == "balanced":
+            try:
+                chosen = _digest([(lay.chunk, lay.chunks) for lay in
+                                  row_layouts(layout, rows, q.shape[1] * world_size, world_size, len(rows))])
+            except (ValueError, TypeError, IndexError):
+                chosen = -1  # invalid inputs: validation says what is wrong, on every rank, once they agree
     return [*_shape(q), *_shape(k), *_shape(v), *(_code(_DTYPE_CODES, t.dtype) for t in (q, k, v)), int(causal),
-            _code(BACKWARD_MODES, backward), _code(KERNEL_NAMES, kernel), docs, _code(TOPOLOGIES, topology),
-            node_size if isinstance(node_size, int) else -1]
+            _code(BACKWARD_MODES, backward), _code(KERNEL_NAMES, kernel), 0 if rows is None else _digest(rows),
+            _code(TOPOLOGIES, topology), node_size if isinstance(node_size, int) else -1, _code(LAYOUTS, layout),
+            chosen]
 
 
 def check_ranks_agree(group: dist.ProcessGroup | None, signature: list[int], device: torch.device,
@@ -128,8 +144,8 @@ def check_ranks_agree(group: dist.ProcessGroup | None, signature: list[int], dev
         start += width
     raise ValueError(f"burst_attn got different inputs on the ranks of its group ({'; '.join(differences)}). "
                      "Every rank must pass its shard of the same global sequence (see burst.shard_sequence) with "
-                     "the same shapes, dtypes, causal flag, backward mode, kernel, doc_boundaries, topology and "
-                     "node_size")
+                     "the same shapes, dtypes, causal flag, backward mode, kernel, doc_boundaries, topology, "
+                     "node_size and layout")
 
 
 def heads_first(x: torch.Tensor) -> torch.Tensor:
@@ -195,24 +211,45 @@ def boundary_rows(boundaries: torch.Tensor) -> list[list[int]]:
     return rows
 
 
+def sequence_layouts(doc_boundaries: torch.Tensor | None, batch: int, seq_len: int, world_size: int,
+                     layout: str) -> tuple[list[list[int]] | None, list[Layout]]:
+    """(document offsets per batch row or None, the layout of each row) for one call; boundaries as
+    `boundaries_tensor` encodes them, checked (ValueError)."""
+    rows = None if doc_boundaries is None else normalize_boundaries(boundary_rows(doc_boundaries), batch, seq_len)
+    return rows, row_layouts(layout, rows, seq_len, world_size, batch)
+
+
 def ring_and_plan(q: torch.Tensor, doc_boundaries: torch.Tensor | None, causal: bool, group: str, topology: str,
-                  node_size: int, traffic: Traffic) -> tuple[Schedule, AttentionPlan]:
+                  node_size: int, layout: str, traffic: Traffic) -> tuple[Schedule, AttentionPlan]:
     """The schedule and plan of one call of the operators: "flat" or "two-level" over the group, or
-    "ulysses" for the ring across nodes that ulysses_attn runs on node-sized blocks."""
+    "ulysses" for the ring across nodes that ulysses_attn runs on node-sized blocks (the layout
+    grouped by node)."""
     group_ = resolve_group(group)
     schedule = node_ring_schedule(group_, node_size, traffic) if topology == "ulysses" else \
         make_schedule(topology, group_, node_size, traffic)
-    rows = None if doc_boundaries is None else \
-        normalize_boundaries(boundary_rows(doc_boundaries), q.shape[0], q.shape[1] * schedule.world_size)
-    return schedule, AttentionPlan(q.shape[1], schedule.world_size, causal, rows)
+    _, world_size = group_rank_and_size(group_)
+    rows, layouts = sequence_layouts(doc_boundaries, q.shape[0], q.shape[1] * schedule.world_size, world_size,
+                                     layout)
+    if topology == "ulysses":
+        layouts = [lay.grouped(node_size) for lay in layouts]
+    return schedule, shared_plan(tuple(layouts), causal, None if rows is None else tuple(map(tuple, rows)))
+
+
+@functools.lru_cache(maxsize=16)
+def shared_plan(layouts: tuple[Layout, ...], causal: bool,
+                boundaries: tuple[tuple[int, ...], ...] | None) -> AttentionPlan:
+    """One plan for every call on the same sequences: a model's layers, forward and backward, reuse the
+    segments and rows it has worked out (they cost milliseconds per call at 128K tokens)."""
+    return AttentionPlan(list(layouts), causal, None if boundaries is None else [list(b) for b in boundaries])
 
 
 @torch.library.custom_op("burst::attention", mutates_args=())
 def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_boundaries: torch.Tensor | None,
                  causal: bool, scale: float, group: str, topology: str, node_size: int, backward: str,
-                 kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
+                 kernel: str, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of the ring; see `burst_attn`, which checks the arguments (group: a `group_name`)."""
-    schedule, plan = ring_and_plan(q, doc_boundaries, causal, group, topology, node_size, Traffic(fresh=False))
+    schedule, plan = ring_and_plan(q, doc_boundaries, causal, group, topology, node_size, layout,
+                                   Traffic(fresh=False))
     q, k, v = kernel_layout(q), kernel_layout(k), kernel_layout(v)
     kernel_ = select_kernel(q.device, q.dtype, kernel, head_dim=q.shape[-1])
     with torch.autocast(q.device.type, enabled=False):  # the kernels choose their own precision
@@ -220,7 +257,7 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_boundari
 
 
 @attention_op.register_fake
-def _(q, k, v, doc_boundaries, causal, scale, group, topology, node_size, backward, kernel):
+def _(q, k, v, doc_boundaries, causal, scale, group, topology, node_size, backward, kernel, layout):
     batch, shard_len, heads, _ = q.shape
     return q.new_empty(q.shape), q.new_empty(batch, heads, shard_len, dtype=torch.float32)  # contiguous, as made
 
@@ -229,11 +266,11 @@ def _(q, k, v, doc_boundaries, causal, scale, group, topology, node_size, backwa
 def attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                           lse: torch.Tensor, doc_boundaries: torch.Tensor | None, causal: bool, scale: float,
                           group: str, topology: str, node_size: int, backward: str,
-                          kernel: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                          kernel: str, layout: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of `torch.ops.burst.attention`."""
     traffic = Traffic(fresh=False)
     traffic.enter_backward(fresh=topology != "ulysses")  # ulysses' exchange back from the node came first
-    schedule, plan = ring_and_plan(q, doc_boundaries, causal, group, topology, node_size, traffic)
+    schedule, plan = ring_and_plan(q, doc_boundaries, causal, group, topology, node_size, layout, traffic)
     # the layout the forward computed in (on CPU a copy: the saved inputs are the caller's)
     q, k, v, dout = kernel_layout(q), kernel_layout(k), kernel_layout(v), kernel_layout(dout)
     kernel_ = select_kernel(q.device, q.dtype, kernel, head_dim=q.shape[-1])
@@ -243,7 +280,7 @@ def attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
 
 
 @attention_backward_op.register_fake
-def _(dout, q, k, v, out, lse, doc_boundaries, causal, scale, group, topology, node_size, backward, kernel):
+def _(dout, q, k, v, out, lse, doc_boundaries, causal, scale, group, topology, node_size, backward, kernel, layout):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous, as made
 
 
@@ -266,11 +303,11 @@ def burst_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
                group: dist.ProcessGroup | None = None, softmax_scale: float | None = None,
                backward: str = "auto", kernel: str = "auto", doc_boundaries=None,
                return_lse: bool = False, topology: str = "auto", node_size: int | None = None,
-               check_ranks: bool = True) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+               check_ranks: bool = True, layout: str = "zigzag") -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact softmax attention of this rank's queries against the whole sharded sequence.
 
     q [batch, local_seq, q_heads, head_dim]; k, v [batch, local_seq, kv_heads, head_dim], each
-    rank passing its shard as laid out by `burst.shard_sequence`. Returns the local output
+    rank passing its shard as laid out by `burst.shard_sequence` (with the same `layout`). Returns the local output
     [batch, local_seq, q_heads, head_dim] in q's dtype, and with `return_lse` also the float32
     log-sum-exp [batch, q_heads, local_seq] of every query row (not differentiable).
 
@@ -281,7 +318,10 @@ def burst_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
     doc_boundaries: for packed sequences, the cumulative document offsets of each batch row
     over the global sequence (a list of 1-D tensors, e.g. [0, 100, 350, seq_len], as the
     loader returns them; or a 2-D tensor). A query then sees only keys of its own document
-    (causally when `causal`), and fully masked blocks are skipped, not computed.
+    (causally when `causal`), and fully masked blocks are skipped, not computed nor sent.
+    layout: how the sequence is cut into the ranks' shards (burst/layout.py): "zigzag", or
+    "balanced", chosen per batch row from its doc_boundaries (required) so that every rank does the
+    same work; the offsets stay over the global sequence in its original order.
     topology: how blocks travel between nodes (see burst/topology.py): "flat" (one ring),
     "two-level" (a ring inside each node, one hop per round to the next node), "ulysses"
     (all-to-all over heads inside a node, ring across nodes) or "auto" (flat on one node, else
@@ -299,32 +339,41 @@ def burst_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
     traffic = Traffic()
     if check_ranks:
         check_ranks_agree(group, input_signature(q, k, v, causal, backward, kernel, doc_boundaries, topology,
-                                                 node_size), q.device, traffic, node_size)
+                                                 node_size, layout, world_size), q.device, traffic, node_size)
     validate_inputs(q, k, v, world_size, backward, kernel)  # the same verdict on every rank now
     validate_topology(topology, node_size, world_size)
+    check_layout(layout)
+    if layout == "balanced" and doc_boundaries is None:
+        raise ValueError("layout 'balanced' is chosen from the documents' boundaries: pass doc_boundaries (one row "
+                         "of cumulative offsets per batch row), or use layout 'zigzag'")
     topology = choose_topology(topology, q, k, backward, node_size, world_size)
     boundaries = boundaries_tensor(doc_boundaries)  # checked by the operator
     scale = default_scale(q.shape[-1]) if softmax_scale is None else softmax_scale
     if topology == "ulysses":
-        return ulysses_attn(q, k, v, group, node_size, causal, boundaries, scale, backward, kernel, traffic,
+        return ulysses_attn(q, k, v, group, node_size, causal, boundaries, scale, backward, kernel, layout, traffic,
                             return_lse)
     out, lse = torch.ops.burst.attention(q, k, v, boundaries, causal, scale, group_name(group), topology, node_size,
-                                         backward, kernel)
+                                         backward, kernel, layout)
     return (out, lse) if return_lse else out
 
 
 def ulysses_attn(q, k, v, group, node_size: int, causal: bool, boundaries, scale: float, backward: str, kernel: str,
-                 traffic: Traffic, return_lse: bool):
+                 layout: str, traffic: Traffic, return_lse: bool):
     """burst_attn's "ulysses" topology: heads exchanged inside the node (burst/ulysses.py), the
     ring over the I nodes on node-sized blocks [b, L x C, heads / L, d], and back."""
     q_heads, kv_heads = heads_per_rank(q.shape[2], k.shape[2], node_size)  # raises before any traffic
+    rank, world_size = group_rank_and_size(group)
+    _, layouts = sequence_layouts(boundaries, q.shape[0], q.shape[1] * world_size, world_size, layout)
+    orders = [lay.group_order(node_size, rank // node_size) for lay in
+              (layouts[:1] if all(lay == layouts[0] for lay in layouts) else layouts)]
+    order = torch.stack(orders).to(q.device)  # [b or 1, L x C]
     heads_group = node_group(group, node_size) if node_size > 1 else None
-    node_q = to_node(q, q_heads, heads_group, traffic)
-    node_k, node_v = (to_node(x, kv_heads, heads_group, traffic) for x in (k, v))
+    node_q = to_node(q, q_heads, heads_group, traffic, order)
+    node_k, node_v = (to_node(x, kv_heads, heads_group, traffic, order) for x in (k, v))
     out, lse = torch.ops.burst.attention(node_q, node_k, node_v, boundaries, causal, scale, group_name(group),
-                                         "ulysses", node_size, backward, kernel)
-    out = from_node(out, node_size, heads_group, traffic)
+                                         "ulysses", node_size, backward, kernel, layout)
+    out = from_node(out, node_size, heads_group, traffic, order)
     if not return_lse:
         return out
-    lse = from_node(lse.transpose(1, 2).unsqueeze(-1), node_size, heads_group, traffic)  # [b, C, q_heads, 1]
+    lse = from_node(lse.transpose(1, 2).unsqueeze(-1), node_size, heads_group, traffic, order)  # [b, C, q_heads, 1]
     return out, lse.squeeze(-1).transpose(1, 2)

@@ -1,16 +1,12 @@
 """Point-to-point links and the few collectives of the library, and the count of bytes sent.
 
-All point-to-point traffic goes through `Ring.exchange`, which posts every send and receive
-of one step as one batch (`batch_isend_irecv`) and returns at once, so the caller computes
-on the current block while the next one is in flight (double buffering: the tensors being
-sent and the fresh receive buffers are distinct). Every rank posts the same sequence of
-batches, so messages between a pair of ranks match in order on gloo and NCCL alike. A ring
-may run on its own process group (`channel`): the two-level ring sends across nodes on one,
-so that a slow inter-node transfer never queues behind the fast inner-ring traffic (on CUDA,
-NCCL gives each communicator its own stream). A ring may also receive on another process
-group than it sends on (`receive_channel`): between two nodes, where the next and the previous
-rank are the same, gloo's one TCP connection per pair would otherwise carry bulk data both
-ways (see `burst.topology.cross_node_ring`).
+All point-to-point traffic goes through `Links.exchange`, which posts every send and receive
+of one step as one batch per process group (`batch_isend_irecv`) and returns at once, so the
+caller computes on the current block while the next one is in flight (double buffering: the
+tensors being sent and the fresh receive buffers are distinct). Both ends of every message post
+it from the same plan, at the same step and in the same order, so messages between a pair of
+ranks match in order on gloo and NCCL alike. Sends that leave the node travel on process groups
+of their own (see `Links`).
 
 On CUDA, NCCL runs the transfers on its own stream and `Pending.wait()` makes the current
 stream wait on an event: there is no device-wide or host synchronisation in the loop.
@@ -78,13 +74,13 @@ class Traffic:
 
 @dataclass
 class Pending:
-    """Transfers posted by `Ring.exchange`; `wait()` returns the received tensors."""
+    """Transfers posted by `Links.exchange`; `wait()` returns the received tensors, per receive posted."""
 
     works: list = field(default_factory=list)
-    received: list[torch.Tensor] = field(default_factory=list)
+    received: list[list[torch.Tensor]] = field(default_factory=list)  # per receive posted, its tensors
     sending: list[torch.Tensor] = field(default_factory=list)  # kept alive until the sends complete
 
-    def wait(self) -> list[torch.Tensor]:
+    def wait(self) -> list[list[torch.Tensor]]:
         for work in self.works:
             work.wait()
         return self.received
@@ -104,39 +100,63 @@ def nbytes(tensors: list[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-class Ring:
-    """This rank's link in a ring of ranks of `group`: it sends to `next_rank` and receives from
-    `prev_rank` (ranks of `group`), over `channel` (a process group holding both; `group` by
-    default), receiving over `receive_channel` when given. Ranks are numbered node-major,
-    `node_size` to a node, which says whether the sends leave the node."""
+class Links:
+    """This rank's point-to-point links to the other positions of one level of a schedule.
 
-    def __init__(self, group: dist.ProcessGroup | None, next_rank: int, prev_rank: int, node_size: int,
-                 traffic: Traffic, channel: dist.ProcessGroup | None = None,
-                 receive_channel: dist.ProcessGroup | None = None) -> None:
-        rank, _ = group_rank_and_size(group)
-        self.channel = group if channel is None else channel
-        self.receive_channel = self.channel if receive_channel is None else receive_channel
-        self.next, self.prev = global_rank(group, next_rank), global_rank(group, prev_rank)
-        self.leaves_node = next_rank // node_size != rank // node_size
-        self.traffic = traffic
+    Positions are numbered 0..P-1; `rank_of(position)` is the rank of `group` at that position (the
+    group rank itself for a flat or two-level schedule, the rank with this rank's local index on
+    node `position` for Ulysses' ring across nodes). Ranks of `group` are numbered node-major,
+    `node_size` to a node, which says whether a send leaves the node.
 
-    def exchange(self, outgoing: list[torch.Tensor], incoming_like: list[torch.Tensor],
-                 incoming_dtypes: list[torch.dtype] | None = None) -> Pending:
-        """Post sends of `outgoing` to the next rank and receives shaped like `incoming_like`
-        (with `incoming_dtypes` when given) from the previous one; returns without waiting."""
-        if not outgoing and not incoming_like:
-            return Pending()
-        dtypes = incoming_dtypes or [t.dtype for t in incoming_like]
-        received = [torch.empty_like(t, dtype=dt) for t, dt in zip(incoming_like, dtypes, strict=True)]  # same strides
-        sending = [wire_view(t) for t in outgoing]
-        # look the functions up now, not at import: the benchmark harness wraps them to count bytes
-        sends = [dist.P2POp(dist.isend, t, self.next, self.channel) for t in sending]
-        receives = [dist.P2POp(dist.irecv, wire_view(t), self.prev, self.receive_channel) for t in received]
+    Inside a node everything travels on `group`. Across nodes it travels on `cross`, process groups
+    of its own (so a slow transfer never queues behind inner traffic; on CUDA, NCCL gives each
+    communicator its own stream): (to higher ranks, to lower ranks). gloo joins a pair of ranks by
+    one TCP connection per process group, and one that carries bulk data both ways often ran at half
+    the link's rate (burst.topology.cross_node_links), so on gloo each direction has its own group.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, node_size: int, traffic: Traffic, rank_of,
+                 cross: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None] = (None, None)) -> None:
+        self.group, self.node_size, self.traffic, self.rank_of, self.cross = group, node_size, traffic, rank_of, cross
+        self.me, _ = group_rank_and_size(group)
+
+    def leaves_node(self, peer: int) -> bool:
+        return peer // self.node_size != self.me // self.node_size
+
+    def _channel(self, peer: int, sending: bool) -> dist.ProcessGroup | None:
+        """The process group a message to (sending) or from `peer` (a group rank) travels on."""
+        if not self.leaves_node(peer) or self.cross[0] is None:
+            return self.group
+        upward = peer > self.me if sending else peer < self.me
+        return self.cross[0] if upward else self.cross[1]
+
+    def exchange(self, sends: list[tuple[int, list[torch.Tensor]]],
+                 receives: list[tuple[int, list[torch.Tensor], list[torch.dtype]]]) -> Pending:
+        """Post sends of tensors to positions and receives shaped like `like` (with `dtypes`) from
+        positions, in the order given; return without waiting. Both ends of every message compute the
+        same lists from the same plan, so the messages between two ranks pair up in order."""
+        ops: dict[dist.ProcessGroup | None, list[dist.P2POp]] = {}
+        received, sending = [], []
+        for position, tensors in sends:
+            peer = self.rank_of(position)
+            channel = self._channel(peer, sending=True)
+            views = [wire_view(t) for t in tensors]
+            # look the functions up now, not at import: the benchmark harness wraps them to count bytes
+            ops.setdefault(channel, []).extend(dist.P2POp(dist.isend, t, global_rank(self.group, peer), channel)
+                                               for t in views)
+            sent = nbytes(views)
+            self.traffic.count(sent, sent if self.leaves_node(peer) else 0)
+            sending += views
+        for position, like, dtypes in receives:
+            peer = self.rank_of(position)
+            channel = self._channel(peer, sending=False)
+            buffers = [torch.empty_like(t, dtype=dt) for t, dt in zip(like, dtypes, strict=True)]  # same strides
+            ops.setdefault(channel, []).extend(dist.P2POp(dist.irecv, wire_view(t), global_rank(self.group, peer),
+                                                          channel) for t in buffers)
+            received.append(buffers)
         # one batch per process group (batch_isend_irecv takes one); on NCCL each is one grouped launch
-        batches = [sends + receives] if self.receive_channel is self.channel else [sends, receives]
-        sent = nbytes(sending)
-        self.traffic.count(sent, sent if self.leaves_node else 0)
-        return Pending([work for ops in batches if ops for work in dist.batch_isend_irecv(ops)], received, sending)
+        works = [work for batch in ops.values() for work in dist.batch_isend_irecv(batch)]
+        return Pending(works, received, sending)
 
 
 def gather_from_every_rank(group: dist.ProcessGroup | None, values: list[int], device: torch.device,

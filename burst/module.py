@@ -1,7 +1,9 @@
 """`BurstAttention`: the drop-in module a model's attention calls once it is parallelized.
 
 It has the forward signature of `models.LocalAttention` (q [b, s, hq, d], k/v [b, s, hkv, d],
-causal), so the parallelize step swaps one for the other and the model never knows.
+causal), so the parallelize step swaps one for the other and the model never knows. With
+layout="balanced" it derives each sequence's chunk placement from the doc_boundaries it is given, as
+the data loader did when it cut the shards (burst.shard_for_rank).
 """
 
 from __future__ import annotations
@@ -11,17 +13,19 @@ import torch.distributed as dist
 from torch import nn
 
 from burst.attention import burst_attn, check_backward_mode
+from burst.layout import check_layout
 from burst.topology import check_topology
 
 
 class BurstAttention(nn.Module):
     def __init__(self, group: dist.ProcessGroup | None = None, backward: str = "auto", kernel: str = "auto",
-                 topology: str = "auto", node_size: int | None = None):
+                 topology: str = "auto", node_size: int | None = None, layout: str = "zigzag"):
         super().__init__()
         check_backward_mode(backward)
         check_topology(topology)
+        check_layout(layout)
         self.group, self.backward, self.kernel = group, backward, kernel
-        self.topology, self.node_size = topology, node_size
+        self.topology, self.node_size, self.layout = topology, node_size, layout
         # Compare the ranks' inputs on every call (burst_attn's check_ranks): a blocking all-gather and
         # a host read each. A trainer whose ranks agree by construction turns it off between the steps it
         # checks (`set_rank_checks`), choosing them from a step count every rank shares.
@@ -30,11 +34,11 @@ class BurstAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_boundaries=None) -> torch.Tensor:
         return burst_attn(q, k, v, causal=True, group=self.group, backward=self.backward, kernel=self.kernel,
                           doc_boundaries=doc_boundaries, topology=self.topology, node_size=self.node_size,
-                          check_ranks=self.check_ranks)
+                          check_ranks=self.check_ranks, layout=self.layout)
 
     def extra_repr(self) -> str:
         return (f"backward={self.backward!r}, kernel={self.kernel!r}, topology={self.topology!r}, "
-                f"check_ranks={self.check_ranks}")
+                f"layout={self.layout!r}, check_ranks={self.check_ranks}")
 
 
 def set_rank_checks(model: nn.Module, enabled: bool) -> None:

@@ -3,13 +3,19 @@
 A `Segment` is one kernel call on a rectangle of rows: batch rows `batch`, query rows
 `q_rows` of the query shard, key rows `kv_rows` of the key/value shard, causal or not.
 
-Without document masking a block is one segment (see `block_segments`). With document
-masking (packed sequences, `doc_boundaries`), a query may only see keys of its own document.
-Documents are contiguous runs of global positions and each zigzag chunk is one too, so the
-visible part of a (query chunk, key chunk) pair is a set of rectangles, one per document
-present in both: causal squares on the diagonal chunk, full rectangles where the key chunk
-lies before the query chunk. Every other position pair is masked, and masked work is never
-computed: a key/value shard that holds none of a query chunk's documents costs no kernel call.
+Shards hold runs of consecutive positions (burst/layout.py); two runs of different ranks, or
+different runs of one rank, never overlap, so under a causal mask a key run lies wholly before a
+query run (seen in full), is the same run (seen causally) or lies after it (not seen). Without
+document masking a (query run, key run) pair is one call over every batch row; without a causal
+mask the whole block is one call.
+
+With document masking (packed sequences, `doc_boundaries`), a query may only see keys of its own
+document. Documents are contiguous runs of global positions, so the visible part of a pair of
+runs is one rectangle per document present in both: causal squares on the diagonal, full
+rectangles where the key run lies before the query run. Every other position pair is masked, and
+masked work is never computed: a key/value shard that holds none of a query shard's documents
+costs no kernel call, and the ring sends it nothing; of one it needs, only the rows its calls
+touch travel (`Rows`, burst/ring.py).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from itertools import pairwise
 
 import torch
 
-from burst.layout import zigzag_chunks
+from burst.layout import Layout, Run
 
 ALL = slice(None)
 
@@ -34,50 +40,46 @@ class Segment:
     causal: bool
 
 
-def block_segments(query_owner: int, kv_owner: int, shard_len: int, world_size: int, causal: bool) -> list[Segment]:
-    """The work between the query shard of `query_owner` and the key/value shard of `kv_owner`.
+def run_pairs(q_runs: Sequence[Run], kv_runs: Sequence[Run], causal: bool):
+    """(query run, key run, diagonal) of the pairs a causal mask leaves visible (all pairs without one)."""
+    for q in q_runs:
+        for k in kv_runs:
+            if causal and k.start > q.start:
+                continue  # the whole key run lies in the queries' future
+            yield q, k, causal and k.start == q.start
 
-    Without a mask, one call on the whole block. With a causal mask, one call per visible
-    pair of zigzag chunks: a key chunk before the query chunk is seen in full, the same chunk
-    causally, a later one not at all. Every rank then makes calls of the same shape at every
-    step (its own shard: two half-size causal diagonals and one full pair; any other shard:
-    two full pairs), so no rank waits for a slower one, and the fused kernels waste less on
-    half-size diagonals than on one causal call over the shard (about 10% of that block on
-    PyTorch's CPU kernel).
+
+def block_segments(layout: Layout, query_owner: int, kv_owner: int, causal: bool) -> list[Segment]:
+    """The work between two shards of one layout that every batch row shares, with no document mask.
+
+    Without a causal mask, one call on the whole block. With one, a call per visible pair of runs:
+    under zigzag every rank then makes calls of the same shape at every step (its own shard: two
+    half-size causal diagonals and one full pair; any other shard: two full pairs), so no rank waits
+    for a slower one, and the fused kernels waste less on half-size diagonals than on one causal
+    call over the shard (about 10% of that block on PyTorch's CPU kernel).
     """
     if not causal:
         return [Segment(ALL, ALL, ALL, False)]
-    chunk = shard_len // 2
-    rows = (slice(0, chunk), slice(chunk, None))
-    q_chunks, kv_chunks = zigzag_chunks(query_owner, world_size), zigzag_chunks(kv_owner, world_size)
-    return [Segment(ALL, rows[qi], rows[ki], kc == qc)
-            for qi, qc in enumerate(q_chunks) for ki, kc in enumerate(kv_chunks) if kc <= qc]
+    return [Segment(ALL, slice(q.local, q.local + q.length), slice(k.local, k.local + k.length), diagonal)
+            for q, k, diagonal in run_pairs(layout.runs(query_owner), layout.runs(kv_owner), causal)]
 
 
-def document_segments(query_owner: int, kv_owner: int, shard_len: int, world_size: int, causal: bool,
-                      boundaries: Sequence[Sequence[int]]) -> list[Segment]:
-    """The unmasked rectangles between two shards when queries see only their own document.
-
-    boundaries[b]: the cumulative document offsets of batch row b over the global sequence,
-    [0, ..., seq_len]. Within a document attention is causal when `causal`, else full.
-    """
-    chunk = shard_len // 2
-    q_chunks, kv_chunks = zigzag_chunks(query_owner, world_size), zigzag_chunks(kv_owner, world_size)
+def document_segments(layout: Layout, query_owner: int, kv_owner: int, causal: bool, offsets: Sequence[int],
+                      row: int) -> list[Segment]:
+    """The unmasked rectangles of batch row `row` between two shards when queries see only their own
+    document. offsets: the row's cumulative document offsets over the global sequence, [0, ..., seq_len].
+    Within a document attention is causal when `causal`, else full."""
+    batch = slice(row, row + 1)
     segments = []
-    for b, offsets in enumerate(boundaries):
-        for qi, qc in enumerate(q_chunks):
-            for ki, kc in enumerate(kv_chunks):
-                if causal and kc > qc:
-                    continue  # the whole key chunk lies in the queries' future
-                q_start, k_start = qc * chunk, kc * chunk
-                for doc_start, doc_end in _documents_overlapping(offsets, q_start, q_start + chunk):
-                    q_lo, q_hi = max(doc_start, q_start), min(doc_end, q_start + chunk)
-                    k_lo, k_hi = max(doc_start, k_start), min(doc_end, k_start + chunk)
-                    if q_lo >= q_hi or k_lo >= k_hi:
-                        continue  # the document is not in both chunks
-                    q_local, k_local = qi * chunk - q_start, ki * chunk - k_start
-                    segments.append(Segment(slice(b, b + 1), slice(q_lo + q_local, q_hi + q_local),
-                                            slice(k_lo + k_local, k_hi + k_local), causal and qc == kc))
+    for q, k, diagonal in run_pairs(layout.runs(query_owner), layout.runs(kv_owner), causal):
+        for doc_start, doc_end in _documents_overlapping(offsets, q.start, q.start + q.length):
+            q_lo, q_hi = max(doc_start, q.start), min(doc_end, q.start + q.length)
+            k_lo, k_hi = max(doc_start, k.start), min(doc_end, k.start + k.length)
+            if q_lo >= q_hi or k_lo >= k_hi:
+                continue  # the document is not in both runs
+            q_shift, k_shift = q.local - q.start, k.local - k.start
+            segments.append(Segment(batch, slice(q_lo + q_shift, q_hi + q_shift),
+                                    slice(k_lo + k_shift, k_hi + k_shift), diagonal))
     return segments
 
 
@@ -92,22 +94,129 @@ def _documents_overlapping(offsets: Sequence[int], start: int, end: int) -> list
     return docs
 
 
-class AttentionPlan:
-    """segments(query_owner, kv_owner) for one call, computed once and reused by backward."""
+@dataclass(frozen=True)
+class Rows:
+    """The rows of a shard that a rank's kernel calls touch: merged, ascending spans [start, end) of
+    local rows, out of `total`. Only these rows of a visitor travel (`pack`), packed one span after
+    another, and the gradients that come back hold only these rows (`add_into`)."""
 
-    def __init__(self, shard_len: int, world_size: int, causal: bool, boundaries: list[list[int]] | None):
-        self.shard_len, self.world_size, self.causal, self.boundaries = shard_len, world_size, causal, boundaries
+    spans: tuple[tuple[int, int], ...]
+    total: int
+
+    @staticmethod
+    def union(slices: list[slice], total: int) -> Rows:
+        spans: list[list[int]] = []
+        for start, stop, _ in sorted(s.indices(total) for s in slices):
+            if spans and start <= spans[-1][1]:
+                spans[-1][1] = max(spans[-1][1], stop)
+            else:
+                spans.append([start, stop])
+        return Rows(tuple(map(tuple, spans)), total)
+
+    @staticmethod
+    def every(total: int) -> Rows:
+        return Rows(((0, total),), total)
+
+    @property
+    def count(self) -> int:
+        return sum(end - start for start, end in self.spans)
+
+    @property
+    def complete(self) -> bool:
+        return self.spans == ((0, self.total),)
+
+    def local(self, rows: slice) -> slice:
+        """`rows` of the shard (inside one span) as rows of the packed tensor."""
+        if self.complete:
+            return rows
+        start, stop, _ = rows.indices(self.total)
+        offset = 0
+        for span_start, span_end in self.spans:
+            if span_start <= start < span_end:
+                return slice(offset + start - span_start, offset + stop - span_start)
+            offset += span_end - span_start
+        raise ValueError(f"rows {start}:{stop} are outside {self.spans}")
+
+    def within(self, outer: Rows) -> Rows:
+        """These rows (a subset of `outer`'s) as rows of a tensor packed with `outer`'s rows."""
+        return Rows.union([outer.local(slice(start, end)) for start, end in self.spans], outer.count)
+
+    def empty(self, like: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
+        """An empty tensor like `like` with `count` rows along `dim`, its dimensions in like's memory order
+        (heads-first stays heads-first), so that both ends of a transfer see the same bytes."""
+        if self.complete:
+            return torch.empty_like(like, dtype=dtype)
+        shape = list(like.shape)
+        shape[dim] = self.count
+        order = sorted(range(like.dim()), key=lambda i: (-like.stride(i), i))  # outermost first
+        buffer = torch.empty([shape[i] for i in order], dtype=dtype, device=like.device)
+        return buffer.permute([order.index(i) for i in range(like.dim())])
+
+    def pack(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """These rows of x along `dim`, one span after another (x itself when every row is needed)."""
+        if self.complete:
+            return x
+        packed, offset = self.empty(x, dim, x.dtype), 0
+        for start, end in self.spans:
+            packed.narrow(dim, offset, end - start).copy_(x.narrow(dim, start, end - start))
+            offset += end - start
+        return packed
+
+    def add_into(self, accumulator: torch.Tensor, packed: torch.Tensor, dim: int) -> None:
+        """accumulator (all rows) += packed (these rows), along `dim`."""
+        if self.complete:
+            accumulator += packed
+            return
+        offset = 0
+        for start, end in self.spans:
+            accumulator.narrow(dim, start, end - start).add_(packed.narrow(dim, offset, end - start))
+            offset += end - start
+
+
+class AttentionPlan:
+    """segments(query_owner, kv_owner) for one call, computed once and reused by backward.
+
+    layouts: the layout of each batch row (one shared by all rows without document masking);
+    boundaries: each row's document offsets, or None.
+    """
+
+    def __init__(self, layouts: list[Layout], causal: bool, boundaries: list[list[int]] | None):
+        self.layouts, self.causal, self.boundaries = layouts, causal, boundaries
+        self.world_size, self.shard_len = layouts[0].world_size, layouts[0].shard_len
         self._cache: dict[tuple[int, int], list[Segment]] = {}
+        self._rows_cache: dict[tuple[int, int, str], Rows | None] = {}
 
     def __call__(self, query_owner: int, kv_owner: int) -> list[Segment]:
         key = (query_owner, kv_owner)
         if key not in self._cache:
-            self._cache[key] = (
-                block_segments(query_owner, kv_owner, self.shard_len, self.world_size, self.causal)
-                if self.boundaries is None
-                else document_segments(query_owner, kv_owner, self.shard_len, self.world_size, self.causal,
-                                       self.boundaries))
+            if self.boundaries is None:
+                self._cache[key] = block_segments(self.layouts[0], query_owner, kv_owner, self.causal)
+            else:
+                self._cache[key] = [segment for row, (layout, offsets) in enumerate(zip(self.layouts, self.boundaries,
+                                                                                         strict=True))
+                                    for segment in document_segments(layout, query_owner, kv_owner, self.causal,
+                                                                     offsets, row)]
         return self._cache[key]
+
+    def has_work(self, query_owner: int, kv_owner: int) -> bool:
+        """Whether any query of `query_owner`'s shard sees any key of `kv_owner`'s."""
+        return bool(self(query_owner, kv_owner))
+
+    def key_rows(self, query_owner: int, kv_owner: int) -> Rows | None:
+        """The rows of `kv_owner`'s keys that `query_owner`'s queries see (None: none), every batch row's."""
+        return self._rows(query_owner, kv_owner, "kv_rows")
+
+    def query_rows(self, query_owner: int, kv_owner: int) -> Rows | None:
+        """The rows of `query_owner`'s queries that see any of `kv_owner`'s keys (None: none)."""
+        return self._rows(query_owner, kv_owner, "q_rows")
+
+    def _rows(self, query_owner: int, kv_owner: int, side: str) -> Rows | None:
+        key = (query_owner, kv_owner, side)
+        if key not in self._rows_cache:
+            segments = self(query_owner, kv_owner)
+            self._rows_cache[key] = Rows.union([getattr(s, side) for s in segments], self.shard_len) \
+                if segments else None
+        return self._rows_cache[key]
 
 
 def normalize_boundaries(doc_boundaries, batch: int, seq_len: int) -> list[list[int]]:

@@ -1,14 +1,15 @@
 """BurstAttention's forward and backward passes along a `Schedule` (burst/topology.py).
 
-Shapes (per rank, each holding its zigzag shard of `shard_len` tokens):
+Shapes (per rank, each holding its shard of `shard_len` tokens, burst/layout.py):
     q, dout, out  [batch, shard_len, q_heads, head_dim]
     k, v          [batch, shard_len, kv_heads, head_dim]
     lse, delta    [batch, q_heads, shard_len]  float32
 
-One loop, `circulate`, serves both passes and every topology. A *visitor* packet tours the
-ranks while the *home* tensors stay put; in backward the visitor's gradient accumulates in
-float32 as it travels behind it and ends at its owner. Forward: the visitor is K/V and each
-rank merges block results into a float32 (out, lse) by log-sum-exp; nothing travels back.
+One loop, `circulate`, serves both passes and every topology. A *visitor* packet goes to the
+ranks whose part of the plan needs it while the *home* tensors stay put; in backward the
+visitor's gradient comes back from each of them in float32 and is summed at its owner. Forward:
+the visitor is K/V and each rank merges block results into a float32 (out, lse) by log-sum-exp;
+nothing travels back.
 
     "burst" (the paper's): visitor = (q, dout, lse, delta); home = k, v, dk, dv.
     "ring":                visitor = (k, v);               home = q, dout, out, lse, dq.
@@ -27,7 +28,7 @@ import torch
 
 from burst.comm import Pending
 from burst.kernels import AttentionKernel
-from burst.plan import AttentionPlan
+from burst.plan import AttentionPlan, Rows
 from burst.topology import Schedule
 
 
@@ -78,87 +79,146 @@ def ring_forward(schedule: Schedule, kernel: AttentionKernel, plan: AttentionPla
     out = torch.zeros_like(q, dtype=torch.float32)
     lse = torch.full((batch, q_heads, shard_len), float("-inf"), dtype=torch.float32, device=q.device)
 
-    def step(kv: list[torch.Tensor], owner: int) -> GradPieces:
+    def step(kv: list[torch.Tensor], owner: int, held: Rows) -> GradPieces:
         for seg in plan(schedule.rank, owner):
-            block_out, block_lse = kernel.forward(q[seg.batch, seg.q_rows], kv[0][seg.batch, seg.kv_rows],
-                                                  kv[1][seg.batch, seg.kv_rows], seg.causal, scale)
+            cols = held.local(seg.kv_rows)
+            block_out, block_lse = kernel.forward(q[seg.batch, seg.q_rows], kv[0][seg.batch, cols],
+                                                  kv[1][seg.batch, cols], seg.causal, scale)
             merge_block(out[seg.batch, seg.q_rows], lse[seg.batch, :, seg.q_rows], block_out, block_lse)
         return []
 
-    circulate(schedule, [k, v], 0, step)
+    circulate(schedule, [k, v], [1, 1], 0, step, plan.key_rows)
     return as_result(out, q.dtype), lse
 
 
-# step(visitor, owner) -> [(batch rows, sequence rows, gradients of the visitor there), ...];
+# step(visitor, owner, rows it holds) -> [(batch rows, rows of the visitor, its gradients there), ...];
 # it accumulates the home gradients itself.
 GradPieces = list[tuple[slice, slice, list[torch.Tensor]]]
-StepFn = Callable[[list[torch.Tensor], int], GradPieces]
+StepFn = Callable[[list[torch.Tensor], int, Rows], GradPieces]
+RowsFn = Callable[[int, int], Rows | None]
 
 
-def circulate(schedule: Schedule, visitor: list[torch.Tensor], num_grads: int, step: StepFn) -> list[torch.Tensor]:
-    """Tour `visitor` along `schedule`, calling `step` at every stop; return the float32
-    gradients of this rank's own visitor (shaped like visitor[:num_grads]), summed over ranks.
+def circulate(schedule: Schedule, visitor: list[torch.Tensor], seq_dims: list[int], num_grads: int, step: StepFn,
+              rows_of: RowsFn) -> list[torch.Tensor]:
+    """Bring this rank every visitor its part of the plan needs, calling `step` on each; return the
+    float32 gradients of this rank's own visitor (shaped like visitor[:num_grads]), summed over ranks.
 
-    Inside a round (a node's tour) a gradient travels one step behind its visitor: computed
-    at step s, it arrives at the next rank during step s + 1 and leaves at the start of step
-    s + 2. The round's first stop (the entry rank) keeps its share, and the rest arrives back
-    at it one hop after the round's last step: the tour's sum. The owner's tour sum is its own
-    (round 0); every later node's is added to the previous nodes' and passed on to the next
-    node's entry rank over `outer`, so the sum of rounds 1..I-1 reaches the owner after the
-    last one, having crossed I - 1 node boundaries, each hop hidden behind a whole round.
-    One round (flat, ulysses): today's ring, W - 1 hops for a visitor and for its gradient.
+    rows_of(host, owner): the rows of the visitor of position `owner` that position `host` works on
+    (None: none); seq_dims: each visitor tensor's sequence dimension. Every rank computes the same
+    answers from the same plan, so both ends of every message post it. A visitor goes only to the
+    ranks that work on it, straight from its holder (`Schedule`), and only the rows they work on,
+    packed: at step s the rank posts the sends and receives of step s + 1 and computes step s while
+    they travel. A gradient travels only from a rank that computed one, with those rows only,
+    straight back to the holder, posted one step after it was computed (so it overlaps the next
+    step's compute); the holder sums its node's gradients (the owner itself in round 0). Across nodes
+    (two-level), a visitor goes to each node that needs it with the rows its ranks need, and the
+    node's sum of those rows goes back to the owner after its round on the outer links, overlapping
+    the next round.
     """
-    rounds, steps = schedule.rounds, schedule.steps
-    grad_like, f32 = visitor[:num_grads], [torch.float32] * num_grads
+    rounds, steps, me = schedule.rounds, schedule.steps, schedule.rank
+    node = me // steps
+    grad_like, f32, dtypes = visitor[:num_grads], [torch.float32] * num_grads, [t.dtype for t in visitor]
+    every = Rows.every(visitor[0].shape[seq_dims[0]])
 
-    def zeros() -> list[torch.Tensor]:
-        return [torch.zeros_like(t, dtype=torch.float32) for t in grad_like]
+    def like(rows: Rows, tensors: list[torch.Tensor], types: list[torch.dtype]) -> list[torch.Tensor]:
+        return [rows.empty(t, dim, dtype) for t, dim, dtype in zip(tensors, seq_dims, types, strict=False)]
 
-    def finish_tour(round_: int, arrived: list[torch.Tensor], chain: Pending) -> Pending:
-        """Add the tour's returning part (none for a one-stop tour) to its entry share; pass the sum
-        on unless it is the owner's."""
-        if arrived:
-            for acc, grad in zip(entry, arrived, strict=True):
-                acc += grad
-        if round_ == 0:
-            return chain  # `entry` is `own`
-        if round_ > 1:
-            for acc, grad in zip(entry, chain.wait(), strict=True):
-                acc += grad
-        return schedule.outer.exchange(entry, grad_like, f32)  # receives the next visitor's sum so far
+    def zeros(rows: Rows) -> list[torch.Tensor]:
+        return [t.zero_() for t in like(rows, grad_like, f32)]
 
-    own = zeros()
-    entry, traveling = own, []  # this round's entry share; the gradient computed at the last step
-    chain = next_round = Pending()  # the previous nodes' gradient sum; the next round's first visitor
+    def add(accumulators: list[torch.Tensor], grads: list[torch.Tensor], rows: Rows = every) -> None:
+        for acc, grad, dim in zip(accumulators, grads, seq_dims, strict=False):
+            rows.add_into(acc, grad, dim)
+
+    def node_rows(node_: int, owner: int) -> Rows | None:
+        """The rows of `owner`'s visitor that any rank of node `node_` works on."""
+        wanted = [rows for local in range(steps) if (rows := rows_of(node_ % rounds * steps + local, owner))]
+        return Rows.union([slice(a, b) for rows in wanted for a, b in rows.spans], every.total) if wanted else None
+
+    own = zeros(every)
+    # this round's visitor, held for the node: its owner, the rows it holds, and their gradient summed over the node
+    holding, holding_owner, holding_rows, holding_grad = visitor, me, every, own
+    current, current_rows = (visitor, every) if rows_of(me, me) is not None else (None, None)  # this step's
+    previous = None  # the previous step's gradients still to exchange: (step, gradient computed there or None,
+    #                  and of the visitor this rank holds: owner, rows, accumulator)
+    returned = Pending(), None  # a node's sum of this rank's gradient on its way back, and its rows
+    finished = (me, None)  # (owner, node sum) of the round before this one
+
+    def gradient_messages():
+        """(sends, receives, rows received within the holder's) of the gradients of the previous step."""
+        if previous is None:
+            return [], [], None
+        s, grad, owner, held, _ = previous
+        host = schedule.host(s)
+        coming = rows_of(host, owner)
+        return ([(schedule.holder(s), grad)] if grad is not None else []), \
+            ([(host, like(coming, grad_like, f32), f32)] if coming is not None else []), \
+            (coming.within(held) if coming is not None else None)
+
+    def collect(pending: Pending, rows: Rows | None) -> None:
+        for grads in pending.wait():
+            add(own, grads, rows)
+
+    def return_node_sum(round_: int, owner: int, accumulator: list[torch.Tensor] | None) -> tuple[Pending, Rows]:
+        """Send round `round_`'s node sum back to its owner; receive this rank's from the node that had it."""
+        collect(*returned)  # the previous round's, which had a whole round to arrive
+        source, coming = schedule.counterpart(round_), node_rows(node + round_, me)
+        pending = schedule.outer.exchange([(owner, accumulator)] if accumulator is not None else [],
+                                          [(source, like(coming, grad_like, f32), f32)] if coming else [])
+        return pending, coming
+
     for round_ in range(rounds):
+        arriving = Pending()  # next round's visitor, from its owner on another node, behind this whole round
+        if round_ + 1 < rounds:
+            source, target_node = schedule.counterpart(-(round_ + 1)), node + round_ + 1
+            going, arriving_rows = node_rows(target_node, me), node_rows(node, source)
+            arriving = schedule.outer.exchange(
+                [(schedule.counterpart(round_ + 1), [going.pack(t, d) for t, d in zip(visitor, seq_dims, strict=True)])]
+                if going else [], [(source, like(arriving_rows, visitor, dtypes), dtypes)] if arriving_rows else [])
         for s in range(steps):
-            if s == 0 and round_ + 1 < rounds:
-                next_round = schedule.outer.exchange(visitor, visitor)  # overlaps the whole round
-            passing = visitor if s + 1 < steps else []
-            pending = schedule.inner.exchange(passing + traveling, passing + (grad_like if traveling else []),
-                                              [x.dtype for x in passing] + (f32 if traveling else []))
-            pieces = step(visitor, schedule.owner(round_, s))
+            visitor_out, visitor_in, next_rows = [], [], None
+            if s + 1 < steps:
+                host = schedule.host(s + 1)
+                going = rows_of(host, holding_owner) if holding is not None else None
+                if going is not None:
+                    within = going.within(holding_rows)
+                    visitor_out.append((host, [within.pack(t, dim) for t, dim in zip(holding, seq_dims, strict=True)]))
+                next_rows = rows_of(me, schedule.owner(round_, s + 1))
+                if next_rows is not None:
+                    visitor_in.append((schedule.holder(s + 1), like(next_rows, visitor, dtypes), dtypes))
+            grad_out, grad_in, coming = gradient_messages() if num_grads else ([], [], None)
+            pending = schedule.inner.exchange(visitor_out + grad_out, visitor_in + grad_in)
+            pieces = step(current, schedule.owner(round_, s), current_rows) if current is not None else []
             received = pending.wait()
-            next_visitor, arrived = received[:len(passing)], received[len(passing):]
-            if s == 0:
-                if arrived:  # the previous round's tour is back at its entry rank
-                    chain = finish_tour(round_ - 1, arrived, chain)
-                entry = own if round_ == 0 else zeros()
-                target = entry
-            else:
-                target = arrived or zeros()
+            if grad_in:
+                add(previous[4], received[-1], coming)
+            if s == 0 and round_ > 1 and num_grads:  # round_ - 1's node sum is complete: back to its owner
+                returned = return_node_sum(round_ - 1, *finished)
+            if num_grads and s == 0:
+                previous = None
+                target = holding_grad  # this rank's work on the visitor it holds: summed in place
+            elif num_grads:
+                target = zeros(current_rows) if current is not None else None
+                previous = (s, target, holding_owner, holding_rows, holding_grad)
             for batch, rows, grads in pieces:
                 for acc, grad in zip(target, grads, strict=True):
                     acc[batch, rows] += grad
-            traveling = target if s > 0 else []
-            if steps == 1:  # a tour of one stop is complete at once
-                chain = finish_tour(round_, [], chain)
-            visitor = next_visitor or (next_round.wait() if round_ + 1 < rounds else visitor)
-    if traveling:
-        chain = finish_tour(rounds - 1, schedule.inner.exchange(traveling, grad_like, f32).wait(), chain)
-    if rounds > 1:
-        for acc, grad in zip(own, chain.wait(), strict=True):
-            acc += grad
+            current, current_rows = (received[0], next_rows) if visitor_in else (None, None)
+        if round_ + 1 < rounds:
+            finished = (schedule.counterpart(-round_), holding_grad)
+            arrived = arriving.wait()
+            holding, holding_owner = (arrived[0] if arrived else None), schedule.counterpart(-(round_ + 1))
+            holding_rows = arriving_rows
+            holding_grad = zeros(holding_rows) if holding is not None and num_grads else None
+            works = holding is not None and rows_of(me, holding_owner) is not None
+            current, current_rows = (holding, holding_rows) if works else (None, None)
+    if num_grads:
+        grad_out, grad_in, coming = gradient_messages()
+        received = schedule.inner.exchange(grad_out, grad_in).wait()
+        if grad_in:
+            add(previous[4], received[-1], coming)
+        if rounds > 1:
+            collect(*return_node_sum(rounds - 1, schedule.counterpart(-(rounds - 1)), holding_grad))
     return own
 
 
@@ -191,11 +251,11 @@ def burst_backward(schedule: Schedule, kernel: AttentionKernel, plan: AttentionP
     dk = torch.zeros_like(k, dtype=torch.float32)
     dv = torch.zeros_like(v, dtype=torch.float32)
 
-    def step(visitor: list[torch.Tensor], owner: int) -> GradPieces:
+    def step(visitor: list[torch.Tensor], owner: int, held: Rows) -> GradPieces:
         vq, vdout, vlse, vdelta = visitor
         pieces = []
         for seg in plan(owner, schedule.rank):
-            b, rows, cols = seg.batch, seg.q_rows, seg.kv_rows
+            b, rows, cols = seg.batch, held.local(seg.q_rows), seg.kv_rows
             vout = out[b, rows] if owner == schedule.rank else output_with_delta(vdout[b, rows], vdelta[b, :, rows])
             dq_blk, dk_blk, dv_blk = kernel.backward(vdout[b, rows], vq[b, rows], k[b, cols], v[b, cols], vout,
                                                      vlse[b, :, rows].contiguous(), seg.causal, scale)
@@ -204,7 +264,8 @@ def burst_backward(schedule: Schedule, kernel: AttentionKernel, plan: AttentionP
             pieces.append((b, rows, [dq_blk]))
         return pieces
 
-    (dq,) = circulate(schedule, [q, dout, lse, delta], 1, step)
+    (dq,) = circulate(schedule, [q, dout, lse, delta], [1, 1, 2, 2], 1, step,
+                      lambda host, owner: plan.query_rows(owner, host))
     return as_result(dq, q.dtype), as_result(dk, k.dtype), as_result(dv, v.dtype)
 
 
@@ -213,16 +274,16 @@ def ring_backward(schedule: Schedule, kernel: AttentionKernel, plan: AttentionPl
     """Ring attention's backward: Q, dO and dQ stay home; K, V travel, dK, dV follow them."""
     dq = torch.zeros_like(q, dtype=torch.float32)
 
-    def step(visitor: list[torch.Tensor], owner: int) -> GradPieces:
+    def step(visitor: list[torch.Tensor], owner: int, held: Rows) -> GradPieces:
         vk, vv = visitor
         pieces = []
         for seg in plan(schedule.rank, owner):
-            b, rows, cols = seg.batch, seg.q_rows, seg.kv_rows
+            b, rows, cols = seg.batch, seg.q_rows, held.local(seg.kv_rows)
             dq_blk, dk_blk, dv_blk = kernel.backward(dout[b, rows], q[b, rows], vk[b, cols], vv[b, cols], out[b, rows],
                                                      lse[b, :, rows].contiguous(), seg.causal, scale)
             dq[b, rows] += dq_blk
             pieces.append((b, cols, [dk_blk, dv_blk]))
         return pieces
 
-    dk, dv = circulate(schedule, [k, v], 2, step)
+    dk, dv = circulate(schedule, [k, v], [1, 1], 2, step, plan.key_rows)
     return as_result(dq, q.dtype), as_result(dk, k.dtype), as_result(dv, v.dtype)

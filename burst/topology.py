@@ -1,21 +1,23 @@
 """Where the ranks of a group sit (nodes of `node_size` ranks) and how blocks travel between them.
 
 Ranks of the sequence-parallel group are numbered node-major: group rank g = node * L + local,
-with L = node_size ranks per node and I = world / L nodes. The sequence layout is the same
-zigzag over the whole group whatever the topology; only the path of the blocks changes:
+with L = node_size ranks per node and I = world / L nodes. The sequence layout (burst/layout.py)
+is the same whatever the topology; only the path of the blocks changes. Every block goes only to
+the ranks whose part of the plan needs it (burst/ring.py), and straight there:
 
-    flat       one ring over all W ranks (W - 1 blocks cross each node boundary per pass,
-               all through the node's last rank).
-    two-level  I rounds of L steps: in round o rank (n, l) works on the blocks of node n - o,
-               which circulate the inner ring of its node; each rank passes a block to its
-               counterpart (n + 1, l) once per round, on its own communicator, posted at the
-               start of the round and needed only at the start of the next, so the slow hop
-               hides behind L - 1 inner steps (I - 1 crossings per rank per pass).
-    ulysses    an all-to-all over heads inside each node, then a flat ring over the I nodes
+    flat       one round of W steps: at step s rank r gets the block of rank r - s from its owner
+               (without document masking, W - 1 blocks per rank per pass; each rank sends the
+               W - L of them that other nodes need across).
+    two-level  I rounds of L steps: in round o rank (n, l) works on the blocks of node n - o. Each
+               arrives once per node, from its owner to its counterpart (n, l) on its own
+               communicator, posted at the start of the previous round and needed only at the start
+               of this one, so the slow hop hides behind a whole round (I - 1 crossings per rank per
+               pass); inside the node every rank gets it from that holder.
+    ulysses    an all-to-all over heads inside each node, then a flat round over the I nodes
                on node-sized blocks (see burst/ulysses.py).
 
-A `Schedule` says, for both passes, whose block this rank holds at each step and where blocks
-go next, so one loop (`burst.ring.circulate`) serves every topology.
+A `Schedule` says, for both passes, whose block this rank works on at each step and which rank
+holds it, so one loop (`burst.ring.circulate`) serves every topology.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from burst.comm import Ring, Traffic
+from burst.comm import Links, Traffic
 from burst.groups import global_rank, group_rank_and_size
 
 TOPOLOGIES = ("auto", "flat", "two-level", "ulysses")
@@ -82,42 +84,42 @@ def node_group(group: dist.ProcessGroup | None, node_size: int) -> dist.ProcessG
     return _subgroup([global_rank(group, g) for g in range(first, first + node_size)])
 
 
-def cross_node_ring(group: dist.ProcessGroup | None, node_size: int, traffic: Traffic) -> Ring:
-    """This rank's link to the ranks with its local index on the next and previous nodes, on
-    communicators of its own: the slow hops never queue behind inner-ring traffic.
+def cross_node_links(group: dist.ProcessGroup | None, node_size: int, members: list[int],
+                     purpose: str) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """The process groups that carry this rank's messages to other nodes, (to higher ranks, to lower
+    ranks), over the group ranks `members` (this rank among them): communicators of their own, so the
+    slow hops never queue behind inner traffic.
 
-    Between two nodes the next and the previous rank are the same. gloo joins a pair of ranks by
-    one TCP connection, and one that carries bulk data both ways often ran at half the link's rate
-    on the simulated cluster (0.55-0.57 MiB/s per direction in 7 of 11 tries at 10 Mbit/s, against
-    1.02-1.13 in every try with a connection per direction: benchmarks/link_directions.py). So each
-    direction gets its own process group there: node 0 sends on the first, node 1 on the second.
-    NCCL's connections are one-way already.
+    gloo joins a pair of ranks by one TCP connection per process group, and one that carries bulk data
+    both ways often ran at half the link's rate on the simulated cluster (0.55-0.57 MiB/s per direction
+    in 7 of 11 tries at 10 Mbit/s, against 1.02-1.13 in every try with a connection per direction:
+    benchmarks/link_directions.py). Blocks go to and come back from the same ranks, so on gloo each
+    direction gets its own group. NCCL's connections are one-way already: one group serves both.
     """
-    rank, world_size = group_rank_and_size(group)
-    nodes = world_size // node_size
-    members = [global_rank(group, g) for g in range(rank % node_size, world_size, node_size)]
-    channel = receive_channel = _subgroup(members, "cross-node")
-    if nodes == 2 and dist.get_backend(channel) == "gloo":
-        other_direction = _subgroup(members, "cross-node, second direction")
-        channel, receive_channel = (channel, other_direction) if rank < node_size else (other_direction, channel)
-    return Ring(group, (rank + node_size) % world_size, (rank - node_size) % world_size, node_size, traffic,
-                channel=channel, receive_channel=receive_channel)
+    ranks = [global_rank(group, g) for g in members]
+    upward = _subgroup(ranks, f"{purpose}, to higher ranks")
+    if dist.get_backend(upward) != "gloo":
+        return upward, upward
+    return upward, _subgroup(ranks, f"{purpose}, to lower ranks")
 
 
 @dataclass
 class Schedule:
-    """`rounds` rounds of `steps` steps over a world of rounds x steps block owners.
+    """`rounds` rounds of `steps` steps over a world of rounds x steps positions, numbered node-major.
 
-    At step s of round o this rank (position (n, l) = divmod(rank, steps)) holds the block of
-    (n - o, l - s). Within a round blocks pass along `inner` (to (n, l + 1)); the first block
-    of the next round comes over `outer` (from (n - 1, l)). flat and ulysses: one round.
+    At step s of round o this rank (position (n, l) = divmod(rank, steps)) works on the block of
+    (n - o, l - s). Round o's blocks of node n - o come to node n once, each over `outer` from its
+    owner to the rank with the same local index (its holder for the round), and within the round
+    every rank gets each block straight from its holder in the node over `inner`: at step s the block
+    of holder (n, l - s); it sends its own to (n, l + s). flat and ulysses: one round, every block
+    straight from its owner.
     """
 
     rank: int
     rounds: int
     steps: int
-    inner: Ring
-    outer: Ring | None = None
+    inner: Links
+    outer: Links | None = None
 
     @property
     def traffic(self) -> Traffic:
@@ -128,29 +130,54 @@ class Schedule:
         return self.rounds * self.steps
 
     def owner(self, round_: int, step: int) -> int:
+        """Whose block this rank works on at `step` of `round_`."""
         node, local = divmod(self.rank, self.steps)
         return (node - round_) % self.rounds * self.steps + (local - step) % self.steps
+
+    def holder(self, step: int) -> int:
+        """The rank of this node that holds, in every round, the block this rank works on at `step`."""
+        node, local = divmod(self.rank, self.steps)
+        return node * self.steps + (local - step) % self.steps
+
+    def host(self, step: int) -> int:
+        """The rank of this node that works at `step` on the block this rank holds."""
+        node, local = divmod(self.rank, self.steps)
+        return node * self.steps + (local + step) % self.steps
+
+    def counterpart(self, node_offset: int) -> int:
+        """The rank with this rank's local index on the node `node_offset` nodes further on."""
+        node, local = divmod(self.rank, self.steps)
+        return (node + node_offset) % self.rounds * self.steps + local
 
 
 def make_schedule(topology: str, group: dist.ProcessGroup | None, node_size: int, traffic: Traffic) -> Schedule:
     """The schedule of "flat" or "two-level" over `group` (ranks numbered in `group`)."""
     rank, world_size = group_rank_and_size(group)
     nodes = world_size // node_size
-    if node_size == 1 and nodes > 1:  # a rank per node: every hop leaves the node
-        return Schedule(rank, 1, world_size, cross_node_ring(group, node_size, traffic))
-    if topology == "flat" or nodes == 1:
-        return Schedule(rank, 1, world_size,
-                        Ring(group, (rank + 1) % world_size, (rank - 1) % world_size, node_size, traffic))
-    node, local = divmod(rank, node_size)
-    inner = Ring(group, node * node_size + (local + 1) % node_size, node * node_size + (local - 1) % node_size,
-                 node_size, traffic)
-    return Schedule(rank, nodes, node_size, inner, cross_node_ring(group, node_size, traffic))
+
+    def same(position: int) -> int:
+        return position
+
+    if topology == "flat" or nodes == 1 or node_size == 1:  # a two-level ring of one rank per node is flat
+        cross = cross_node_links(group, node_size, list(range(world_size)), "cross-node") if nodes > 1 \
+            else (None, None)
+        return Schedule(rank, 1, world_size, Links(group, node_size, traffic, same, cross))
+    members = list(range(rank % node_size, world_size, node_size))  # this rank's counterparts on every node
+    outer = Links(group, node_size, traffic, same, cross_node_links(group, node_size, members, "cross-node"))
+    return Schedule(rank, nodes, node_size, Links(group, node_size, traffic, same), outer)
 
 
 def node_ring_schedule(group: dist.ProcessGroup | None, node_size: int, traffic: Traffic) -> Schedule:
     """Ulysses' ring: one rank per node (those with this rank's local index), positions = nodes."""
     rank, world_size = group_rank_and_size(group)
-    nodes = world_size // node_size
+    nodes, local = world_size // node_size, rank % node_size
+
+    def counterpart(node: int) -> int:
+        return node * node_size + local
+
     if nodes == 1:  # a ring of one: no traffic
-        return Schedule(0, 1, 1, Ring(group, rank, rank, node_size, traffic))
-    return Schedule(rank // node_size, 1, nodes, cross_node_ring(group, node_size, traffic))
+        return Schedule(0, 1, 1, Links(group, node_size, traffic, counterpart))
+    members = [counterpart(n) for n in range(nodes)]
+    return Schedule(rank // node_size, 1, nodes,
+                    Links(group, node_size, traffic, counterpart, cross_node_links(group, node_size, members,
+                                                                                   "cross-node")))

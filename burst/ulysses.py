@@ -1,12 +1,13 @@
 """Ulysses inside a node: an all-to-all over heads turns each rank's sequence shard into its
 node's shards for a share of the heads, so that BurstAttention runs across nodes only.
 
-On node n of L ranks (I nodes, W = I x L), rank (n, l) holds the zigzag chunks g and
-2W - 1 - g of g = nL + l, each of c tokens. After the exchange it holds, for its heads, the
-node's chunks in position order: [nL, nL + L) then [2W - nL - L, 2W - nL), two contiguous
-runs, which is exactly node n's zigzag shard in a world of I with chunks of L x c tokens.
-So the node-level ring plans like the rank-level one (`AttentionPlan` with world I), and
-document boundaries stay global.
+On node n of L ranks (I nodes, W = I x L), rank (n, l) holds its chunks of the layout
+(burst/layout.py). After the exchange it holds, for its heads, all of the node's chunks in
+position order: node n's shard of the layout grouped by node (`Layout.grouped`), a layout in a
+world of I. So the node-level ring plans like the rank-level one (`AttentionPlan` with world I),
+and document boundaries stay global. Under zigzag rank (n, l) holds chunks g and 2W - 1 - g of
+g = nL + l, and the node's chunks are two contiguous runs, [nL, nL + L) and [2W - nL - L, 2W - nL):
+the zigzag shard of node n in a world of I.
 
     to_node:   [b, C, heads, d]          -> [b, L x C, heads of this rank, d]
     from_node: [b, L x C, q heads / L, d] -> [b, C, q heads, d]
@@ -62,26 +63,31 @@ def _exchange(x: torch.Tensor, group: dist.ProcessGroup | None, traffic: Traffic
     return x if group is None else _AllToAll.apply(x, group, traffic)
 
 
-def to_node(x: torch.Tensor, heads: list[list[int]], group: dist.ProcessGroup | None,
-            traffic: Traffic) -> torch.Tensor:
+def in_order(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """x [b, n, ...] with its rows rearranged along dim 1: row i of batch row r is x[r, order[r][i]]
+    (order [b or 1, n]: one order for every batch row, or one each)."""
+    if order.shape[0] == 1:
+        return x.index_select(1, order[0])
+    return torch.stack([row.index_select(0, o) for row, o in zip(x.unbind(0), order.unbind(0), strict=True)])
+
+
+def to_node(x: torch.Tensor, heads: list[list[int]], group: dist.ProcessGroup | None, traffic: Traffic,
+            order: torch.Tensor) -> torch.Tensor:
     """x [b, C, heads, d] -> [b, L x C, len(heads[l]), d]: rank l gets heads[l] of the node's shards,
-    in position order. group: the node's ranks (None for a node of one)."""
+    in position order. group: the node's ranks (None for a node of one). order: [b or 1, L x C], where
+    each position of the node's shard sits in its ranks' shards laid end to end (`Layout.group_order`)."""
     b, shard_len, _, d = x.shape
-    nodes_ranks, per_rank, half = len(heads), len(heads[0]), x.shape[1] // 2
+    node_ranks, per_rank = len(heads), len(heads[0])
     index = torch.tensor([h for hs in heads for h in hs], device=x.device)
-    parts = x.index_select(2, index).view(b, shard_len, nodes_ranks, per_rank, d).permute(2, 0, 1, 3, 4)
+    parts = x.index_select(2, index).view(b, shard_len, node_ranks, per_rank, d).permute(2, 0, 1, 3, 4)
     got = _exchange(parts, group, traffic)  # [L (source rank), b, C, h, d]
-    first = got[:, :, :half].transpose(0, 1).reshape(b, nodes_ranks * half, per_rank, d)
-    second = got[:, :, half:].flip(0).transpose(0, 1).reshape(b, nodes_ranks * half, per_rank, d)
-    return torch.cat([first, second], dim=1)
+    return in_order(got.transpose(0, 1).reshape(b, node_ranks * shard_len, per_rank, d), order)
 
 
-def from_node(y: torch.Tensor, node_size: int, group: dist.ProcessGroup | None, traffic: Traffic) -> torch.Tensor:
+def from_node(y: torch.Tensor, node_size: int, group: dist.ProcessGroup | None, traffic: Traffic,
+              order: torch.Tensor) -> torch.Tensor:
     """Inverse of `to_node` for query-side tensors: y [b, L x C, h, d] -> [b, C, L x h, d]."""
     b, node_len, per_rank, d = y.shape
-    half = node_len // (2 * node_size)
-    first = y[:, :node_size * half].reshape(b, node_size, half, per_rank, d)
-    second = y[:, node_size * half:].reshape(b, node_size, half, per_rank, d).flip(1)
-    parts = torch.cat([first, second], dim=2).transpose(0, 1)  # [L (destination rank), b, C, h, d]
-    got = _exchange(parts, group, traffic)  # [L (head share), b, C, h, d]
-    return got.permute(1, 2, 0, 3, 4).reshape(b, 2 * half, node_size * per_rank, d)
+    parts = in_order(y, order.argsort(dim=1)).view(b, node_size, node_len // node_size, per_rank, d)
+    got = _exchange(parts.transpose(0, 1), group, traffic)  # [L (head share), b, C, h, d]
+    return got.permute(1, 2, 0, 3, 4).reshape(b, node_len // node_size, node_size * per_rank, d)

@@ -9,7 +9,8 @@ stream token is a label exactly once. A long document simply continues into the 
 Every sequence comes from one source, chosen by the mixture's schedule (the source furthest below
 its share). At each step the next batch_size x dp_size sequences go to the data-parallel ranks,
 batch_size each, in rank order; every sequence-parallel rank of a data-parallel rank builds the
-same sequences and keeps its zigzag shard (`burst.shard_for_rank`), so no communication is needed.
+same sequences and keeps its shard (`burst.shard_for_rank`: zigzag, or with cp_layout="balanced" each
+sequence's balanced layout, chosen from its document boundaries), so no communication is needed.
 The loader's state is how many sequences each source has given: resuming continues with exactly
 the next tokens, on any cp x dp layout.
 """
@@ -23,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from burst.layout import check_sequence_length, shard_for_rank
+from burst.layout import check_layout, check_sequence_length, shard_for_rank
 from data.mixture import MixtureSchedule
 from data.store import TokenStore
 
@@ -34,7 +35,7 @@ IGNORE_INDEX = -100  # label of a position whose next token is a document's BOS:
 class Batch:
     """One rank's share of a step: its sequences, cut to its sequence-parallel shard."""
 
-    tokens: torch.Tensor  # int64 [batch, seq_len // cp_size], zigzag shard
+    tokens: torch.Tensor  # int64 [batch, seq_len // cp_size], the rank's shard under the loader's cp_layout
     labels: torch.Tensor  # int64 [batch, seq_len // cp_size], next tokens; IGNORE_INDEX where the next is a BOS
     positions: torch.Tensor  # int64 [batch, seq_len // cp_size], global position ids of the shard's tokens
     doc_boundaries: list[torch.Tensor]  # per sequence, int64 cumulative document starts over the FULL sequence:
@@ -115,10 +116,11 @@ class SequenceLoader:
 
     def __init__(self, sources: TokenStore | Sequence[TokenStore], seq_len: int, batch_size: int, *,
                  shares: Sequence[float] | None = None, dp_rank: int = 0, dp_size: int = 1, cp_rank: int = 0,
-                 cp_size: int = 1, seed: int = 0, reset_positions: bool = False) -> None:
+                 cp_size: int = 1, seed: int = 0, reset_positions: bool = False, cp_layout: str = "zigzag") -> None:
         stores = [sources] if isinstance(sources, TokenStore) else list(sources)
         shares = [1.0] if shares is None and len(stores) == 1 else shares
         check_sequence_length(seq_len, cp_size)
+        check_layout(cp_layout, "cp_layout")
         if batch_size < 1:
             raise ValueError(f"batch size {batch_size} must be at least 1")
         if shares is None or len(shares) != len(stores):
@@ -132,7 +134,7 @@ class SequenceLoader:
                                  f"another split (the validation split is empty when --val-fraction is 0)")
         self.seq_len, self.batch_size = seq_len, batch_size
         self.dp_rank, self.dp_size, self.cp_rank, self.cp_size = dp_rank, dp_size, cp_rank, cp_size
-        self.seed, self.reset_positions = seed, reset_positions
+        self.seed, self.reset_positions, self.cp_layout = seed, reset_positions, cp_layout
         self.streams = [PackedStream(store, seed, i) for i, store in enumerate(stores)]
         self.schedule = MixtureSchedule(list(shares))
 
@@ -190,7 +192,8 @@ class SequenceLoader:
         if self.reset_positions:
             for row, b in enumerate(boundaries):
                 full[2, row] -= np.repeat(b[:-1], np.diff(b))  # the start of each position's document
-        tokens, labels, positions = shard_for_rank(torch.from_numpy(full), self.cp_rank, self.cp_size, dim=2)
+        tokens, labels, positions = shard_for_rank(torch.from_numpy(full), self.cp_rank, self.cp_size, dim=2,
+                                                   layout=self.cp_layout, doc_boundaries=boundaries, batch_dim=1)
         return Batch(tokens=tokens, labels=labels, positions=positions,  # each [rows, seq_len // cp_size]
                      doc_boundaries=[torch.from_numpy(b.astype(np.int64)) for b in boundaries],
                      num_tokens=int((labels != IGNORE_INDEX).sum()), rope_length=int(full[2].max()) + 1)

@@ -6,7 +6,9 @@ import torch.distributed as dist
 
 import burst
 from burst.attention import input_signature
-from burst.cost import backward_bytes_per_hop
+from burst.cost import backward_bytes_per_hop, plan_bytes
+from burst.layout import zigzag_layout
+from burst.plan import AttentionPlan
 from tests.distributed import run_on_ranks
 
 # max |error| allowed against float64, for inputs ~ N(0, 1)
@@ -62,17 +64,26 @@ def check_against_reference(world_size, causal, heads, dtype, mode, kernel="auto
     return lq, lk
 
 
-def check_bytes(world_size, q, k, mode):
-    hops = world_size - 1
+def check_bytes(world_size, q, k, causal, mode):
+    """Every block in full without a causal mask; with one, the rows the plan's calls touch: under zigzag
+    half a block where the queries see only the earlier of the block's two chunks, and so on."""
+    hops, rank = world_size - 1, dist.get_rank()
     agreement = hops * len(input_signature(q, k, k, True, mode, "auto", None)) * 8  # the int64 all-gather
-    assert burst.SENT.last_forward == hops * 2 * k.numel() * k.element_size() + agreement
-    assert burst.SENT.last_backward == hops * backward_bytes_per_hop(q, k, mode)
+    plan = AttentionPlan([zigzag_layout(q.shape[1] * world_size, world_size)] * q.shape[0], causal, None)
+    forward, _, backward, _ = plan_bytes(plan, "flat", q, k, mode, world_size, rank)
+    assert burst.SENT.last_forward == forward + agreement
+    assert burst.SENT.last_backward == backward
+    if not causal:
+        assert forward == hops * 2 * k.numel() * k.element_size()
+        assert backward == hops * backward_bytes_per_hop(q, k, mode)
+    elif rank == 0 < hops:  # the later ranks' queries see only the first of rank 0's two chunks
+        assert forward == hops * k.numel() * k.element_size()
 
 
 def _all_cases(rank, world_size):
     for case in CASES:
         lq, lk = check_against_reference(world_size, *case)
-        check_bytes(world_size, lq, lk, case[-1])
+        check_bytes(world_size, lq, lk, case[0], case[-1])
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])

@@ -7,6 +7,8 @@ import pytest
 import torch
 
 import burst
+from burst import balance
+from burst.layout import zigzag_layout
 from data import SequenceLoader, TokenStore
 from data.loader import IGNORE_INDEX
 from data.store import StoreWriter
@@ -108,6 +110,32 @@ def test_shards_over_cp_and_dp_ranks_cover_every_token_exactly_once(store, cp_si
             assert {p.rope_length for p in parts} == {int(full.positions[rows].max()) + 1}
 
 
+@pytest.mark.parametrize("cp_size", [2, 4])
+def test_balanced_shards_follow_each_sequence_layout_and_reassemble_it(store, cp_size, monkeypatch):
+    monkeypatch.setattr(balance, "OPTIONS", balance.BalanceOptions(tile=2, min_chunk_tiles=1))  # short sequences
+    seq_len, rows = 64, 3
+    reference = SequenceLoader(store, seq_len, rows, seed=4, reset_positions=True)
+    ranks = [SequenceLoader(store, seq_len, rows, cp_rank=cp, cp_size=cp_size, seed=4, reset_positions=True,
+                            cp_layout="balanced") for cp in range(cp_size)]
+    permuted = 0
+    for _ in range(4):
+        full, parts = next(reference), [next(loader) for loader in ranks]
+        cut = {"layout": "balanced", "doc_boundaries": full.doc_boundaries}
+        for field in ("tokens", "labels", "positions"):
+            assert torch.equal(burst.unshard([getattr(p, field) for p in parts], **cut), getattr(full, field))
+        for cp, part in enumerate(parts):
+            layouts = [burst.balanced_layout(tuple(b.tolist()), seq_len, cp_size, balance.OPTIONS)
+                       for b in full.doc_boundaries]
+            for row, layout in enumerate(layouts):
+                held = layout.positions(cp)
+                assert torch.equal(part.tokens[row], full.tokens[row, held])
+                assert torch.equal(part.positions[row], full.positions[row, held])  # document offsets, as in cp 1
+                permuted += layout != layouts[0] or layout.chunks != zigzag_layout(seq_len, cp_size).chunks
+            assert [b.tolist() for b in part.doc_boundaries] == [b.tolist() for b in full.doc_boundaries]
+        assert sum(p.num_tokens for p in parts) == full.num_tokens
+    assert permuted  # some sequences got a layout of their own
+
+
 @pytest.mark.parametrize("dp_size, cp_size", [(1, 1), (2, 2)])
 def test_a_restored_loader_continues_with_exactly_the_next_batches(store, dp_size, cp_size):
     def make(dp_rank=1 % dp_size):
@@ -140,6 +168,8 @@ def test_bad_arguments_and_states_are_refused_clearly(store, tmp_path):
         SequenceLoader(store, seq_len=20, batch_size=1, cp_size=4)
     with pytest.raises(ValueError, match="cp_rank 2 is out of range for cp_size 2"):
         SequenceLoader(store, seq_len=16, batch_size=1, cp_rank=2, cp_size=2)
+    with pytest.raises(ValueError, match="unknown cp_layout 'striped'; choose one of zigzag, balanced"):
+        SequenceLoader(store, seq_len=16, batch_size=1, cp_layout="striped")
     with pytest.raises(ValueError, match="dp_rank -1 is out of range"):
         SequenceLoader(store, seq_len=16, batch_size=1, dp_rank=-1)
     empty_val = make_store(tmp_path / "no_val", [5, 6]).split("val")

@@ -10,7 +10,9 @@ import torch.distributed as dist
 
 import burst
 from burst.attention import input_signature
-from burst.cost import choose_topology, inter_node_bytes
+from burst.cost import choose_topology, inter_node_bytes, node_blocks, plan_bytes
+from burst.layout import row_layouts
+from burst.plan import AttentionPlan
 from tests.distributed import run_on_ranks
 from tests.test_burst_attn import TOLERANCE, make_inputs
 from tests.test_doc_mask import reference
@@ -28,29 +30,36 @@ def documents(seq):
     return [[0, 5, CHUNK + 1, seq // 2 + 3, seq], [0, seq - CHUNK - 2, seq]]
 
 
-def check_case(world_size, node_size, topology, causal, heads, mode, docs):
-    seq = 2 * world_size * CHUNK
+def check_case(world_size, node_size, topology, causal, heads, mode, docs, layout="zigzag", boundaries=None):
+    seq = 2 * world_size * CHUNK if boundaries is None else boundaries[0][-1]
     q, k, v, dout = make_inputs(seq, *heads, torch.float32, seed=world_size + node_size, head_dim=8)
-    boundaries = documents(seq) if docs else [[0, seq]] * 2
+    if boundaries is None:
+        boundaries = documents(seq) if docs else [[0, seq]] * 2
     expected = reference(q, k, v, dout, boundaries, causal)
-    lq, lk, lv = (burst.shard_sequence(t).requires_grad_() for t in (q, k, v))
+    doc_boundaries = [torch.tensor(b) for b in boundaries] if docs else None
+    cut = {"layout": layout, "doc_boundaries": doc_boundaries}
+    lq, lk, lv = (burst.shard_sequence(t, **cut).requires_grad_() for t in (q, k, v))
     out, lse = burst.burst_attn(lq, lk, lv, causal=causal, backward=mode, topology=topology, node_size=node_size,
-                                doc_boundaries=[torch.tensor(b) for b in boundaries] if docs else None,
-                                return_lse=True)
+                                doc_boundaries=doc_boundaries, return_lse=True, layout=layout)
     forward = (burst.SENT.last_forward, burst.SENT.last_forward_inter_node)
-    out.backward(burst.shard_sequence(dout))
+    out.backward(burst.shard_sequence(dout, **cut))
     backward = (burst.SENT.last_backward, burst.SENT.last_backward_inter_node)
-    got = [burst.gather_sequence(out.detach()), burst.gather_sequence(lse, dim=2)]
-    got += [burst.gather_sequence(t.grad) for t in (lq, lk, lv)]
-    where = f"({world_size // node_size} nodes x {node_size}, {topology}, {causal=}, {heads=}, {mode}, {docs=})"
+    got = [burst.gather_sequence(out.detach(), **cut), burst.gather_sequence(lse, dim=2, **cut)]
+    got += [burst.gather_sequence(t.grad, **cut) for t in (lq, lk, lv)]
+    where = f"({world_size // node_size} nodes x {node_size}, {topology}, {causal=}, {heads=}, {mode}, {docs=}, " \
+            f"{layout})"
     for name, g, e in zip(("out", "lse", "dq", "dk", "dv"), got, expected, strict=True):
         err = (g.double() - e).abs().max().item()
         assert err <= TOLERANCE[torch.float32], f"{name}: max error {err:.2e} {where}"
-    check_bytes(world_size, node_size, topology, lq, lk, mode, forward, backward, where)
+    if not docs and not causal:
+        check_bytes(world_size, node_size, topology, lq, lk, mode, forward, backward, where)
+    check_planned_bytes(world_size, node_size, topology, lq, lk, mode, boundaries if docs else None, causal, layout,
+                        forward, backward, where)
 
 
 def check_bytes(world_size, node_size, topology, q, k, mode, forward, backward, where):
-    """Inter-node bytes of this rank as the formulas say; flat and two-level send W - 1 blocks in all."""
+    """Unmasked (no causal mask, no documents): inter-node bytes of this rank as the formulas say; flat and
+    two-level send W - 1 blocks in all."""
     rank = dist.get_rank()
     resolved = choose_topology(topology, q, k, mode, node_size, world_size)
     fwd, bwd = inter_node_bytes(resolved, q, k, mode, node_size, world_size, rank)
@@ -61,6 +70,24 @@ def check_bytes(world_size, node_size, topology, q, k, mode, forward, backward, 
         assert forward[0] == (world_size - 1) * (2 * k.numel() * k.element_size() + signature), where
         hop = burst.cost.backward_bytes_per_hop(q, k, burst.choose_backward(q, k, mode))
         assert backward[0] == (world_size - 1) * hop, where
+
+
+def check_planned_bytes(world_size, node_size, topology, q, k, mode, boundaries, causal, layout, forward, backward,
+                        where):
+    """Exactly the rows of the blocks the plan needs (`burst.cost.plan_bytes`), all of them when unmasked."""
+    rank = dist.get_rank()
+    resolved = choose_topology(topology, q, k, mode, node_size, world_size)
+    layouts = row_layouts(layout, boundaries, q.shape[1] * world_size, world_size, q.shape[0])
+    if resolved == "ulysses":
+        layouts = [lay.grouped(node_size) for lay in layouts]
+        q, k = node_blocks(q, k, node_size)
+    planned = plan_bytes(AttentionPlan(layouts, causal, boundaries), resolved, q, k, mode, node_size, rank)
+    signature = len(input_signature(q, k, k, True, mode, "auto", None)) * 8
+    assert forward[1] == planned[1] + (world_size - node_size) * signature, f"forward inter-node bytes {where}"
+    assert backward[1] == planned[3], f"backward inter-node bytes {where}"
+    if resolved != "ulysses":  # whose all-to-all inside the node comes on top
+        assert forward[0] == planned[0] + (world_size - 1) * signature, f"forward bytes {where}"
+        assert backward[0] == planned[2], f"backward bytes {where}"
 
 
 def _all_cases(rank, world_size, node_sizes):
@@ -113,7 +140,8 @@ def test_auto_picks_the_topology_that_sends_least_across_nodes():
     q, k = torch.empty(1, 64, 8, 64), torch.empty(1, 64, 8, 64)
     flat = [inter_node_bytes("flat", q, k, "burst", 4, 8, r) for r in range(8)]
     two_level = [inter_node_bytes("two-level", q, k, "burst", 4, 8, r) for r in range(8)]
-    assert sum(map(sum, two_level)) * 7 == sum(map(sum, flat)) * 4  # 2 x 4: 8 x 1 blocks cross instead of 2 x 7
+    # 2 x 4: two-level sends each block once to the other node (8 crossings), flat to each of its 4 ranks (32)
+    assert sum(map(sum, two_level)) * 4 == sum(map(sum, flat))
 
 
 def _record_sends(rank, world_size, node_size, topology):

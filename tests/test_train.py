@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+import burst
+from burst.layout import zigzag_layout
 from cli import app
-from data import prepare, train_tokenizer
+from data import SequenceLoader, TokenStore, prepare, train_tokenizer
 from models import ModelConfig, Transformer, save_model
 
 WORDS = ["def", "return", "self", "import", "tensor", "rank", "shard", "ring", "(", ")", ":", "=", "+", "0", "1"]
@@ -158,18 +160,26 @@ def test_bad_configs_are_refused_before_any_work(store, tmp_path, monkeypatch, c
     assert not (out / "metrics.jsonl").exists()
 
 
-def test_doc_mask_cp2_gives_the_loss_curve_of_one_process(store, tmp_path):
-    common = ["--model", "debug", "--data", store, "--seq-len", 512, "--steps", 6, "--lr", 0.01, "--warmup", 2,
+def test_doc_mask_cp2_gives_the_loss_curve_of_one_process_and_resumes_bit_exactly(store, tmp_path):
+    """--doc-mask cuts each sequence by its balanced layout (cp_layout auto); the same sequences at cp 1."""
+    common = ["--model", "debug", "--data", store, "--seq-len", 1024, "--steps", 6, "--lr", 0.01, "--warmup", 2,
               "--precision", "fp32"]
     runs = {name: burst_train(*common, *flags, "--out", tmp_path / name)
-            for name, flags in {"mask1": ["--doc-mask"], "mask2": ["--doc-mask", "--cp", 2], "plain": []}.items()}
+            for name, flags in {"mask1": ["--doc-mask"], "mask2": ["--doc-mask", "--cp", 2], "plain": [],
+                                "stopped": ["--doc-mask", "--cp", 2, "--stop-after", 3]}.items()}
+    runs["resumed"] = burst_train("--resume", "--out", tmp_path / "stopped")
     for done in runs.values():
         assert done.returncode == 0, done.stderr[-3000:]
-    losses = {name: [r["loss"] for r in metrics(tmp_path / name)] for name in runs}
-    assert relative_gap(losses["mask2"], losses["mask1"]) <= 1e-3, losses
+    losses = {name: [r["loss"] for r in metrics(tmp_path / name)] for name in ("mask1", "mask2", "plain", "stopped")}
+    assert relative_gap(losses["mask2"], losses["mask1"]) <= 1e-5, losses
+    assert losses["stopped"] == losses["mask2"]  # bit for bit, the three steps after the restart included
     assert losses["mask1"][-1] < losses["mask1"][0] - 0.5, losses["mask1"]  # it learns
     # the mask changes what the model sees: the same data and seed without it gives another curve
     assert relative_gap(losses["plain"], losses["mask1"]) > 1e-3, losses
+    # the sequences trained on are cut by layouts of their own, not all zigzag's
+    loader = SequenceLoader(TokenStore(store).split("train"), 1024, 1, reset_positions=True)
+    layouts = {burst.balanced_layout(tuple(next(loader).doc_boundaries[0].tolist()), 1024, 2) for _ in range(6)}
+    assert layouts - {zigzag_layout(1024, 2)}, layouts
 
 
 def torchrun_nodes(nodes: int, per_node: int, *args: str, timeout: float = 240) -> list[subprocess.CompletedProcess]:

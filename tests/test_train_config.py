@@ -38,6 +38,9 @@ def test_the_saved_toml_reads_back_to_the_same_config(tmp_path):
     ("seq_len = 1004\ncp = 4\n", {}, "--seq-len 1004 does not split over --cp 4"),
     ('precision = "fp16"\n', {}, "--precision 'fp16' is not one of auto, bf16, fp32"),
     ('cp_topology = "mesh"\n', {}, "unknown --cp-topology 'mesh'; choose one of auto, flat, two-level, ulysses"),
+    ('cp_layout = "striped"\n', {}, "unknown --cp-layout 'striped'; choose one of zigzag, balanced"),
+    ('cp_layout = "balanced"\n', {}, "--cp-layout balanced is chosen from each sequence's documents, which "
+                                     "attention sees only with --doc-mask"),
     ("steps = [\n", {}, "cannot read the config file"),
     ("steps = 40\n", {"warmup": 40}, "--warmup 40 is not below --steps 40: the whole run would stay in warmup"),
     ("", {"seed": -1}, "--seed -1 must be between 0 and 2^63 - 1"),
@@ -54,6 +57,18 @@ def test_bad_settings_are_refused_with_the_setting_named(tmp_path, text, overrid
 def test_the_default_warmup_stays_below_short_runs():
     assert [TrainConfig(steps=steps).warmup for steps in (1, 3, 6, 40)] == [0, 2, 5, 5]
     assert load_config(None, {"steps": 3, "warmup": 1}).warmup == 1
+
+
+def test_the_balanced_layout_is_the_default_with_doc_mask_and_reaches_attention():
+    from trainer.parallelize import parallelize
+
+    assert TrainConfig().sequence_layout == "zigzag"
+    assert TrainConfig(doc_mask=True).sequence_layout == "balanced"
+    assert TrainConfig(doc_mask=True, cp_layout="zigzag").sequence_layout == "zigzag"  # today's, on request
+    for config in (TrainConfig(doc_mask=True), TrainConfig(doc_mask=True, cp_layout="zigzag")):
+        with torch.device("meta"):
+            model = parallelize(Transformer(ModelConfig.from_name("debug")), None, config)
+        assert {block.attention.core_attention.layout for block in model.layers} == {config.sequence_layout}
 
 
 def test_lr_warms_up_linearly_then_decays_by_cosine_to_the_floor():

@@ -97,6 +97,10 @@ class TrainConfig:
                                        "in a node, ring across) or auto (flat on one node, else fewest bytes "
                                        "across nodes).")
     doc_mask: bool = setting(False, "Attend only within each packed document; positions restart at every document.")
+    cp_layout: str = setting("auto", "How each sequence is cut into the cp ranks' shards: zigzag (2 x cp chunks), "
+                                     "balanced (chosen per sequence from its documents so that every rank does the "
+                                     "same attention work; needs --doc-mask) or auto (balanced with --doc-mask, "
+                                     "else zigzag).")
     seed: int = setting(0, "Seed of the initial weights and the data order.")
     val_sequences: int = setting(8, "Held-out sequences (the data's validation split) scored at the start and the end "
                                     "of each invocation and every --val-every steps: the validation loss of "
@@ -122,7 +126,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         # Here, not at the top: `burst --help` builds its options from these fields and must not import torch.
         from burst.attention import check_backward_mode
-        from burst.layout import check_sequence_length
+        from burst.layout import check_layout, check_sequence_length
         from burst.topology import check_topology
         from data.mixture import parse_mixture, resolved_sources
         from models.config import PRESETS
@@ -179,6 +183,11 @@ class TrainConfig:
             parse_rope_scaling(self.rope_scaling, "--rope-scaling", original_length=self.seq_len)
         check_backward_mode(self.attention_backward, "--attention-backward")
         check_topology(self.cp_topology, "--cp-topology")
+        if self.cp_layout != "auto":
+            check_layout(self.cp_layout, "--cp-layout")
+        if self.cp_layout == "balanced" and not self.doc_mask:
+            raise ValueError("--cp-layout balanced is chosen from each sequence's documents, which attention sees "
+                             "only with --doc-mask; add --doc-mask, or use --cp-layout zigzag (or auto)")
         try:
             check_sequence_length(self.seq_len, self.cp)
         except ValueError as err:
@@ -200,6 +209,13 @@ class TrainConfig:
             object.__setattr__(self, "init_from", str(Path(self.init_from).resolve()))
 
     @property
+    def sequence_layout(self) -> str:
+        """The layout the cp ranks cut sequences with (burst/layout.py): cp_layout with auto resolved."""
+        if self.cp_layout != "auto":
+            return self.cp_layout
+        return "balanced" if self.doc_mask else "zigzag"
+
+    @property
     def world_size(self) -> int:
         return self.cp * self.dp
 
@@ -214,8 +230,8 @@ INVOCATION_FIELDS = ("resume", "stop_after")
 # What --resume may change: the parallel layout (DCP reshards the state) and how the run reports and saves.
 # Sequences per step (batch_size x dp x grad_accum) must stay, so the loss and schedule do not change.
 RESUMABLE_CHANGES = ("cp", "dp", "batch_size", "grad_accum", "activation_checkpointing", "attention_backward",
-                     "cp_topology", "compile", "check_ranks_every", "log_every", "checkpoint_every", "keep",
-                     "async_checkpoint", "max_restarts", "timeout", "val_sequences", "val_every",
+                     "cp_topology", "cp_layout", "compile", "check_ranks_every", "log_every", "checkpoint_every",
+                     "keep", "async_checkpoint", "max_restarts", "timeout", "val_sequences", "val_every",
                      *INVOCATION_FIELDS)
 
 

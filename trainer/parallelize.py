@@ -1,7 +1,8 @@
 """Parallelism applied to the model from outside, in one documented order (torchtitan's):
 
 1. sequence parallelism: every block's `attention.core_attention` becomes a `burst.BurstAttention`
-   over the mesh's "cp" dimension (when cp > 1, or for document masking); the model code never knows;
+   over the mesh's "cp" dimension (when cp > 1, or for document masking), cutting sequences by the
+   layout the data loader cuts them with (`TrainConfig.sequence_layout`); the model code never knows;
 2. activation checkpointing: each block is wrapped to recompute its activations in backward
    ("full"), or all of them but attention's output ("selective": the ring forward, the costliest
    part of a long-context block, never runs twice); it wraps the blocks before FSDP so that FSDP's
@@ -50,7 +51,8 @@ def parallelize(model: Transformer, mesh: DeviceMesh | None, config: TrainConfig
         cp_group = mesh["cp"].get_group() if mesh is not None else None
         for block in model.layers:
             block.attention.core_attention = burst.BurstAttention(group=cp_group, backward=config.attention_backward,
-                                                                      topology=config.cp_topology)
+                                                                      topology=config.cp_topology,
+                                                                      layout=config.sequence_layout)
 
     if config.activation_checkpointing != "none":
         for index, block in enumerate(model.layers):

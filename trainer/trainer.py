@@ -87,7 +87,7 @@ class Trainer:
         self.loader = SequenceLoader([source.store for source in self.sources], config.seq_len, config.batch_size,
                                      shares=[source.spec.share for source in self.sources], dp_rank=env.dp_rank,
                                      dp_size=config.dp, cp_rank=env.cp_rank, cp_size=config.cp, seed=config.seed,
-                                     reset_positions=config.doc_mask)
+                                     reset_positions=config.doc_mask, cp_layout=config.sequence_layout)
         self.state = TrainState()
         self.saver = CheckpointSaver(self.out, plan.model_config, env.device, config.keep, config.async_checkpoint,
                                      env.cpu_group, self.report_saved)

@@ -1,0 +1,251 @@
+"""The balanced layout: per packed sequence, which equal chunks each rank holds so that every rank
+does the same attention work in forward and in backward.
+
+Work is counted as the fused kernels do it, in tiles of `tile` x `tile` (query rows x key rows): a
+kernel call on an r x c rectangle computes ceil(r / tile) x ceil(c / tile) tiles, one on a causal
+square of n rows the ceil(n / tile) (ceil(n / tile) + 1) / 2 tiles on and below its diagonal, and
+masked pairs outside the calls cost nothing (burst/plan.py). With packed documents the work of a
+query chunk is the sum over its documents of the keys before it in the same document; the work
+against a key chunk (where the backward of "burst" computes it) the queries after it. Both must
+balance: the forward's ring steps wait for the rank with the most query work, the backward's for
+the one with the most key work.
+
+The layout cuts the sequence into K chunks per rank and assigns them (`assign_chunks`): the chunks
+in decreasing order of work, each to the rank it leaves least loaded (longest-processing-time
+first, on the larger of its forward and backward shares; of the ranks that stay as lightly loaded,
+the one holding most of the chunk's documents, so that fewer rows travel), then swaps of a chunk
+between the most loaded rank and another while one lowers it (vectorised over the chunk pairs).
+More chunks balance better but
+cut documents into more kernel calls and smaller tiles, so a cost model (`choose_chunks`) weighs
+the candidates, K = 2, 4, 8, 16 with chunks of at least `min_chunk_tiles` tiles, and zigzag itself:
+the slowest rank's forward work plus BACKWARD_WEIGHT x the slowest rank's backward work (on the key
+side or the query side, as the backward mode has it: the larger), in tiles, each kernel call
+counted as `call_tiles` more. It is never worse than zigzag in that model, and replaces it (or a
+candidate with fewer chunks) only for a gain of more than `min_gain`. The shards have a fixed
+size, so every rank holds K chunks; a long document cut into K x W chunks of nearly equal work then
+balances to about one chunk in K, which is why K goes up to 16.
+
+The layout is chosen for causal attention, what a language model runs (attention without a causal
+mask runs on it as correctly, if less evenly). Everything here is a pure function of (boundaries,
+seq_len, world_size, options): each rank and the data loader compute the same layout with no
+communication (`burst.layout.balanced_layout` wraps it, memoised).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import pairwise
+
+import numpy as np
+
+Chunks = tuple[tuple[int, ...], ...]  # per rank, the global indices of the chunks it holds, ascending
+
+# A tile's backward costs about 2.5 of its forward: five matrix products against two.
+BACKWARD_WEIGHT = 2.5
+
+
+@dataclass(frozen=True)
+class BalanceOptions:
+    tile: int = 128  # the kernels' tile (query rows = key rows); GPU flash kernels use 128 x 128
+    min_chunk_tiles: int = 4  # no chunk shorter than this many tiles (512 tokens): smaller ones waste tiles
+    max_chunks_per_rank: int = 16
+    call_tiles: float = 1.0  # a kernel call's fixed cost (launch, merge), in tiles of work
+    # A layout replaces zigzag, or one with fewer chunks, only when it lowers the modelled step time by
+    # more than this share: a sequence zigzag balances keeps zigzag's calls, and so its time.
+    min_gain: float = 0.03
+
+
+DEFAULT_OPTIONS = BalanceOptions()
+# The options every balanced layout is chosen with (burst.layout.row_layouts): the data loader's and the
+# attention's must be the same. Tests lower the tile to reach several chunks per rank on short sequences.
+OPTIONS = DEFAULT_OPTIONS
+
+
+def tile_count(rows: int, cols: int, causal: bool, tile: int) -> int:
+    """Tiles a kernel call computes on a rows x cols rectangle (a causal call: a square, diagonal tiles on)."""
+    r = -(-rows // tile)
+    return r * (r + 1) // 2 if causal else r * -(-cols // tile)
+
+
+@dataclass(frozen=True)
+class ChunkWork:
+    """Per chunk: tiles and kernel calls of its queries (forward) and against its keys (backward)."""
+
+    forward: tuple[int, ...]
+    backward: tuple[int, ...]
+    forward_calls: tuple[int, ...]
+    backward_calls: tuple[int, ...]
+
+    def costs(self, call_tiles: float) -> tuple[list[float], list[float]]:
+        return ([t + call_tiles * c for t, c in zip(self.forward, self.forward_calls, strict=True)],
+                [t + call_tiles * c for t, c in zip(self.backward, self.backward_calls, strict=True)])
+
+
+def chunk_work(boundaries: Sequence[int], seq_len: int, chunks: int, tile: int) -> ChunkWork:
+    """The causal work of each of `chunks` equal chunks of a sequence with documents at `boundaries`.
+
+    A document's piece in chunk i meets its piece in chunk j <= i in one kernel call (a causal square
+    when j = i), whichever ranks hold the two chunks. O(chunks spanned) per document.
+    """
+    size = seq_len // chunks
+    forward, backward = [0] * chunks, [0] * chunks
+    forward_calls, backward_calls = [0] * chunks, [0] * chunks
+    for start, end in pairwise(boundaries):
+        first = start // size
+        pieces = [-(-(min(end, (c + 1) * size) - max(start, c * size)) // tile)
+                  for c in range(first, (end - 1) // size + 1)]  # tiles along each piece of the document
+        before = 0
+        for k, t in enumerate(pieces):  # queries of piece k see every earlier piece, and themselves causally
+            forward[first + k] += t * before + t * (t + 1) // 2
+            forward_calls[first + k] += k + 1
+            before += t
+        after = 0
+        for k in reversed(range(len(pieces))):  # keys of piece k are seen by every later piece
+            t = pieces[k]
+            backward[first + k] += t * after + t * (t + 1) // 2
+            backward_calls[first + k] += len(pieces) - k
+            after += t
+    return ChunkWork(tuple(forward), tuple(backward), tuple(forward_calls), tuple(backward_calls))
+
+
+def chunk_links(boundaries: Sequence[int], seq_len: int, chunks: int) -> np.ndarray:
+    """[chunks, chunks]: rows of chunk j that share a document with chunk i (i != j): what would travel
+    between the two if different ranks held them."""
+    size = seq_len // chunks
+    links = np.zeros((chunks, chunks))
+    for start, end in pairwise(boundaries):
+        first, last = start // size, (end - 1) // size
+        if first == last:
+            continue
+        span = range(first, last + 1)
+        rows = np.array([min(end, (c + 1) * size) - max(start, c * size) for c in span], float)
+        links[first:last + 1, first:last + 1] += rows[None, :]
+        links[span, span] -= rows
+    return links
+
+
+def assign_chunks(forward: Sequence[float], backward: Sequence[float], world_size: int, links: np.ndarray) -> Chunks:
+    """Chunks per rank (ascending), as many to each, balancing both costs (see the module docstring).
+    Among the ranks a chunk leaves no more loaded than the least loaded choice (or the mean), it goes
+    to the one holding most of its `links` (chunk_links): fewer rows travel."""
+    n, per_rank = len(forward), len(forward) // world_size
+    mean_f, mean_b = sum(forward) / world_size or 1.0, sum(backward) / world_size or 1.0
+    f, b = [x / mean_f for x in forward], [x / mean_b for x in backward]  # in units of the mean rank's load
+    load_f, load_b = [0.0] * world_size, [0.0] * world_size
+    held: list[list[int]] = [[] for _ in range(world_size)]
+    shared = np.zeros((n, world_size))  # [chunk, rank]: rows it shares with the chunks the rank holds
+    for c in sorted(range(n), key=lambda c: (-max(f[c], b[c]), c)):
+        open_ranks = [r for r in range(world_size) if len(held[r]) < per_rank]
+        after = {r: max(load_f[r] + f[c], load_b[r] + b[c]) for r in open_ranks}
+        bound = max(min(after.values()), 1.0)
+        r = min((r for r in open_ranks if after[r] <= bound),
+                key=lambda r: (-shared[c, r], after[r], load_f[r] + load_b[r], r))
+        held[r].append(c)
+        load_f[r] += f[c]
+        load_b[r] += b[c]
+        shared[:, r] += links[:, c]
+    f, b, load_f, load_b = np.array(f), np.array(b), np.array(load_f), np.array(load_b)
+    for _ in range(4 * len(f)):  # each swap lowers the most loaded rank; a bound, not a budget
+        worst = max(range(world_size), key=lambda r: (max(load_f[r], load_b[r]), -r))
+        others = sorted((r for r in range(world_size) if r != worst), key=lambda r: (max(load_f[r], load_b[r]), r))
+        if not any(_swap_best(f, b, held, load_f, load_b, worst, other) for other in others):
+            break
+    return tuple(tuple(sorted(h)) for h in held)
+
+
+def _swap_best(f: np.ndarray, b: np.ndarray, held: list[list[int]], load_f: np.ndarray, load_b: np.ndarray,
+               first: int, second: int) -> bool:
+    """Swap the chunk pair between two ranks that most lowers the larger of their loads (ties: the one
+    that leaves their four loads closest to the mean), if one lowers it; in place."""
+    x, y = np.array(held[first]), np.array(held[second])
+    df = f[y][None, :] - f[x][:, None]  # [chunk of first, chunk of second]: first's forward load change
+    db = b[y][None, :] - b[x][:, None]
+    loads = (load_f[first] + df, load_b[first] + db, load_f[second] - df, load_b[second] - db)
+    peak = np.maximum(np.maximum(loads[0], loads[1]), np.maximum(loads[2], loads[3]))
+    if peak.min() >= max(load_f[first], load_b[first], load_f[second], load_b[second]) - 1e-12:
+        return False
+    spread = sum((load - 1) ** 2 for load in loads)
+    i, j = np.unravel_index(np.lexsort((spread.ravel(), peak.ravel()))[0], peak.shape)
+    held[first][i], held[second][j] = int(y[j]), int(x[i])
+    load_f[first] += df[i, j]
+    load_b[first] += db[i, j]
+    load_f[second] -= df[i, j]
+    load_b[second] -= db[i, j]
+    return True
+
+
+def layout_cost(chunks: Chunks, work: ChunkWork, call_tiles: float) -> float:
+    """Modelled step time, in tiles: the slowest rank's forward + BACKWARD_WEIGHT x the slowest rank's
+    backward, which is query-side work ("ring") or key-side work ("burst"): the larger of the two."""
+    forward, backward = work.costs(call_tiles)
+    slowest_forward = max(sum(forward[c] for c in held) for held in chunks)
+    slowest_backward = max(sum(backward[c] for c in held) for held in chunks)
+    return slowest_forward + BACKWARD_WEIGHT * max(slowest_forward, slowest_backward)
+
+
+def chunks_per_rank_candidates(seq_len: int, world_size: int, options: BalanceOptions) -> list[int]:
+    """K = 2, 4, 8, ... up to max_chunks_per_rank, whose chunks divide the sequence and are long enough."""
+    candidates, k = [], 2
+    while k <= options.max_chunks_per_rank:
+        if seq_len % (k * world_size) == 0 and (k == 2 or seq_len // (k * world_size) >=
+                                                 options.min_chunk_tiles * options.tile):
+            candidates.append(k)
+        k *= 2
+    return candidates
+
+
+def choose_chunks(boundaries: Sequence[int], seq_len: int, world_size: int, zigzag: Chunks,
+                  options: BalanceOptions = DEFAULT_OPTIONS) -> tuple[int, Chunks]:
+    """(chunk length, chunks per rank): the cheapest of `zigzag` (2 chunks per rank) and the balanced
+    assignments of K chunks per rank (see the module docstring). seq_len splits into 2 x world_size."""
+    best, best_cost = (seq_len // (2 * world_size), zigzag), None
+    for k in chunks_per_rank_candidates(seq_len, world_size, options) if world_size > 1 else []:
+        work = chunk_work(boundaries, seq_len, k * world_size, options.tile)
+        forward, backward = work.costs(options.call_tiles)
+        candidates = [zigzag] if best_cost is None else []  # k = 2 comes first: zigzag is costed on its chunks
+        links = chunk_links(boundaries, seq_len, k * world_size)
+        candidates.append(assign_chunks(forward, backward, world_size, links))
+        for chunks in candidates:
+            cost = layout_cost(chunks, work, options.call_tiles)
+            if best_cost is None or cost < best_cost * (1 - options.min_gain):
+                best, best_cost = (seq_len // (k * world_size), chunks), cost
+    return best
+
+
+@dataclass(frozen=True)
+class PlanWork:
+    """What a plan's kernel calls compute, per rank, in tiles (see the module docstring)."""
+
+    forward: tuple[int, ...]  # tiles of each rank's queries: its forward (and "ring" backward) work
+    backward: tuple[int, ...]  # tiles against each rank's keys: its "burst" backward work
+    calls: tuple[int, ...]  # kernel calls of each rank's queries
+    visible_pairs: int  # (query, key) pairs the mask leaves visible, all computed
+    idle_pairs: int  # (query rank, key rank) pairs of different ranks with no kernel call
+
+    @property
+    def masked_share(self) -> float:
+        """The share of the computed tiles' area that is masked (diagonals, tiles cut by document ends)."""
+        return 1 - self.visible_pairs / (sum(self.forward) * self._tile_area)
+
+    _tile_area: int = 128 * 128
+
+
+def plan_work(plan, tile: int = 128) -> PlanWork:
+    """Count the tiles, calls and visible pairs of every kernel call `plan` (burst.plan.AttentionPlan) makes."""
+    world, rows = plan.world_size, len(plan.layouts)
+    forward, backward, calls = [0] * world, [0] * world, [0] * world
+    visible = idle = 0
+    for q in range(world):
+        for kv in range(world):
+            segments = plan(q, kv)
+            idle += q != kv and not segments
+            for seg in segments:
+                batch = len(range(rows)[seg.batch])
+                n_q, n_k = len(range(plan.shard_len)[seg.q_rows]), len(range(plan.shard_len)[seg.kv_rows])
+                tiles = batch * tile_count(n_q, n_k, seg.causal, tile)
+                forward[q] += tiles
+                backward[kv] += tiles
+                calls[q] += 1
+                visible += batch * (n_q * (n_q + 1) // 2 if seg.causal else n_q * n_k)
+    return PlanWork(tuple(forward), tuple(backward), tuple(calls), visible, idle, tile * tile)
