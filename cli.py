@@ -91,8 +91,12 @@ def prepare_command(
                                                                "RAYON_NUM_THREADS)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the tokenizer sample and the validation split."),
     force: bool = typer.Option(False, "--force", help="Replace OUT if it is a token store."),
+    chat: bool = typer.Option(False, "--chat", help="The rows are conversations (`messages`, or `prompt` and "
+                                                    "`completion`): render them with the tokenizer's chat template "
+                                                    "(or burst's plain one) into an instruction store that marks the "
+                                                    "answers. Needs --tokenizer."),
 ) -> None:
-    """Tokenize a corpus into a token store for training.
+    """Tokenize a corpus into a token store for training, or conversations into an instruction store (--chat).
 
     Exits 2 on bad input (refused before any work: OUT busy or not a store, unreadable inputs), 1 when a write
     failed during the work (disk full), 130 after Ctrl-C and 143 after SIGTERM; OUT is then as it was.
@@ -101,7 +105,7 @@ def prepare_command(
 
     with _exits():
         prepare(inputs, out, tokenizer=tokenizer, vocab_size=vocab_size, text_field=text_field,
-                val_fraction=val_fraction, workers=workers, seed=seed, force=force)
+                val_fraction=val_fraction, workers=workers, seed=seed, force=force, chat=chat)
 
 
 def _number_list(text: str | None, kind: type, flag: str) -> list | None:
