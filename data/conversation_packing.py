@@ -85,8 +85,9 @@ class ConversationStream:
         named = ", ".join(f"{self.store.place(int(i))} ({int(self.store.document_lengths[i]):,} tokens)"
                           for i in over[:NAMED])
         split = "" if self.store.split_name == "all" else f" ({self.store.split_name} split)"
+        longest = int(self.store.document_lengths[over].max())
         return (f"{len(over):,} conversations of {self.store.directory}{split} are longer than a sequence of "
-                f"--seq-len {self.seq_len:,} (+ 1 label): {named}"
+                f"--seq-len {self.seq_len:,} (+ 1 label), the longest {longest:,} tokens: {named}"
                 + (" ..." if len(over) > NAMED else "") + f"; {fix}")
 
     def _truncate(self, over: np.ndarray, lengths: np.ndarray) -> None:

@@ -120,7 +120,8 @@ def test_train_on_prompt_with_documents_alone_is_refused(tmp_path):
 def test_a_conversation_longer_than_a_sequence_is_refused_truncated_or_split(tmp_path):
     store = make_chat_store(tmp_path / "long", [6, 40, 9])
     with pytest.raises(ValueError, match=r"1 conversations of .* are longer than a sequence of --seq-len 24 "
-                                         r"\(\+ 1 label\): chat.jsonl:2 \(40 tokens\); set --long-conversations"):
+                                         r"\(\+ 1 label\), the longest 40 tokens: chat.jsonl:2 \(40 tokens\); "
+                                         r"set --long-conversations"):
         SequenceLoader(store, 24, 1)
     # truncate: BOS, then the last 24 tokens (its answer, the second half, is kept whole)
     stream = SequenceLoader(store, 24, 1, long_conversations="truncate").streams[0]

@@ -97,6 +97,11 @@ class TrainConfig:
                                        "in a node, ring across) or auto (flat on one node, else fewest bytes "
                                        "across nodes).")
     doc_mask: bool = setting(False, "Attend only within each packed document; positions restart at every document.")
+    train_on_prompt: bool = setting(False, "Score every token of an instruction store's conversations (`burst prepare "
+                                           "--chat`), prompts too, not only the answers.")
+    long_conversations: str = setting("refuse", "A conversation longer than a sequence: refuse (the run, naming it), "
+                                                "truncate (cut the prompt's start away, BOS kept) or split (into "
+                                                "sequence-long pieces).")
     seed: int = setting(0, "Seed of the initial weights and the data order.")
     val_sequences: int = setting(8, "Held-out sequences (the data's validation split) scored at the start and the end "
                                     "of each invocation and every --val-every steps: the validation loss of "
@@ -124,6 +129,7 @@ class TrainConfig:
         from burst.attention import check_backward_mode
         from burst.layout import check_sequence_length
         from burst.topology import check_topology
+        from data.conversation_packing import check_policy
         from data.mixture import parse_mixture, resolved_sources
         from models.config import PRESETS
         from models.rope import parse_rope_scaling
@@ -177,6 +183,7 @@ class TrainConfig:
             # The model's context length is known only once the model is (trainer/preflight.py fills it in);
             # seq_len stands in for it here, where everything else about the flag is checked.
             parse_rope_scaling(self.rope_scaling, "--rope-scaling", original_length=self.seq_len)
+        check_policy(self.long_conversations)
         check_backward_mode(self.attention_backward, "--attention-backward")
         check_topology(self.cp_topology, "--cp-topology")
         try:
