@@ -135,13 +135,20 @@ def eval_command(
                                                help="Passkey sample lengths, e.g. 1024,2048 (seq-len/4, /2, 1)."),
     passkey_depths: str | None = typer.Option(None, "--passkey-depths", help="Needle depths (0,0.25,0.5,0.75,1)."),
     passkey_trials: int | None = typer.Option(None, "--passkey-trials", help="Samples per cell; 0 skips (5)."),
+    qa_samples: int | None = typer.Option(None, "--qa-samples", help="An instruction store's validation "
+                                                                     "conversations whose last answer the model "
+                                                                     "must give; 0 skips (32)."),
+    long_conversations: str | None = typer.Option(None, "--long-conversations",
+                                                  help="An instruction store's conversations longer than --seq-len: "
+                                                       "refuse, truncate or split, as in training (refuse)."),
     cp: int | None = typer.Option(None, "--cp", help="Context-parallel ranks, started here or by torchrun (1)."),
     precision: str | None = typer.Option(None, "--precision", help="Weights dtype: fp32, bf16 or auto (bf16 where "
                                                                    "the hardware has it natively) (fp32)."),
     json_path: Path | None = typer.Option(None, "--json", help="Write the results here, and a PNG plot beside."),
     force: bool = typer.Option(False, "--force", help="Replace the --json file (and its PNG) if they exist."),
 ) -> None:
-    """Perplexity, loss by position and passkey retrieval of a model checkpoint: results on stdout.
+    """Perplexity, loss by position and passkey retrieval of a model checkpoint: results on stdout. On an
+    instruction store (`burst prepare --chat`): the answers' loss, and question answering by depth.
 
     With --cp N it starts N local ranks; on several machines start them with torchrun instead.
     Exits 2 on bad input, 1 when the model's loss is not finite (a diverged or damaged model).
@@ -150,7 +157,7 @@ def eval_command(
     from evaluation.run import EvaluationFailed
 
     flags = dict(data=data, seq_len=seq_len, batches=batches, buckets=buckets, positions=positions,
-                 passkey_trials=passkey_trials,
+                 passkey_trials=passkey_trials, qa_samples=qa_samples, long_conversations=long_conversations,
                  passkey_lengths=_number_list(passkey_lengths, int, "--passkey-lengths"),
                  passkey_depths=_number_list(passkey_depths, float, "--passkey-depths"),
                  cp=cp, precision=precision, json_path=json_path)

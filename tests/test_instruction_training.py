@@ -63,27 +63,36 @@ def config_for(cp: int, dp: int, grad_accum: int) -> TrainConfig:
                        grad_accum=grad_accum, precision="fp32", max_grad_norm=0.0, doc_mask=True, seed=3)
 
 
-def transformers_reference(store_dir: Path) -> tuple[float, float, int]:
-    """Step 1's loss, gradient norm and scored tokens as transformers computes them: each conversation (and each
-    padding run) of the step's sequences on its own, labels -100 where a token is not scored, the summed loss
-    over the scored tokens of the whole step."""
-    config = config_for(1, 1, 1)
-    store = TokenStore(store_dir).split("train")
-    burst_model = build_model(model_config(store), None, config, torch.device("cpu"))
-    hf_fields = config_to_hf(model_config(store), torch.float32)
-    hf = LlamaForCausalLM(LlamaConfig.from_dict(hf_fields, attn_implementation="eager"))
-    hf.load_state_dict({rename(name, NATIVE_TO_HF): t for name, t in burst_model.state_dict().items()}, strict=False)
+def hf_model(model: torch.nn.Module, config: ModelConfig) -> LlamaForCausalLM:
+    """transformers' LlamaForCausalLM holding the weights of burst's `model` (one process)."""
+    hf = LlamaForCausalLM(LlamaConfig.from_dict(config_to_hf(config, torch.float32), attn_implementation="eager"))
+    hf.load_state_dict({rename(name, NATIVE_TO_HF): t for name, t in model.state_dict().items()}, strict=False)
     if hf.config.tie_word_embeddings:
         hf.tie_weights()
-    stream = ConversationStream(store, SEQ_LEN, config.seed)
+    return hf
+
+
+def transformers_loss(hf: LlamaForCausalLM, store: TokenStore, seed: int, sequences: int) -> tuple[torch.Tensor, int]:
+    """The mean token loss transformers computes over the first `sequences` sequences burst packs from `store`
+    (seed `seed`), and its token count: each conversation (and each padding run) on its own, labels -100 where a
+    token is not scored, the summed loss divided by the scored tokens of them all."""
+    stream = ConversationStream(store, SEQ_LEN, seed)
     pieces = []
-    for k in range(SEQUENCES):
+    for k in range(sequences):
         tokens, is_start, scored = (torch.from_numpy(a) for a in stream.sequence(k))
         edges = [*torch.nonzero(is_start).flatten().tolist(), SEQ_LEN + 1]
         pieces += [(tokens[a:b], torch.where(scored[a:b], tokens[a:b], -100)) for a, b in zip(edges, edges[1:],
                                                                                                 strict=False)]
     count = sum(int((labels[1:] != -100).sum()) for _, labels in pieces)
-    loss = sum(hf(input_ids=t[None], labels=lab[None], num_items_in_batch=count).loss for t, lab in pieces)
+    return sum(hf(input_ids=t[None], labels=lab[None], num_items_in_batch=count).loss for t, lab in pieces), count
+
+
+def transformers_reference(store_dir: Path) -> tuple[float, float, int]:
+    """Step 1's loss, gradient norm and scored tokens as transformers computes them."""
+    config = config_for(1, 1, 1)
+    store = TokenStore(store_dir).split("train")
+    hf = hf_model(build_model(model_config(store), None, config, torch.device("cpu")), model_config(store))
+    loss, count = transformers_loss(hf, store, config.seed, SEQUENCES)
     loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(hf.parameters(), float("inf"))
     return loss.item(), grad_norm.item(), count
