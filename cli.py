@@ -84,7 +84,8 @@ def prepare_command(
                                                                     "tokenizer.json, a SentencePiece .model, or a "
                                                                     "model directory holding one."),
     vocab_size: int | None = typer.Option(None, "--vocab-size", help="Train a tokenizer of this size (32000)."),
-    text_field: str = typer.Option("text", "--text-field", help="Field holding the text in .jsonl/.parquet."),
+    text_field: str | None = typer.Option(None, "--text-field", help="Field holding the text in .jsonl/.parquet "
+                                                                     "(text)."),
     val_fraction: float = typer.Option(0.01, "--val-fraction", help="Fraction of documents for validation."),
     workers: int | None = typer.Option(None, "--workers", help="SentencePiece encoding threads (default: all "
                                                                "cores; a tokenizer.json uses all, or "

@@ -39,6 +39,7 @@ from runtime.failure import writing
 from runtime.launch import available_cores
 
 DEFAULT_VOCAB_SIZE = 32_000
+DEFAULT_TEXT_FIELD = "text"
 MAX_VOCAB_SIZE = 2**20  # well past any LLaMA-family vocabulary (128,256); more is a typo, not a plan
 LONG_DOCUMENT_TOKENS = (8_192, 16_384, 32_768, 65_536, 131_072)  # common sequence lengths
 CHUNK_CHARS = 4_000_000  # text per encode call: enough work for every core, little memory
@@ -65,23 +66,25 @@ class PrepareSummary:
 
 
 def prepare(inputs: Sequence[str | Path], out_dir: str | Path, *, tokenizer: str | Path | None = None,
-            vocab_size: int | None = None, text_field: str = "text", val_fraction: float = 0.01,
+            vocab_size: int | None = None, text_field: str | None = None, val_fraction: float = 0.01,
             workers: int | None = None, seed: int = 0, force: bool = False, progress: bool = True,
             chat: bool = False) -> PrepareSummary:
     """Tokenize `inputs` (files or directories) into a token store at `out_dir`.
 
     With `tokenizer` (a Hugging Face tokenizer.json, a SentencePiece .model, or a model directory holding
     one) its ids are used; otherwise a SentencePiece tokenizer of `vocab_size` (default 32,000) is trained
-    on the corpus. With `chat`, the rows are conversations and the store an instruction store (`tokenizer`
-    required: conversations are rendered for a model that exists). `val_fraction` of the documents, chosen
-    with `seed`, form the validation split. Prints a progress bar and a summary table unless `progress` is
-    False. An existing `out_dir` is replaced only with `force`, and only when it is a token store; while
-    another process writes `out_dir` this one is refused (DirectoryBusy). A write that fails during the work
-    (disk full) raises WriteFailed; `out_dir` is then as it was.
+    on the corpus. `text_field` names a row's text (default "text"). With `chat`, the rows are conversations
+    and the store an instruction store (`tokenizer` required: conversations are rendered for a model that
+    exists). `val_fraction` of the documents, chosen with `seed`, form the validation split. Prints a
+    progress bar and a summary table unless `progress` is False. An existing `out_dir` is replaced only with
+    `force`, and only when it is a token store; while another process writes `out_dir` this one is refused
+    (DirectoryBusy). A write that fails during the work (disk full) raises WriteFailed; `out_dir` is then as
+    it was.
     """
     started = time.perf_counter()
     out_dir = Path(out_dir)
-    _check_arguments(inputs, out_dir, tokenizer, vocab_size, val_fraction, seed, force, chat)
+    _check_arguments(inputs, out_dir, tokenizer, vocab_size, val_fraction, seed, force, chat, text_field)
+    text_field = text_field or DEFAULT_TEXT_FIELD
     console = Console(quiet=not progress)
     with exclusive_writer(out_dir, "store") as directory:
         directory.check_replaceable(force, older=_is_token_store)  # before the inputs are even listed
@@ -151,13 +154,17 @@ def no_documents_message(inputs: Sequence[str | Path], report: InputReport) -> s
 
 
 def _check_arguments(inputs: Sequence[str | Path], out_dir: Path, tokenizer: str | Path | None,
-                     vocab_size: int | None, val_fraction: float, seed: int, force: bool, chat: bool) -> None:
+                     vocab_size: int | None, val_fraction: float, seed: int, force: bool, chat: bool,
+                     text_field: str | None) -> None:
     """Refuse bad arguments before any work is done."""
     if not inputs:
         raise ValueError("no inputs given; pass files or directories to tokenize")
     if chat and tokenizer is None:
         raise ValueError("--chat renders conversations for the model they will fine-tune: pass its tokenizer with "
                          "--tokenizer (its tokenizer.json, a model directory, or the token store it was trained on)")
+    if chat and text_field is not None:
+        raise ValueError(f"--text-field {text_field} names the text of a document; --chat reads conversations from "
+                         f"`messages`, or `prompt` and `completion`: drop --text-field")
     if tokenizer is not None and vocab_size is not None:
         raise ValueError("pass either --tokenizer (use an existing model) or --vocab-size (train one), not both")
     if vocab_size is not None and not 300 <= vocab_size <= MAX_VOCAB_SIZE:

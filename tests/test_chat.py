@@ -293,6 +293,9 @@ def test_what_cannot_become_an_instruction_store_is_refused_and_nothing_is_writt
     out = tmp_path / "store"
     refused(runner.invoke(app, ["prepare", str(rows), "--chat", "--out", str(out)]), 2, "--chat renders",
             "pass its tokenizer with --tokenizer")
+    refused(runner.invoke(app, ["prepare", str(rows), "--chat", "--tokenizer", str(sentencepiece), "--text-field",
+                                "body", "--out", str(out)]), 2, "--text-field body names the text of a document",
+            "drop --text-field")
     text = tmp_path / "notes.txt"
     text.write_text("plain text")
     refused(runner.invoke(app, ["prepare", str(text), "--chat", "--tokenizer", str(sentencepiece), "--out",
