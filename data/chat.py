@@ -15,8 +15,8 @@ conversations take PLAIN_TEMPLATE: BOS, then each message as "Role:\\n" + conten
 content followed by EOS, which ends each answer. Its BOS and EOS are written as their ids, never as text, and
 its text is encoded in pieces cut at the answers' edges, each piece after the first encoded as it continues the
 text before it (after a newline whose ids are dropped, so that SentencePiece adds no space at its start).
-At inference, render the conversation so far with `add_generation_prompt=True` (which ends in "Assistant:\\n")
-through `ChatFormat.encode` and generate until EOS.
+At inference, `ChatFormat.prompt_ids` renders the conversation so far with `add_generation_prompt=True` (which ends
+in "Assistant:\\n") and encodes it as training did; generate until EOS.
 
 The scored tokens are each assistant turn's answer and its end-of-turn token: where the template marks them with
 `{% generation %}` blocks (PLAIN_TEMPLATE does), the characters of those blocks, which is what transformers'
@@ -252,6 +252,12 @@ class ChatFormat:
                     f"turn the same way wherever it stands")
             spans.append((len(before), end))
         return spans
+
+    def prompt_ids(self, messages: list[dict[str, Any]]) -> np.ndarray:
+        """The ids a model is given at inference to answer `messages`: rendered with the generation prompt, encoded
+        as training encoded them (for the conversation with its answer, these are its first ids)."""
+        text, spans = self.render_text(messages, add_generation_prompt=True)
+        return self.encode([Rendered(text, spans)])[0][0]
 
     def encode(self, rendered: list[Rendered]) -> list[tuple[np.ndarray, np.ndarray]]:
         """(ids int64 [n], scored bool [n]) of each rendered conversation; a template's texts in one batch."""

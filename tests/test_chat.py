@@ -215,9 +215,14 @@ def test_the_plain_template_frames_answers_with_eos_and_keeps_literal_specials_a
                                      "It returns <s> and </s>.\n\n")
     prompt, _ = chat.render_text(conversation[:2], add_generation_prompt=True)
     assert prompt.endswith("User:\nWhat does f return?\n\nAssistant:\n")  # what inference renders before answering
+    prompt_ids = chat.prompt_ids(conversation[:2])  # what a model is given at inference: the ids training saw
+    assert ids[:len(prompt_ids)].tolist() == prompt_ids.tolist() and scored[len(prompt_ids)] and \
+        not scored[:len(prompt_ids)].any()
     multi, multi_scored = chat.encode([chat.render(CONVERSATIONS[3])])[0]
     assert tokenizer.decode(multi[multi_scored]) == "Calling the tool.The tool says 42."
     assert (multi == tokenizer.eos_id).sum() == 2
+    second_prompt = chat.prompt_ids(CONVERSATIONS[3][:3])  # after the first answer and the tool's turn
+    assert multi[:len(second_prompt)].tolist() == second_prompt.tolist() and multi_scored[len(second_prompt)]
 
 
 def write_rows(path: Path, rows: list) -> Path:
