@@ -84,15 +84,20 @@ def prepare_command(
                                                                     "tokenizer.json, a SentencePiece .model, or a "
                                                                     "model directory holding one."),
     vocab_size: int | None = typer.Option(None, "--vocab-size", help="Train a tokenizer of this size (32000)."),
-    text_field: str = typer.Option("text", "--text-field", help="Field holding the text in .jsonl/.parquet."),
+    text_field: str | None = typer.Option(None, "--text-field", help="Field holding the text in .jsonl/.parquet "
+                                                                     "(text)."),
     val_fraction: float = typer.Option(0.01, "--val-fraction", help="Fraction of documents for validation."),
     workers: int | None = typer.Option(None, "--workers", help="SentencePiece encoding threads (default: all "
                                                                "cores; a tokenizer.json uses all, or "
                                                                "RAYON_NUM_THREADS)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the tokenizer sample and the validation split."),
     force: bool = typer.Option(False, "--force", help="Replace OUT if it is a token store."),
+    chat: bool = typer.Option(False, "--chat", help="The rows are conversations (`messages`, or `prompt` and "
+                                                    "`completion`): render them with the tokenizer's chat template "
+                                                    "(or burst's plain one) into an instruction store that marks the "
+                                                    "answers. Needs --tokenizer."),
 ) -> None:
-    """Tokenize a corpus into a token store for training.
+    """Tokenize a corpus into a token store for training, or conversations into an instruction store (--chat).
 
     Exits 2 on bad input (refused before any work: OUT busy or not a store, unreadable inputs), 1 when a write
     failed during the work (disk full), 130 after Ctrl-C and 143 after SIGTERM; OUT is then as it was.
@@ -101,7 +106,7 @@ def prepare_command(
 
     with _exits():
         prepare(inputs, out, tokenizer=tokenizer, vocab_size=vocab_size, text_field=text_field,
-                val_fraction=val_fraction, workers=workers, seed=seed, force=force)
+                val_fraction=val_fraction, workers=workers, seed=seed, force=force, chat=chat)
 
 
 def _number_list(text: str | None, kind: type, flag: str) -> list | None:
@@ -131,13 +136,20 @@ def eval_command(
                                                help="Passkey sample lengths, e.g. 1024,2048 (seq-len/4, /2, 1)."),
     passkey_depths: str | None = typer.Option(None, "--passkey-depths", help="Needle depths (0,0.25,0.5,0.75,1)."),
     passkey_trials: int | None = typer.Option(None, "--passkey-trials", help="Samples per cell; 0 skips (5)."),
+    qa_samples: int | None = typer.Option(None, "--qa-samples", help="An instruction store's validation "
+                                                                     "conversations whose last answer the model "
+                                                                     "must give; 0 skips (32)."),
+    long_conversations: str | None = typer.Option(None, "--long-conversations",
+                                                  help="An instruction store's conversations longer than --seq-len: "
+                                                       "refuse, truncate or split, as in training (refuse)."),
     cp: int | None = typer.Option(None, "--cp", help="Context-parallel ranks, started here or by torchrun (1)."),
     precision: str | None = typer.Option(None, "--precision", help="Weights dtype: fp32, bf16 or auto (bf16 where "
                                                                    "the hardware has it natively) (fp32)."),
     json_path: Path | None = typer.Option(None, "--json", help="Write the results here, and a PNG plot beside."),
     force: bool = typer.Option(False, "--force", help="Replace the --json file (and its PNG) if they exist."),
 ) -> None:
-    """Perplexity, loss by position and passkey retrieval of a model checkpoint: results on stdout.
+    """Perplexity, loss by position and passkey retrieval of a model checkpoint: results on stdout. On an
+    instruction store (`burst prepare --chat`): the answers' loss, and question answering by depth.
 
     With --cp N it starts N local ranks; on several machines start them with torchrun instead.
     Exits 2 on bad input, 1 when the model's loss is not finite (a diverged or damaged model).
@@ -146,7 +158,7 @@ def eval_command(
     from evaluation.run import EvaluationFailed
 
     flags = dict(data=data, seq_len=seq_len, batches=batches, buckets=buckets, positions=positions,
-                 passkey_trials=passkey_trials,
+                 passkey_trials=passkey_trials, qa_samples=qa_samples, long_conversations=long_conversations,
                  passkey_lengths=_number_list(passkey_lengths, int, "--passkey-lengths"),
                  passkey_depths=_number_list(passkey_depths, float, "--passkey-depths"),
                  cp=cp, precision=precision, json_path=json_path)

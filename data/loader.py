@@ -5,6 +5,8 @@ stream: every document of the source in a seeded random order, each as BOS + doc
 e + 1 (a new order) follows epoch e without a gap. Sequence k of a stream is
 stream[k * seq_len : k * seq_len + seq_len + 1], so consecutive sequences share one token and every
 stream token is a label exactly once. A long document simply continues into the next sequence.
+An instruction store's conversations are packed whole instead, never cut across two sequences, the rest
+of a sequence padding, and only their answers scored (data/conversation_packing.py).
 
 Every sequence comes from one source, chosen by the mixture's schedule (the source furthest below
 its share). At each step the next batch_size x dp_size sequences go to the data-parallel ranks,
@@ -25,10 +27,11 @@ import numpy as np
 import torch
 
 from burst.layout import check_layout, check_sequence_length, shard_for_rank
+from data.conversation_packing import ConversationStream, check_policy
 from data.mixture import MixtureSchedule
 from data.store import TokenStore
 
-IGNORE_INDEX = -100  # label of a position whose next token is a document's BOS: nothing to learn there
+IGNORE_INDEX = -100  # label of a position whose next token is not scored: a document's start, a prompt, padding
 
 
 @dataclass
@@ -36,7 +39,8 @@ class Batch:
     """One rank's share of a step: its sequences, cut to its sequence-parallel shard."""
 
     tokens: torch.Tensor  # int64 [batch, seq_len // cp_size], the rank's shard under the loader's cp_layout
-    labels: torch.Tensor  # int64 [batch, seq_len // cp_size], next tokens; IGNORE_INDEX where the next is a BOS
+    labels: torch.Tensor  # int64 [batch, seq_len // cp_size], next tokens; IGNORE_INDEX where the next is not
+    #                       scored (a document's BOS; in conversations the prompts and padding too)
     positions: torch.Tensor  # int64 [batch, seq_len // cp_size], global position ids of the shard's tokens
     doc_boundaries: list[torch.Tensor]  # per sequence, int64 cumulative document starts over the FULL sequence:
     #                                     [0, start_1, ..., seq_len]; a document starts at each BOS
@@ -52,8 +56,8 @@ class PackedStream:
     `stream_id` tells sources apart in the seed; source 0 draws its orders as a single store always has.
     """
 
-    def __init__(self, store: TokenStore, seed: int, stream_id: int = 0) -> None:
-        self.store = store
+    def __init__(self, store: TokenStore, seq_len: int, seed: int, stream_id: int = 0) -> None:
+        self.store, self.seq_len = store, seq_len
         self._seed = [seed] + ([stream_id] if stream_id else [])
         self._lengths = store.document_lengths + 2  # BOS + document + EOS, as packed
         self.epoch_tokens = int(self._lengths.sum())
@@ -70,6 +74,17 @@ class PackedStream:
             starts = np.concatenate([[0], np.cumsum(self._lengths[order])])  # [num_documents + 1]
             self._layouts[epoch] = (order, starts)
         return self._layouts[epoch]
+
+    def sequence(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Sequence k: tokens int64 [seq_len + 1], where documents start bool [seq_len + 1], and which tokens are
+        scored bool [seq_len + 1] (all but a document's BOS)."""
+        tokens, starts = self.read(k * self.seq_len, self.seq_len + 1)
+        is_start = np.zeros(self.seq_len + 1, bool)
+        is_start[starts] = True
+        return tokens, is_start, ~is_start
+
+    def padding_before(self, k: int) -> int:
+        return 0  # documents run on from one sequence into the next: there is none
 
     def read(self, position: int, count: int) -> tuple[np.ndarray, list[int]]:
         """`count` stream tokens from `position` (counted from the start of epoch 0) and the offsets in them
@@ -111,16 +126,23 @@ class SequenceLoader:
     sources: one TokenStore (or split), or several with their shares of the sequences (`shares`, summing
     to 1; see data/mixture.py). With `reset_positions`, position ids restart at 0 at every document start
     inside a sequence (a document continued from the previous sequence starts at 0 too), matching
-    document masking.
+    document masking. Instruction stores pack their conversations with the `long_conversations` policy and
+    score their answers, or every token but the first of each conversation with `train_on_prompt`.
     """
 
     def __init__(self, sources: TokenStore | Sequence[TokenStore], seq_len: int, batch_size: int, *,
                  shares: Sequence[float] | None = None, dp_rank: int = 0, dp_size: int = 1, cp_rank: int = 0,
-                 cp_size: int = 1, seed: int = 0, reset_positions: bool = False, cp_layout: str = "zigzag") -> None:
+                 cp_size: int = 1, seed: int = 0, reset_positions: bool = False, cp_layout: str = "zigzag",
+                 long_conversations: str = "refuse", train_on_prompt: bool = False) -> None:
         stores = [sources] if isinstance(sources, TokenStore) else list(sources)
         shares = [1.0] if shares is None and len(stores) == 1 else shares
         check_sequence_length(seq_len, cp_size)
         check_layout(cp_layout, "cp_layout")
+        check_policy(long_conversations)
+        if train_on_prompt and not any(store.is_conversations for store in stores):
+            raise ValueError("--train-on-prompt scores the prompts of conversations as well as their answers, but no "
+                             "--data source is an instruction store (`burst prepare --chat`): a store of documents "
+                             "scores every token already; drop --train-on-prompt")
         if batch_size < 1:
             raise ValueError(f"batch size {batch_size} must be at least 1")
         if shares is None or len(shares) != len(stores):
@@ -135,13 +157,22 @@ class SequenceLoader:
         self.seq_len, self.batch_size = seq_len, batch_size
         self.dp_rank, self.dp_size, self.cp_rank, self.cp_size = dp_rank, dp_size, cp_rank, cp_size
         self.seed, self.reset_positions, self.cp_layout = seed, reset_positions, cp_layout
-        self.streams = [PackedStream(store, seed, i) for i, store in enumerate(stores)]
+        self.streams = [ConversationStream(store, seq_len, seed, i, policy=long_conversations,
+                                           train_on_prompt=train_on_prompt) if store.is_conversations
+                        else PackedStream(store, seq_len, seed, i) for i, store in enumerate(stores)]
         self.schedule = MixtureSchedule(list(shares))
 
     @property
     def sequences_by_source(self) -> list[int]:
         """How many sequences each source has given so far (to every rank together)."""
         return list(self.schedule.counts)
+
+    @property
+    def padding_tokens(self) -> int:
+        """Padding among the inputs of every sequence given so far (to every rank together): what packing whole
+        conversations leaves empty."""
+        return sum(stream.padding_before(count) for stream, count in zip(self.streams, self.schedule.counts,
+                                                                         strict=True))
 
     # -- state ------------------------------------------------------------------------------
 
@@ -170,24 +201,24 @@ class SequenceLoader:
         seq_len, rows = self.seq_len, self.batch_size
         sequences = np.empty((rows, seq_len + 1), np.int64)
         is_start = np.zeros((rows, seq_len + 1), bool)
+        scored = np.zeros((rows, seq_len + 1), bool)
         mine = range(self.dp_rank * rows, (self.dp_rank + 1) * rows)
         for index in range(rows * self.dp_size):  # every dp rank's sequences are drawn, only this one's are read
             source = self.schedule.next()
             if index in mine:
                 k = self.schedule.counts[source] - 1  # the source's sequence number
                 row = index - mine.start
-                sequences[row], starts = self.streams[source].read(k * seq_len, seq_len + 1)
-                is_start[row, starts] = True
-        return self._batch(sequences, is_start)
+                sequences[row], is_start[row], scored[row] = self.streams[source].sequence(k)
+        return self._batch(sequences, is_start, scored)
 
-    def _batch(self, sequences: np.ndarray, is_start: np.ndarray) -> Batch:
+    def _batch(self, sequences: np.ndarray, is_start: np.ndarray, scored: np.ndarray) -> Batch:
         """This rank's shard of the rows `sequences` [rows, seq_len + 1] (the last token is only a label),
-        with `is_start` marking where documents begin."""
+        with `is_start` marking where documents begin and `scored` the tokens that are labels."""
         rows, seq_len = sequences.shape[0], self.seq_len
         boundaries = [np.unique(np.concatenate([[0], np.flatnonzero(row[:-1]), [seq_len]])) for row in is_start]
         full = np.empty((3, rows, seq_len), np.int64)  # tokens, labels, positions: sharded in one call
         full[0] = sequences[:, :-1]
-        full[1] = np.where(is_start[:, 1:], IGNORE_INDEX, sequences[:, 1:])
+        full[1] = np.where(scored[:, 1:], sequences[:, 1:], IGNORE_INDEX)
         full[2] = np.arange(seq_len)
         if self.reset_positions:
             for row, b in enumerate(boundaries):

@@ -6,6 +6,10 @@ if this one is killed) and renamed to DIR only when complete, with metadata.json
 interrupted prepare never leaves a directory that looks like a store; `--force` replaces only a token
 store. Input is read and encoded in bounded pieces (data/sources.py, data/pieces.py) and tokens go to
 disk chunk by chunk, so memory stays flat for any corpus size and any document length.
+
+With `chat`, the inputs are conversations (data/conversations.py), rendered with the tokenizer's chat template
+or burst's plain one (data/chat.py), and the store is an instruction store: each conversation whole, with its
+answers marked (data/store.py).
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeE
 from rich.table import Table
 from rich.text import Text
 
+from data.chat import ChatFormat
+from data.conversations import ConversationReader, ConversationRow
 from data.pieces import DocumentCutter, Piece
 from data.sources import DocumentReader, InputReport, find_input_files
 from data.store import StoreWriter, TokenStore, token_dtype
@@ -33,6 +39,7 @@ from runtime.failure import writing
 from runtime.launch import available_cores
 
 DEFAULT_VOCAB_SIZE = 32_000
+DEFAULT_TEXT_FIELD = "text"
 MAX_VOCAB_SIZE = 2**20  # well past any LLaMA-family vocabulary (128,256); more is a typo, not a plan
 LONG_DOCUMENT_TOKENS = (8_192, 16_384, 32_768, 65_536, 131_072)  # common sequence lengths
 CHUNK_CHARS = 4_000_000  # text per encode call: enough work for every core, little memory
@@ -55,28 +62,33 @@ class PrepareSummary:
     documents_at_least: dict[int, int]  # {sequence length: documents with at least that many tokens}
     report: InputReport
     seconds: float
+    num_scored_tokens: int | None = None  # an instruction store's answer tokens; None: a store of documents
 
 
 def prepare(inputs: Sequence[str | Path], out_dir: str | Path, *, tokenizer: str | Path | None = None,
-            vocab_size: int | None = None, text_field: str = "text", val_fraction: float = 0.01,
-            workers: int | None = None, seed: int = 0, force: bool = False, progress: bool = True) -> PrepareSummary:
+            vocab_size: int | None = None, text_field: str | None = None, val_fraction: float = 0.01,
+            workers: int | None = None, seed: int = 0, force: bool = False, progress: bool = True,
+            chat: bool = False) -> PrepareSummary:
     """Tokenize `inputs` (files or directories) into a token store at `out_dir`.
 
     With `tokenizer` (a Hugging Face tokenizer.json, a SentencePiece .model, or a model directory holding
     one) its ids are used; otherwise a SentencePiece tokenizer of `vocab_size` (default 32,000) is trained
-    on the corpus. `val_fraction` of the documents, chosen with `seed`, form the validation split.
-    Prints a progress bar and a summary table unless `progress` is False. An existing `out_dir` is replaced
-    only with `force`, and only when it is a token store; while another process writes `out_dir` this one
-    is refused (DirectoryBusy). A write that fails during the work (disk full) raises WriteFailed; `out_dir`
-    is then as it was.
+    on the corpus. `text_field` names a row's text (default "text"). With `chat`, the rows are conversations
+    and the store an instruction store (`tokenizer` required: conversations are rendered for a model that
+    exists). `val_fraction` of the documents, chosen with `seed`, form the validation split. Prints a
+    progress bar and a summary table unless `progress` is False. An existing `out_dir` is replaced only with
+    `force`, and only when it is a token store; while another process writes `out_dir` this one is refused
+    (DirectoryBusy). A write that fails during the work (disk full) raises WriteFailed; `out_dir` is then as
+    it was.
     """
     started = time.perf_counter()
     out_dir = Path(out_dir)
-    _check_arguments(inputs, out_dir, tokenizer, vocab_size, val_fraction, seed, force)
+    _check_arguments(inputs, out_dir, tokenizer, vocab_size, val_fraction, seed, force, chat, text_field)
+    text_field = text_field or DEFAULT_TEXT_FIELD
     console = Console(quiet=not progress)
     with exclusive_writer(out_dir, "store") as directory:
         directory.check_replaceable(force, older=_is_token_store)  # before the inputs are even listed
-        report = InputReport()
+        report = InputReport(conversations=chat)
         files = find_input_files(inputs, report)
         if not files:
             raise ValueError(no_documents_message(inputs, report))
@@ -85,18 +97,29 @@ def prepare(inputs: Sequence[str | Path], out_dir: str | Path, *, tokenizer: str
             with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeElapsedColumn(),
                           TimeRemainingColumn(), console=console) as bar:
                 tok = _tokenizer_for(files, work_dir, tokenizer, vocab_size, text_field, seed, bar)
-                writer = StoreWriter(work_dir, token_dtype(tok.vocab_size))
+                chat_format = ChatFormat(tok) if chat else None  # a template that cannot work is refused here
+                writer = StoreWriter(work_dir, token_dtype(tok.vocab_size), conversations=chat)
+                hard_cuts = 0  # a conversation is never cut
                 try:
-                    hard_cuts = _tokenize(DocumentReader(files, report, text_field), tok, writer, workers, bar)
+                    if chat_format is not None:
+                        bar.console.print("conversations rendered with " + (
+                            "burst's plain template (the tokenizer has no chat template)" if chat_format.is_plain
+                            else f"the chat template in {chat_format.where}"))
+                        _tokenize_conversations(ConversationReader(files, report, chat_format), chat_format, writer,
+                                                bar)
+                    else:
+                        hard_cuts = _tokenize(DocumentReader(files, report, text_field), tok, writer, workers, bar)
                 finally:
                     writer.close()
             if writer.num_documents == 0:
                 raise ValueError(no_documents_message(inputs, report))
             val_documents = _choose_val_documents(writer.num_documents, val_fraction, seed)
+            conversations = {"conversation_files": [str(f) for f in files], "chat": chat_format.metadata()} \
+                if chat_format is not None else {"text_field": text_field}
             writer.finish(val_documents, {
                 "tokenizer": tok.metadata(),
                 "split": {"val_fraction": val_fraction, "seed": seed},
-                "inputs": [str(i) for i in inputs], "text_field": text_field,
+                "inputs": [str(i) for i in inputs], **conversations,
                 "input_report": {"files": report.files, "documents": report.documents, **report.problems()}})
     summary = _summarize(TokenStore(out_dir), report, time.perf_counter() - started)
     if hard_cuts:
@@ -122,16 +145,26 @@ def no_documents_message(inputs: Sequence[str | Path], report: InputReport) -> s
     found = ", ".join(f"{count} {name.replace('_', ' ')} (e.g. {report.examples[name][0]})"
                       for name, count in problems.items())
     hint = "choose the field that holds the text with --text-field" if report.missing_text_field else \
-        "pass text or source files, .jsonl(.gz) or .parquet, or directories holding them"
+        "give each row `messages` ([{role, content}, ...] with an assistant turn), or `prompt` and `completion`" \
+        if report.conversations and report.files else \
+        "pass .jsonl(.gz) or .parquet files of conversations, or directories holding them" if report.conversations \
+        else "pass text or source files, .jsonl(.gz) or .parquet, or directories holding them"
     return (f"no documents to store in {', '.join(map(str, inputs))}: {report.files} files read"
             + (f"; found {found}" if found else "") + f"; {hint}")
 
 
 def _check_arguments(inputs: Sequence[str | Path], out_dir: Path, tokenizer: str | Path | None,
-                     vocab_size: int | None, val_fraction: float, seed: int, force: bool) -> None:
+                     vocab_size: int | None, val_fraction: float, seed: int, force: bool, chat: bool,
+                     text_field: str | None) -> None:
     """Refuse bad arguments before any work is done."""
     if not inputs:
         raise ValueError("no inputs given; pass files or directories to tokenize")
+    if chat and tokenizer is None:
+        raise ValueError("--chat renders conversations for the model they will fine-tune: pass its tokenizer with "
+                         "--tokenizer (its tokenizer.json, a model directory, or the token store it was trained on)")
+    if chat and text_field is not None:
+        raise ValueError(f"--text-field {text_field} names the text of a document; --chat reads conversations from "
+                         f"`messages`, or `prompt` and `completion`: drop --text-field")
     if tokenizer is not None and vocab_size is not None:
         raise ValueError("pass either --tokenizer (use an existing model) or --vocab-size (train one), not both")
     if vocab_size is not None and not 300 <= vocab_size <= MAX_VOCAB_SIZE:
@@ -203,6 +236,31 @@ def _tokenize(reader: DocumentReader, tok: Tokenizer, writer: StoreWriter, worke
     return cutter.hard_cuts
 
 
+def _tokenize_conversations(reader: ConversationReader, chat: ChatFormat, writer: StoreWriter, bar: Progress) -> None:
+    """Encode the conversations CHUNK_CHARS of text at a time (a template's on the tokenizer's threads) and append
+    them whole, with their answers' masks, to the store."""
+    task = bar.add_task("tokenizing", total=sum(p.stat().st_size for p in reader.files))
+    batch: list[ConversationRow] = []
+
+    def flush() -> None:
+        encoded = chat.encode([row.rendered for row in batch])
+        writer.append([ids for ids, _ in encoded], scored=[scored for _, scored in encoded],
+                      rows=[(row.file, row.row) for row in batch])
+        batch.clear()
+        bar.update(task, completed=reader.bytes_read, description=f"tokenizing: {writer.num_documents:,} "
+                                                                  f"conversations, {writer.num_tokens:,} tokens")
+
+    chars = 0
+    for row in reader.conversations():
+        batch.append(row)
+        chars += len(row.rendered.text)
+        if chars >= CHUNK_CHARS:
+            flush()
+            chars = 0
+    if batch:
+        flush()
+
+
 def _choose_val_documents(num_documents: int, val_fraction: float, seed: int) -> np.ndarray:
     """Sorted ids of the validation documents: at least one when asked for any, never all of them."""
     if val_fraction == 0 or num_documents < 2:
@@ -220,7 +278,8 @@ def _summarize(store: TokenStore, report: InputReport, seconds: float) -> Prepar
         vocab_size=store.vocab_size, length_min=int(lengths.min()), length_median=int(np.median(lengths)),
         length_p90=int(np.percentile(lengths, 90)), length_max=int(lengths.max()),
         documents_at_least={n: int((lengths >= n).sum()) for n in LONG_DOCUMENT_TOKENS},
-        report=report, seconds=seconds)
+        report=report, seconds=seconds,
+        num_scored_tokens=store.metadata["num_scored_tokens"] if store.is_conversations else None)
 
 
 def summary_table(summary: PrepareSummary) -> Group:
@@ -230,13 +289,17 @@ def summary_table(summary: PrepareSummary) -> Group:
     table = Table(title=f"token store {summary.out_dir}", show_header=False, title_justify="left")
     table.add_column(style="bold", no_wrap=True)
     table.add_column(overflow="fold")
-    table.add_row("documents", f"{summary.num_documents:,} ({summary.num_train_documents:,} train, "
-                               f"{summary.num_val_documents:,} val)")
+    what = "documents" if summary.num_scored_tokens is None else "conversations"
+    table.add_row(what, f"{summary.num_documents:,} ({summary.num_train_documents:,} train, "
+                        f"{summary.num_val_documents:,} val)")
     table.add_row("tokens", f"{summary.num_tokens:,} (vocabulary {summary.vocab_size:,})")
-    table.add_row("tokens per document", f"min {summary.length_min:,}  median {summary.length_median:,}  "
-                                         f"p90 {summary.length_p90:,}  max {summary.length_max:,}")
+    if summary.num_scored_tokens is not None:
+        table.add_row("scored tokens (answers)", f"{summary.num_scored_tokens:,} "
+                                                 f"({summary.num_scored_tokens / summary.num_tokens:.1%})")
+    table.add_row(f"tokens per {what[:-1]}", f"min {summary.length_min:,}  median {summary.length_median:,}  "
+                                             f"p90 {summary.length_p90:,}  max {summary.length_max:,}")
     for length, count in summary.documents_at_least.items():
-        table.add_row(f"documents >= {length // 1024}K tokens", f"{count:,}")
+        table.add_row(f"{what} >= {length // 1024}K tokens", f"{count:,}")
     table.add_row("files read", f"{summary.report.files:,}")
     examples = []
     for problem, count in summary.report.problems().items():

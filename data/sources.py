@@ -1,8 +1,9 @@
 """Reading documents from the inputs of `burst prepare`: text files, JSON Lines, Parquet.
 
 A plain text or source file is one document; a JSON Lines row or a Parquet row is one
-document (its text field). Bad input never stops the read and is never dropped silently:
-each problem is counted in an `InputReport`, with the first few places it happened.
+document (its text field), or with `burst prepare --chat` one conversation (data/conversations.py).
+Bad input never stops the read and is never dropped silently: each problem is counted in an
+`InputReport`, with the first few places it happened.
 
 Documents are handed on in parts of bounded size, so a one-line 40 MB file costs no more memory
 than many small ones: a text file is read BLOCK_BYTES at a time; a row's text (which JSON Lines and
@@ -17,9 +18,10 @@ import importlib.util
 import json
 import os
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 TEXT_SUFFIXES = frozenset(
     ".txt .md .rst .tex .py .pyi .c .h .cc .cpp .hpp .cu .rs .go .java .js .ts .sh .rb .lua .swift "
@@ -30,6 +32,11 @@ MAX_EXAMPLES = 5  # places kept per kind of problem, for the summary
 SNIFF_BYTES = 8192  # read from each file named on the command line to tell text from binary
 BLOCK_BYTES = 2**20  # a text file is read this much at a time
 PART_CHARS = 2**20  # a longer row's text is handed on in parts of this many characters
+DOCUMENT_PROBLEMS = ("skipped_files", "unreadable_files", "empty_documents", "missing_text_field", "invalid_json",
+                     "invalid_utf8")
+CONVERSATION_PROBLEMS = ("skipped_files", "unreadable_files", "invalid_json", "invalid_utf8", "missing_messages",
+                         "malformed_messages", "no_answer", "empty_answers", "template_errors")
+Item = TypeVar("Item")
 
 
 @dataclass
@@ -44,6 +51,13 @@ class InputReport:
     missing_text_field: int = 0  # rows without the text field, or where it is not a string
     invalid_json: int = 0
     invalid_utf8: int = 0  # documents decoded with U+FFFD replacement characters, then kept
+    # Conversations (`burst prepare --chat`): rows that are not one, each refused whole.
+    missing_messages: int = 0  # rows with neither `messages` nor `prompt` and `completion`
+    malformed_messages: int = 0  # a message that is not an object with a string role and string content
+    no_answer: int = 0  # no assistant turn (or none the chat template renders as an answer)
+    empty_answers: int = 0  # an assistant turn with no text
+    template_errors: int = 0  # the chat template raised on the conversation
+    conversations: bool = False  # what the read expects: conversations, or documents
     examples: dict[str, list[str]] = field(default_factory=dict)
 
     def count(self, problem: str, where: str) -> None:
@@ -53,10 +67,9 @@ class InputReport:
             places.append(where)
 
     def problems(self) -> dict[str, int]:
-        """Each kind of bad input and how often it occurred (zeros included)."""
+        """Each kind of bad input the read can meet and how often it occurred (zeros included)."""
         return {name: getattr(self, name) for name in
-                ("skipped_files", "unreadable_files", "empty_documents", "missing_text_field",
-                 "invalid_json", "invalid_utf8")}
+                (CONVERSATION_PROBLEMS if self.conversations else DOCUMENT_PROBLEMS)}
 
 
 def find_input_files(inputs: Sequence[str | Path], report: InputReport) -> list[Path]:
@@ -64,6 +77,8 @@ def find_input_files(inputs: Sequence[str | Path], report: InputReport) -> list[
 
     A file named explicitly is read as text unless it is JSON Lines or Parquet (and refused if it is
     binary); inside directories only known suffixes are read and the rest are counted as skipped.
+    Conversations (report.conversations) are rows of JSON Lines or Parquet only: a text file named
+    explicitly is refused, one inside a directory counted as skipped.
     A file reached twice (`DIR DIR`, or a file and its directory) is refused: it would be stored twice,
     and could land in both splits.
     """
@@ -73,11 +88,15 @@ def find_input_files(inputs: Sequence[str | Path], report: InputReport) -> list[
         if item.is_dir():
             found = []
             for path in _files_under(item, report):
-                if kind_of(path) == "unsupported":
+                if kind_of(path) == "unsupported" or report.conversations and kind_of(path) == "text":
                     report.count("skipped_files", str(path))
                 else:
                     found.append(path)
         elif item.is_file():
+            if report.conversations and kind_of(item) not in ("jsonl", "parquet"):
+                raise ValueError(f"input {item} is not JSON Lines or Parquet: --chat reads conversations, one per "
+                                 f"row of a .jsonl(.gz) or .parquet file (a `messages` list, or `prompt` and "
+                                 f"`completion`); prepare documents in a store of their own, without --chat")
             if kind_of(item) not in ("jsonl", "parquet") and looks_binary(item):
                 raise ValueError(f"input {item} is not UTF-8 text (it looks binary); pass text or source files, "
                                  f".jsonl(.gz) or .parquet, or directories holding them")
@@ -146,19 +165,28 @@ class DocumentReader:
     def parts(self) -> Iterator[tuple[str, bool]]:
         """(text, ends_document) for every document in order: its text in one or more consecutive parts, the
         last with ends_document True. A file that breaks off part-way ends the document it was reading there."""
+        document_open = False
+        for item in self._each_file(self._file_parts):
+            if item is None:  # the file broke off
+                if document_open:
+                    yield "", True  # what was read of it is kept, as the rows before a cut are
+                document_open = False
+                continue
+            document_open = not item[1]
+            yield item
+
+    def _each_file(self, read: Callable[[Path, int], Iterator[Item]]) -> Iterator[Item | None]:
+        """What `read(path, size)` yields for every file in order, then None after a file that broke off part-way
+        (counted as unreadable; what it gave before is kept)."""
         for path in self.files:
             self.report.files += 1
             size = path.stat().st_size
             done_before = self.bytes_read
-            document_open = False
             try:
-                for text, ends in self._file_parts(path, size):
-                    document_open = not ends
-                    yield text, ends
+                yield from read(path, size)
             except (OSError, EOFError, zlib.error, ValueError) as error:  # gzip and pyarrow errors included
                 self.report.count("unreadable_files", f"{path}: {error}")
-                if document_open:
-                    yield "", True  # what was read of it is kept, as the rows before a cut are
+                yield None
             self.bytes_read = done_before + size
 
     def _file_parts(self, path: Path, size: int) -> Iterator[tuple[str, bool]]:
@@ -196,6 +224,17 @@ class DocumentReader:
                 block = following
 
     def _jsonl(self, path: Path) -> Iterator[tuple[str, bool]]:
+        for row, number in self._json_rows(path):
+            where = row_place(path, number)
+            text = row.get(self.text_field) if isinstance(row, dict) else None
+            if not isinstance(text, str):
+                self.report.count("missing_text_field", where)
+                continue
+            del row
+            yield from self._accept(text, where)
+
+    def _json_rows(self, path: Path) -> Iterator[tuple[Any, int]]:
+        """Every row of a JSON Lines file (plain or gzip) and its line number; invalid JSON is counted."""
         with open(path, "rb") as raw:
             lines = gzip.GzipFile(fileobj=raw) if path.name.lower().endswith(".gz") else raw
             start = self.bytes_read
@@ -203,7 +242,7 @@ class DocumentReader:
                 self.bytes_read = start + raw.tell()
                 if not line.strip():
                     continue  # blank lines are layout, not records
-                where = f"{path}:{line_number}"
+                where = row_place(path, line_number)
                 try:
                     row = json.loads(self._decode(line, where))
                 except json.JSONDecodeError:
@@ -211,29 +250,37 @@ class DocumentReader:
                     continue
                 finally:
                     del line  # a long row's bytes are not kept while its text is passed on
-                text = row.get(self.text_field) if isinstance(row, dict) else None
-                if not isinstance(text, str):
-                    self.report.count("missing_text_field", where)
-                    continue
+                yield row, line_number
                 del row
-                yield from self._accept(text, where)
 
     def _parquet(self, path: Path, size: int) -> Iterator[tuple[str, bool]]:
+        def needed(columns: list[str]) -> list[str]:
+            if self.text_field not in columns:
+                raise ValueError(f"no column {self.text_field!r} (columns: {columns}); choose one with --text-field")
+            return [self.text_field]
+
+        for row, number in self._parquet_rows(path, size, needed):
+            where = row_place(path, number)
+            text = row[self.text_field]
+            if not isinstance(text, str):
+                self.report.count("missing_text_field", where)
+                continue
+            yield from self._accept(text, where)
+
+    def _parquet_rows(self, path: Path, size: int, needed: Callable[[list[str]], list[str]]
+                      ) -> Iterator[tuple[dict[str, Any], int]]:
+        """Every row of a Parquet file as {column: value} over the columns `needed(all columns)` names (it raises
+        ValueError when the file lacks what it needs), and its row number."""
         import pyarrow.parquet as pq  # optional dependency, checked by find_input_files
 
         table = pq.ParquetFile(path)
-        if self.text_field not in table.schema_arrow.names:
-            raise ValueError(f"no column {self.text_field!r} (columns: {table.schema_arrow.names}); "
-                             f"choose one with --text-field")
+        columns = needed(table.schema_arrow.names)
         rows, start = max(table.metadata.num_rows, 1), self.bytes_read
         row_number = 0
-        for batch in table.iter_batches(columns=[self.text_field]):
-            for text in batch.column(0).to_pylist():
+        for batch in table.iter_batches(columns=columns):
+            for row in batch.to_pylist():
                 row_number += 1
-                if not isinstance(text, str):
-                    self.report.count("missing_text_field", f"{path}: row {row_number}")
-                    continue
-                yield from self._accept(text, f"{path}: row {row_number}")
+                yield row, row_number
             self.bytes_read = start + size * row_number // rows
 
     def _decode(self, data: bytes, where: str) -> str:
@@ -250,6 +297,11 @@ class DocumentReader:
         self.report.documents += 1
         for start in range(0, len(text), PART_CHARS):
             yield text[start:start + PART_CHARS], start + PART_CHARS >= len(text)
+
+
+def row_place(path: str | Path, number: int) -> str:
+    """Where a row is, as reports name it: path:line of a JSON Lines file, path: row N of a Parquet file."""
+    return f"{path}: row {number}" if kind_of(Path(path)) == "parquet" else f"{path}:{number}"
 
 
 def _blank(path: Path) -> bool:

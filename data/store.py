@@ -10,9 +10,19 @@
                        fingerprint, vocabulary, BOS, EOS), split; written last, so a directory without
                        it is not (yet) a store
 
-Stores of format version 1 (a SentencePiece tokenizer.model, before tokenizer.json was read) open as they are.
+An instruction store (`burst prepare --chat`, format version 3, metadata "content": "conversations") holds
+one conversation per document, its tokens as the chat template renders them (BOS and end-of-turn tokens
+included), and beside them:
 
-BOS/EOS are not stored: the loader adds them when it packs documents into sequences.
+    scored.bin         uint8 [num_tokens]: 1 where a token is an answer's (an assistant turn and its
+                       end-of-turn token), what training scores by default
+    rows.bin           int64 [num_documents, 2]: the input file (an index into metadata's
+                       "conversation_files") and row each conversation was read from, to name it
+
+Stores of format version 1 (a SentencePiece tokenizer.model, before tokenizer.json was read) open as they are.
+Plain stores are still written as version 2.
+
+BOS/EOS are not stored in a plain store: the loader adds them when it packs documents into sequences.
 """
 
 from __future__ import annotations
@@ -25,12 +35,16 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from data.sources import row_place
 from data.tokenizer import SENTENCEPIECE, TOKENIZER_FILES, Tokenizer, file_sha256, fingerprint
 from data.tokenizer_files import tokenizer_beside
 
 FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)  # 1: before tokenizer.json, its tokenizer one SentencePiece file
+CONVERSATIONS_VERSION = 3  # an instruction store: older burst refuses it rather than train on every token
+READABLE_VERSIONS = (1, 2, 3)  # 1: before tokenizer.json, its tokenizer one SentencePiece file
 TOKENS_FILE, OFFSETS_FILE, VAL_FILE = "tokens.bin", "offsets.bin", "val_documents.bin"
+SCORED_FILE, ROWS_FILE = "scored.bin", "rows.bin"
+CONVERSATIONS = "conversations"  # metadata "content" of an instruction store
 METADATA_FILE = "metadata.json"
 SPLITS = ("train", "val")
 TOKENIZER_KEYS = {"kind": str, "files": dict, "digest": str, "fingerprint": str, "vocab_size": int, "bos_id": int,
@@ -44,21 +58,33 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 class StoreWriter:
     """Appends documents' tokens to a store directory, keeping only the current chunk in memory; a long document
-    may come in pieces (`append(pieces, ends)`)."""
+    may come in pieces (`append(pieces, ends)`). With `conversations`, an instruction store: each conversation
+    comes whole with its scored mask and the row it was read from."""
 
-    def __init__(self, directory: Path, dtype: np.dtype) -> None:
-        self.directory, self.dtype = directory, dtype
-        self.num_documents = self.num_tokens = 0
+    def __init__(self, directory: Path, dtype: np.dtype, conversations: bool = False) -> None:
+        self.directory, self.dtype, self.conversations = directory, dtype, conversations
+        self.num_documents = self.num_tokens = self.num_scored_tokens = 0
         self.max_token_id = -1
-        self._tokens = open(directory / TOKENS_FILE, "wb")
-        self._offsets = open(directory / OFFSETS_FILE, "wb")
+        self._files = [open(directory / name, "wb") for name in
+                       (TOKENS_FILE, OFFSETS_FILE, *((SCORED_FILE, ROWS_FILE) if conversations else ()))]
+        self._tokens, self._offsets = self._files[:2]
         _write_array(self._offsets, np.zeros(1, np.int64))
 
-    def append(self, documents: list[list[int]], ends: list[bool] | None = None) -> None:
+    def append(self, documents: list[list[int]] | list[np.ndarray], ends: list[bool] | None = None,
+               scored: list[np.ndarray] | None = None, rows: list[tuple[int, int]] | None = None) -> None:
         """Append each list of tokens as a whole document or, with `ends`, as a piece of one that continues the
-        piece before it and ends its document only where ends[i]."""
+        piece before it and ends its document only where ends[i]; a conversation with its `scored` mask (bool,
+        one per token) and its row (input file index, row number)."""
+        if (scored is not None and rows is not None) != self.conversations or ends is not None and self.conversations:
+            raise ValueError("a store of conversations takes whole conversations with their masks and rows; a store "
+                             "of documents takes neither")
         if not documents:
             return
+        if self.conversations:
+            mask = np.concatenate(scored).astype(np.uint8)
+            _write_array(self._files[2], mask)
+            _write_array(self._files[3], np.asarray(rows, np.int64).reshape(-1, 2))
+            self.num_scored_tokens += int(mask.sum())
         lengths = np.fromiter(map(len, documents), np.int64, len(documents))
         tokens = np.concatenate(documents).astype(self.dtype, copy=False)
         _write_array(self._tokens, tokens)
@@ -69,19 +95,22 @@ class StoreWriter:
         self.num_tokens += int(lengths.sum())
 
     def finish(self, val_documents: np.ndarray, metadata: dict[str, Any]) -> None:
-        """Close the arrays, write the split, then metadata.json: from here on it is a complete store."""
-        self._tokens.close()
-        self._offsets.close()
+        """Close the arrays, write the split, then metadata.json: from here on it is a complete store. An instruction
+        store's metadata names its "conversation_files" and "chat" template."""
+        self.close()
         with open(self.directory / VAL_FILE, "wb") as f:
             _write_array(f, np.asarray(val_documents, np.int64))
-        metadata = {"format_version": FORMAT_VERSION, "dtype": self.dtype.name,
-                    "num_documents": self.num_documents, "num_tokens": self.num_tokens,
-                    "num_val_documents": len(val_documents), "max_token_id": self.max_token_id, **metadata}
+        conversations = {"content": CONVERSATIONS, "num_scored_tokens": self.num_scored_tokens} \
+            if self.conversations else {}
+        metadata = {"format_version": CONVERSATIONS_VERSION if self.conversations else FORMAT_VERSION,
+                    "dtype": self.dtype.name, "num_documents": self.num_documents, "num_tokens": self.num_tokens,
+                    "num_val_documents": len(val_documents), "max_token_id": self.max_token_id, **conversations,
+                    **metadata}
         (self.directory / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
 
     def close(self) -> None:
-        self._tokens.close()
-        self._offsets.close()
+        for file in self._files:
+            file.close()
 
 
 def _write_array(file: BinaryIO, array: np.ndarray) -> None:
@@ -128,6 +157,14 @@ def _read_metadata(path: Path) -> dict[str, Any]:
     if not missing and tokenizer["fingerprint"] != fingerprint(tokenizer["kind"], tokenizer["digest"],
                                                                tokenizer["bos_id"], tokenizer["eos_id"]):
         missing.append("tokenizer.fingerprint (it does not match the tokenizer's digest, BOS and EOS)")
+    if version == CONVERSATIONS_VERSION:
+        files = metadata.get("conversation_files")
+        if metadata.get("content") != CONVERSATIONS:
+            missing.append(f"content ({CONVERSATIONS!r}: version {version} is an instruction store)")
+        if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+            missing.append("conversation_files")
+        if not isinstance(metadata.get("chat"), dict):
+            missing.append("chat")
     if missing:
         raise _damaged(path.parent, f"{METADATA_FILE} lacks valid {', '.join(missing)}")
     return metadata
@@ -153,6 +190,10 @@ def _check_contents(store: TokenStore) -> None:
     if len(val) and (val[0] < 0 or val[-1] >= meta["num_documents"] or np.any(np.diff(val) <= 0)):
         raise _damaged(store.directory, f"{VAL_FILE} holds document ids that are not sorted, unique and below "
                                         f"num_documents {meta['num_documents']}")
+    if store.is_conversations and len(store._rows) and not (
+            0 <= store._rows[:, 0].min() and store._rows[:, 0].max() < len(meta["conversation_files"])):
+        raise _damaged(store.directory, f"{ROWS_FILE} names input files that {METADATA_FILE}'s conversation_files "
+                                        f"does not list")
     max_id = meta.get("max_token_id")
     if not isinstance(max_id, int):
         max_id = int(store._tokens.max(initial=0))
@@ -182,9 +223,19 @@ class TokenStore:
                              self.directory)
         self._val = _map(self.directory / VAL_FILE, np.dtype(np.int64), self.metadata["num_val_documents"],
                          self.directory)
+        if self.is_conversations:  # what training scores, and where each conversation came from
+            self._scored = _map(self.directory / SCORED_FILE, np.dtype(np.uint8), self.metadata["num_tokens"],
+                                self.directory)
+            self._rows = _map(self.directory / ROWS_FILE, np.dtype(np.int64), 2 * self.metadata["num_documents"],
+                              self.directory).reshape(-1, 2)
         _check_contents(self)
         self._documents: np.ndarray | None = None  # global document ids of a split view; None: all of them
         self.split_name = "all"
+
+    @property
+    def is_conversations(self) -> bool:
+        """Whether this is an instruction store: a conversation per document, with its answers marked."""
+        return self.metadata.get("content") == CONVERSATIONS
 
     @property
     def num_documents(self) -> int:
@@ -200,12 +251,28 @@ class TokenStore:
     def num_tokens(self) -> int:
         return self.metadata["num_tokens"] if self._documents is None else int(self.document_lengths.sum())
 
-    def document(self, i: int) -> np.ndarray:
-        """The tokens of document i of this store or split, as a read-only view of the memory map."""
+    def _index(self, i: int) -> int:
+        """The store's own index of document i of this view."""
         if not 0 <= i < self.num_documents:
             raise IndexError(f"document {i} out of range: the {self.split_name} split has {self.num_documents}")
-        index = i if self._documents is None else int(self._documents[i])
+        return i if self._documents is None else int(self._documents[i])
+
+    def document(self, i: int) -> np.ndarray:
+        """The tokens of document i of this store or split, as a read-only view of the memory map."""
+        index = self._index(i)
         return self._tokens[self._offsets[index]:self._offsets[index + 1]]
+
+    def scored(self, i: int) -> np.ndarray:
+        """uint8 [len(document(i))] of an instruction store: 1 where conversation i's token is an answer's."""
+        if not self.is_conversations:
+            raise ValueError(f"{self.directory} is a store of documents: every token is scored, none is marked")
+        index = self._index(i)
+        return self._scored[self._offsets[index]:self._offsets[index + 1]]
+
+    def place(self, i: int) -> str:
+        """Where conversation i was read from: the input file and its line (JSON Lines) or row (Parquet)."""
+        file, row = self._rows[self._index(i)]
+        return row_place(self.metadata["conversation_files"][int(file)], int(row))
 
     def split(self, name: str) -> TokenStore:
         """A view over the "train" or "val" documents, chosen by `burst prepare --val-fraction`."""

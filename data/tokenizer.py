@@ -22,7 +22,9 @@ SENTENCEPIECE, HUGGINGFACE = "sentencepiece", "huggingface"  # the kinds, as a s
 SPM_FILE = "tokenizer.model"  # a SentencePiece model (LLaMA-3's tokenizer.model is tiktoken's format instead)
 HF_FILE = "tokenizer.json"
 HF_COMPANIONS = ("tokenizer_config.json", "special_tokens_map.json")  # kept beside tokenizer.json when present
-TOKENIZER_FILES = (HF_FILE, *HF_COMPANIONS, SPM_FILE)  # every name a tokenizer's file has in a store, run, export
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # a chat template beside tokenizer.json (transformers 5 saves them so)
+TOKENIZER_FILES = (HF_FILE, *HF_COMPANIONS, CHAT_TEMPLATE_FILE, SPM_FILE)  # every name a tokenizer's file has in a
+# store, run, export
 
 
 def file_sha256(path: str | Path) -> str:
@@ -49,6 +51,12 @@ class Tokenizer(ABC):
     vocab_size: int  # every id is below it: the added tokens of a tokenizer.json included
     bos_id: int
     eos_id: int
+    # The tokenizer's own chat template (data/chat.py renders conversations with it) and the file it came from;
+    # None: it has none (a SentencePiece model never has), and conversations take burst's plain template.
+    chat_template: str | None = None
+    chat_template_file: str | None = None
+    special_tokens: dict[str, str]  # bos_token, eos_token, ...: the strings a chat template is given (transformers'
+    #                                 special_tokens_map); a SentencePiece model's are none
 
     @abstractmethod
     def encode(self, text: str) -> list[int]:

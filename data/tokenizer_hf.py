@@ -9,6 +9,9 @@ and padding configured in the file are switched off: a store keeps whole documen
 BOS and EOS come from the tokenizer's own files, first found wins: `tokenizer_config.json`'s bos_token
 and eos_token, then `special_tokens_map.json`'s, then what the post-processor puts before and after
 a text. The vocabulary is every id the tokenizer can give, its added tokens included (LLaMA-3: 128,256).
+
+A chat template is read where transformers reads it: `chat_template.jinja` beside tokenizer.json, else
+tokenizer_config.json's `chat_template` (a string, or named templates of which "default" is used).
 """
 
 from __future__ import annotations
@@ -21,13 +24,15 @@ from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizerModel
 
-from data.tokenizer import HF_COMPANIONS, HF_FILE, HUGGINGFACE, Tokenizer
+from data.tokenizer import CHAT_TEMPLATE_FILE, HF_COMPANIONS, HF_FILE, HUGGINGFACE, Tokenizer
 
 # The parts of a tokenizer.json that decide encode()'s ids without specials (with tokenizer_config.json's
 # split_special_tokens); the post-processor, decoder, truncation and padding do not, so an export that adds
 # BOS to the post-processor is the same tokenizer.
 ENCODING_PARTS = ("added_tokens", "normalizer", "pre_tokenizer", "model")
 SPECIALS_PROBE = "burst"  # any text: what the post-processor adds around it are the specials
+# The named special tokens transformers gives a chat template (its special_tokens_map), as strings.
+NAMED_SPECIALS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 class HFTokenizer(Tokenizer):
@@ -46,7 +51,7 @@ class HFTokenizer(Tokenizer):
         self._tok.no_truncation()
         self._tok.no_padding()
         self.path = path
-        self.files = {HF_FILE: path, **{name: path.parent / name for name in HF_COMPANIONS
+        self.files = {HF_FILE: path, **{name: path.parent / name for name in (*HF_COMPANIONS, CHAT_TEMPLATE_FILE)
                                         if (path.parent / name).is_file()}}
         self.vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values()) + 1
         configs = {name: _read_json(self.files[name]) for name in HF_COMPANIONS if name in self.files}
@@ -57,12 +62,16 @@ class HFTokenizer(Tokenizer):
         self.digest = hashlib.sha256(json.dumps({**encoding, "split_special_tokens": split_special_tokens},
                                                 sort_keys=True, ensure_ascii=False).encode()).hexdigest()
         self.bos_id, self.eos_id = (self._special(role, configs) for role in ("bos", "eos"))
+        self.special_tokens = {}
+        for config in reversed(configs.values()):  # tokenizer_config.json's win
+            self.special_tokens.update({name: content for name in NAMED_SPECIALS
+                                        if isinstance(content := _content(config.get(name)), str)})
+        self.chat_template, self.chat_template_file = self._chat_template(configs.get(HF_COMPANIONS[0], {}))
 
     def _special(self, role: str, configs: dict[str, dict[str, Any]]) -> int:
         """The id of the BOS or EOS token, named by the first file that names one."""
         for name, config in configs.items():
-            token = config.get(f"{role}_token")
-            content = token.get("content") if isinstance(token, dict) else token
+            content = _content(config.get(f"{role}_token"))
             if isinstance(content, str):
                 token_id = self._tok.token_to_id(content)
                 if token_id is None:
@@ -92,8 +101,34 @@ class HFTokenizer(Tokenizer):
                                  f"{self.files[HF_FILE]} does not hold under that id; the files are of different "
                                  f"tokenizers: use the ones a model was published with")
 
+    def _chat_template(self, config: dict[str, Any]) -> tuple[str | None, str | None]:
+        """The chat template and the file it is read from, where transformers finds it; (None, None) if none."""
+        if CHAT_TEMPLATE_FILE in self.files:
+            try:
+                return self.files[CHAT_TEMPLATE_FILE].read_text(encoding="utf-8"), CHAT_TEMPLATE_FILE
+            except (OSError, UnicodeDecodeError) as err:
+                raise ValueError(f"{self.files[CHAT_TEMPLATE_FILE]} cannot be read as UTF-8 text ({err}); restore it "
+                                 f"from the model it came with") from None
+        template, where = config.get("chat_template"), self.files.get(HF_COMPANIONS[0])
+        if isinstance(template, list):  # named templates: [{"name": "default", "template": "..."}, ...]
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            if not isinstance(named.get("default"), str):
+                raise ValueError(f"{where} holds named chat templates {sorted(map(str, named))} but no 'default' one "
+                                 f"(the one transformers renders conversations with); name one of them 'default'")
+            template = named["default"]
+        if template is not None and not isinstance(template, str):
+            raise ValueError(f"{where}'s chat_template is {type(template).__name__}, not a string or a list of named "
+                             f"templates; restore the file from the model it came with")
+        return template, (HF_COMPANIONS[0] if template is not None else None)
+
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_with_offsets(self, texts: list[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
+        """encode() of each text with each token's character span in it, [start, end) (tokens of one character's
+        bytes share its span), on the `tokenizers` library's thread pool."""
+        encodings = self._tok.encode_batch(texts, add_special_tokens=False)
+        return [(encoding.ids, encoding.offsets) for encoding in encodings]
 
     def encode_batch(self, texts: list[str], num_threads: int | None = None) -> list[list[int]]:
         """On the `tokenizers` library's thread pool: every core, or RAYON_NUM_THREADS (num_threads is not used:
@@ -102,6 +137,11 @@ class HFTokenizer(Tokenizer):
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
+
+
+def _content(token: Any) -> Any:
+    """A special token's string as a config names it: the string itself, or an AddedToken's {"content": ...}."""
+    return token.get("content") if isinstance(token, dict) else token
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -36,7 +36,7 @@ class SentencePieceTokenizer(Tokenizer):
             raise ValueError(f"{path} is not a SentencePiece .model file ({err}); pass the tokenizer.model of a "
                              f"model or token store, a tokenizer.json, or let `burst prepare` train one with "
                              f"--vocab-size") from None
-        self.path, self.files = path, {SPM_FILE: path}
+        self.path, self.files, self.special_tokens = path, {SPM_FILE: path}, {}
         self.digest = file_sha256(path)
         self.vocab_size = self._sp.get_piece_size()
         self.bos_id, self.eos_id = self._sp.bos_id(), self._sp.eos_id()

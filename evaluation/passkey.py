@@ -9,11 +9,12 @@ token, because greedy decoding follows the fed-in answer for as long as it agree
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-from data import PasskeySample, Tokenizer, passkey_sample
+from data import Tokenizer, passkey_sample
 from evaluation.distributed import shard_tokens
 from models import Transformer
 from runtime.process import all_reduce
@@ -48,8 +49,16 @@ class PasskeyResult:
         return sum(c.retrieved for c in self.cells) / sum(c.trials for c in self.cells)
 
 
+class Answered(Protocol):
+    """A sample with its answer at its end: a passkey's, or a conversation's (evaluation/qa.py)."""
+
+    tokens: list[int]
+    answer_ids: list[int]  # tokens[answer_start:answer_start + len(answer_ids)]
+    answer_start: int
+
+
 @torch.no_grad()
-def greedy_answer(model: Transformer, sample: PasskeySample, group: dist.ProcessGroup | None = None) -> list[int]:
+def greedy_answer(model: Transformer, sample: Answered, group: dist.ProcessGroup | None = None) -> list[int]:
     """The tokens greedy decoding puts at the answer positions, scored in one teacher-forced pass.
 
     With a process group each rank runs its zigzag shard (the model's attention must already be

@@ -5,6 +5,9 @@ packed between BOS and EOS, causal attention over the whole sequence, global pos
 label where the next token is a BOS), one sequence at a time, from the start of the split's
 packing stream and never past its end, so no token is scored twice. A position there mixes
 depths into unrelated documents, so loss by position says little about long-context use.
+An instruction store's conversations are packed as --doc-mask training packs them (whole, each
+attending only to itself, positions restarting at each), and only their answers are scored: the
+loss is the answers', and a position is the depth into a conversation.
 
 "document": each sequence is the start of one validation document of at least seq_len tokens,
 [BOS] + document, so position p is depth p into the document: a model that uses its context
@@ -23,6 +26,7 @@ import math
 import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -31,6 +35,7 @@ import torch.distributed as dist
 from burst.groups import group_rank_and_size
 from burst.layout import shard_for_rank
 from data import SequenceLoader, TokenStore
+from data.conversation_packing import ConversationStream
 from data.loader import IGNORE_INDEX
 from models import Transformer, token_losses
 from runtime.process import all_reduce
@@ -55,14 +60,24 @@ class PerplexityResult:
     seq_len: int
     positions: str  # a key of POSITION_MODES: what a position is
     loss_by_position: list[PositionBucket]
+    answers_only: bool = False  # an instruction store's: only the answers scored, a position the depth into one
 
 
-# (tokens, labels, positions) of one sequence's zigzag shard, each int64 [1, seq_len // cp]
-Shard = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+class Shard(NamedTuple):
+    """One sequence's zigzag shard on this rank."""
+
+    tokens: torch.Tensor  # int64 [1, seq_len // cp]
+    labels: torch.Tensor  # int64 [1, seq_len // cp]
+    positions: torch.Tensor  # int64 [1, seq_len // cp]
+    doc_boundaries: list[torch.Tensor] | None  # the documents attention keeps apart (conversations); None: causal
+    rope_length: int  # the length a length-dependent RoPE is computed for, as training computes it
 
 
-def available_sequences(split: TokenStore, seq_len: int) -> int:
-    """How many whole sequences of `seq_len` the split's packing stream holds (BOS + document + EOS each)."""
+def available_sequences(split: TokenStore, seq_len: int, long_conversations: str = "refuse") -> int:
+    """How many whole sequences of `seq_len` the split's packing stream holds (BOS + document + EOS each), or its
+    conversations pack into in one pass."""
+    if split.is_conversations:
+        return ConversationStream(split, seq_len, 0, policy=long_conversations).sequences_in_epoch(0)
     stream_tokens = int(split.document_lengths.sum()) + 2 * split.num_documents
     return max(stream_tokens - 1, 0) // seq_len  # each sequence also needs the next token as its last label
 
@@ -77,15 +92,21 @@ def bucket_starts(seq_len: int, buckets: int) -> list[int]:
     return [-(-i * seq_len // buckets) for i in range(buckets)]
 
 
-def packed_sequences(split: TokenStore, seq_len: int, count: int, cp_rank: int, cp_size: int) -> Iterator[Shard]:
-    """This rank's shards of the first `count` sequences of the split's packing stream, as training reads them."""
-    loader = SequenceLoader(split, seq_len, batch_size=1, cp_rank=cp_rank, cp_size=cp_size)
+def packed_sequences(split: TokenStore, seq_len: int, count: int, cp_rank: int, cp_size: int,
+                     long_conversations: str = "refuse") -> Iterator[Shard]:
+    """This rank's shards of the first `count` sequences of the split's packing stream, as training reads them
+    (conversations as --doc-mask training reads them)."""
+    conversations = split.is_conversations
+    loader = SequenceLoader(split, seq_len, batch_size=1, cp_rank=cp_rank, cp_size=cp_size,
+                            reset_positions=conversations, long_conversations=long_conversations)
     for _ in range(count):
         batch = next(loader)
-        yield batch.tokens, batch.labels, batch.positions
+        yield Shard(batch.tokens, batch.labels, batch.positions, batch.doc_boundaries if conversations else None,
+                    batch.rope_length)
 
 
-def document_sequences(split: TokenStore, seq_len: int, count: int, cp_rank: int, cp_size: int) -> Iterator[Shard]:
+def document_sequences(split: TokenStore, seq_len: int, count: int, cp_rank: int, cp_size: int,
+                       long_conversations: str = "refuse") -> Iterator[Shard]:
     """This rank's shards of the starts of the first `count` documents of at least `seq_len` tokens.
 
     Tokens are [BOS] + document[:seq_len - 1] and every label is a document token, so position p
@@ -97,16 +118,15 @@ def document_sequences(split: TokenStore, seq_len: int, count: int, cp_rank: int
                             document,  # labels
                             torch.arange(seq_len)])  # positions; [3, seq_len]
         tokens, labels, positions = shard_for_rank(full[:, None], cp_rank, cp_size, dim=2)  # each [1, seq // cp]
-        yield tokens, labels, positions
+        yield Shard(tokens, labels, positions, None, seq_len)
 
 
 POSITION_MODES = {"packed": packed_sequences, "document": document_sequences}
 
 
-def bucket_losses(model: Transformer, shards: Iterable[Shard], boundaries: torch.Tensor, seq_len: int,
+def bucket_losses(model: Transformer, shards: Iterable[Shard], boundaries: torch.Tensor,
                   chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Summed loss and scored tokens per position bucket over `shards` of sequences of `seq_len` tokens (positions
-    0..seq_len-1, the length a length-dependent RoPE is computed for), and how many shards there were.
+    """Summed loss and scored tokens per position bucket over `shards`, and how many shards there were.
 
     boundaries: the start of every bucket but the first. Returns float64 [buckets] and
     int64 [buckets] sums of this rank only.
@@ -116,8 +136,9 @@ def bucket_losses(model: Transformer, shards: Iterable[Shard], boundaries: torch
     counts = torch.zeros(len(boundaries) + 1, dtype=torch.int64, device=device)  # [buckets]
     sequences = 0
     for shard in shards:
-        tokens, labels, positions = (t.to(device) for t in shard)
-        hidden = model.hidden_states(tokens, positions, rope_length=seq_len)  # [1, seq // cp, dim]
+        tokens, labels, positions = (t.to(device) for t in shard[:3])
+        masked = {} if shard.doc_boundaries is None else {"doc_boundaries": shard.doc_boundaries}
+        hidden = model.hidden_states(tokens, positions, rope_length=shard.rope_length, **masked)  # [1, seq // cp, dim]
         losses = token_losses(hidden.flatten(0, 1), model.output_weight, labels.flatten(), chunk_size, IGNORE_INDEX)
         bucket = torch.bucketize(positions.flatten(), boundaries, right=True)  # [seq // cp]
         loss_sums.index_add_(0, bucket, losses.double())
@@ -129,7 +150,7 @@ def bucket_losses(model: Transformer, shards: Iterable[Shard], boundaries: torch
 @torch.no_grad()
 def evaluate_perplexity(model: Transformer, split: TokenStore, seq_len: int, num_sequences: int, buckets: int,
                         group: dist.ProcessGroup | None = None, chunk_size: int = 1024,
-                        positions: str = "packed") -> PerplexityResult:
+                        positions: str = "packed", long_conversations: str = "refuse") -> PerplexityResult:
     """Perplexity and loss by position over the first `num_sequences` sequences of `split` in mode `positions`.
 
     In "document" mode fewer are scored when fewer documents are long enough; the result counts
@@ -139,10 +160,10 @@ def evaluate_perplexity(model: Transformer, split: TokenStore, seq_len: int, num
     if positions not in POSITION_MODES:
         raise ValueError(f"positions {positions!r} is not one of {', '.join(POSITION_MODES)}")
     rank, cp_size = group_rank_and_size(group)
-    shards = POSITION_MODES[positions](split, seq_len, num_sequences, rank, cp_size)
+    shards = POSITION_MODES[positions](split, seq_len, num_sequences, rank, cp_size, long_conversations)
     starts = bucket_starts(seq_len, buckets) + [seq_len]
     boundaries = torch.tensor(starts[1:-1], device=model.output_weight.device)
-    loss_sums, counts, sequences = bucket_losses(model, shards, boundaries, seq_len, chunk_size)
+    loss_sums, counts, sequences = bucket_losses(model, shards, boundaries, chunk_size)
     all_reduce(loss_sums, group)
     all_reduce(counts, group)
     by_position = [PositionBucket(start=starts[i], end=starts[i + 1], tokens=int(counts[i]),
@@ -152,4 +173,5 @@ def evaluate_perplexity(model: Transformer, split: TokenStore, seq_len: int, num
     loss = float(loss_sums.sum() / total) if total else math.nan
     perplexity = math.exp(loss) if loss < MAX_LOG_FLOAT else math.inf  # exp overflows past e^709.78
     return PerplexityResult(perplexity=perplexity, loss=loss, tokens=total, sequences=sequences,
-                            seq_len=seq_len, positions=positions, loss_by_position=by_position)
+                            seq_len=seq_len, positions=positions, loss_by_position=by_position,
+                            answers_only=split.is_conversations)

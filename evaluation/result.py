@@ -7,6 +7,7 @@ from pathlib import Path
 
 from evaluation.passkey import PasskeyResult
 from evaluation.perplexity import PerplexityResult
+from evaluation.qa import QAResult
 
 
 @dataclass
@@ -20,3 +21,4 @@ class EvalResult:
     passkey: PasskeyResult | None  # None when passkey_trials is 0
     warnings: list[str]
     seconds: float
+    qa: QAResult | None = None  # an instruction store's question answering; None: not run

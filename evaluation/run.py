@@ -1,4 +1,5 @@
-"""`burst eval`: perplexity, loss by position and passkey retrieval of a model checkpoint.
+"""`burst eval`: perplexity, loss by position and passkey retrieval of a model checkpoint; on an instruction store,
+the answers' loss and question answering on its validation conversations (evaluation/qa.py).
 
     result = evaluate(EvalConfig(checkpoint=Path("out/model"), seq_len=4096, cp=2))
 
@@ -22,6 +23,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from burst.groups import group_rank_and_size
 from burst.layout import check_sequence_length
 from data import Tokenizer, TokenStore, default_store, passkey_sample
+from data.conversation_packing import check_policy
 from evaluation.checkpoint import EvalCheckpoint, check_tokenizer, load_for_eval
 from evaluation.distributed import context_parallel_group, use_burst_attention
 from evaluation.passkey import evaluate_passkey
@@ -31,6 +33,7 @@ from evaluation.perplexity import (
     evaluate_perplexity,
     long_documents,
 )
+from evaluation.qa import evaluate_qa
 from evaluation.report import tables, write_files
 from evaluation.result import EvalResult
 from runtime.directories import check_writable
@@ -66,6 +69,8 @@ class EvalConfig:
     json_path: Path | None = None  # also write JSON here, and the loss-by-position PNG beside it
     force: bool = False  # replace an existing json_path (and its PNG)
     seed: int = 0  # of the passkeys
+    long_conversations: str = "refuse"  # conversations longer than seq_len (data/conversation_packing.py)
+    qa_samples: int = 32  # an instruction store's validation conversations answered; 0 skips question answering
     precision_reason: str = ""  # why `precision` is what it is (set on construction)
 
     def __post_init__(self) -> None:
@@ -92,6 +97,9 @@ class EvalConfig:
             raise ValueError(f"--precision {self.precision!r} is not one of auto, {', '.join(PRECISIONS)}")
         chosen = resolve_precision(self.precision, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
         self.precision, self.precision_reason = chosen.name, chosen.reason
+        check_policy(self.long_conversations)
+        if self.qa_samples < 0:
+            raise ValueError(f"--qa-samples {self.qa_samples} must be >= 0 (0 skips question answering)")
         if self.passkey_trials < 0:
             raise ValueError(f"--passkey-trials {self.passkey_trials} must be >= 0 (0 skips passkey retrieval)")
         if self.passkey_lengths is None:
@@ -128,6 +136,10 @@ def available_val_sequences(config: EvalConfig, store: TokenStore) -> int:
     Refuses a split that offers none, saying how to get one.
     """
     val = store.split("val")
+    if config.positions == "document" and store.is_conversations:
+        raise ValueError(f"--positions document scores the starts of long documents, but {store.directory} is an "
+                         f"instruction store, scored on its answers: use --positions packed (its conversations packed "
+                         f"as training packs them, a position the depth into a conversation)")
     if config.positions == "document":
         available = len(long_documents(val, config.seq_len))
         if available == 0:
@@ -137,7 +149,10 @@ def available_val_sequences(config: EvalConfig, store: TokenStore) -> int:
                              f"{val.num_documents} documents, the longest of {longest:,} tokens; lower --seq-len, "
                              f"or prepare a store with longer documents or a larger --val-fraction")
         return available
-    available = available_sequences(val, config.seq_len)
+    if store.is_conversations and val.num_documents == 0:
+        raise ValueError(f"the validation split of {store.directory} holds no conversation; prepare the store with "
+                         f"--val-fraction above 0")
+    available = available_sequences(val, config.seq_len, config.long_conversations)
     if available == 0:
         raise ValueError(f"the validation split of {store.directory} has {val.num_tokens:,} tokens in "
                          f"{val.num_documents} documents, not enough for one sequence of {config.seq_len:,}; "
@@ -199,10 +214,12 @@ def evaluate(config: EvalConfig, console: Console | None = None) -> EvalResult:
         model = inputs.checkpoint.model(device, PRECISIONS[config.precision])
         use_burst_attention(model, group)
         say(f"weights in {config.precision} ({config.precision_reason})")
+        conversations = inputs.store.is_conversations
         say(f"perplexity: {inputs.sequences} x {config.seq_len:,} tokens of {inputs.store.directory} (val), "
-            f"positions {config.positions}")
+            f"positions {config.positions}" + (", answers scored" if conversations else ""))
         perplexity = evaluate_perplexity(model, inputs.store.split("val"), config.seq_len, inputs.sequences,
-                                         config.buckets, group, positions=config.positions)
+                                         config.buckets, group, positions=config.positions,
+                                         long_conversations=config.long_conversations)
         if not math.isfinite(perplexity.perplexity):
             raise EvaluationFailed(f"the loss of {config.checkpoint} on {inputs.store.directory} is {perplexity.loss} "
                                    f"(perplexity {perplexity.perplexity}): the model diverged or its weights are "
@@ -213,9 +230,15 @@ def evaluate(config: EvalConfig, console: Console | None = None) -> EvalResult:
                 f"{config.passkey_trials} trials each")
             passkey = evaluate_passkey(model, inputs.tokenizer, config.passkey_lengths, config.passkey_depths,
                                        config.passkey_trials, group, config.seed)
+        qa = None
+        if conversations and config.qa_samples:
+            say(f"question answering: the last answer of up to {config.qa_samples} validation conversations of at "
+                f"most {config.seq_len:,} tokens")
+            qa = evaluate_qa(model, inputs.store.split("val"), inputs.tokenizer, config.seq_len, config.qa_samples,
+                             group)
     result = EvalResult(checkpoint=config.checkpoint, format=inputs.checkpoint.format, data=inputs.store.directory,
                         cp=config.cp, precision=config.precision, perplexity=perplexity, passkey=passkey,
-                        warnings=inputs.warnings, seconds=time.perf_counter() - started)
+                        warnings=inputs.warnings, seconds=time.perf_counter() - started, qa=qa)
     if is_main:
         for table in tables(result):
             console.print(table)

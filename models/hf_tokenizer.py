@@ -1,8 +1,8 @@
 """The tokenizer files a model directory carries, and what a Hugging Face export adds for `AutoTokenizer`.
 
-A run keeps its data's tokenizer: tokenizer.json with tokenizer_config.json and special_tokens_map.json
-when they came with it, or a SentencePiece tokenizer.model (data/tokenizer.py; models/ does not import
-data/, so the names are repeated here). A native export copies them. A Hugging Face export makes
+A run keeps its data's tokenizer: tokenizer.json with tokenizer_config.json, special_tokens_map.json and
+chat_template.jinja when they came with it, or a SentencePiece tokenizer.model (data/tokenizer.py; models/ does
+not import data/, so the names are repeated here). A native export copies them. A Hugging Face export makes
 `AutoTokenizer.from_pretrained(DIR)` encode as training did, BOS first:
 
 - with a tokenizer.json: copied, with BOS added in front by its post-processor when it adds none itself
@@ -31,7 +31,8 @@ from models.config import ModelConfig
 
 HF_FILE, CONFIG_FILE, SPECIAL_TOKENS_FILE, SPM_FILE = ("tokenizer.json", "tokenizer_config.json",
                                                       "special_tokens_map.json", "tokenizer.model")
-TOKENIZER_FILES = (HF_FILE, CONFIG_FILE, SPECIAL_TOKENS_FILE, SPM_FILE)
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # a chat template kept beside tokenizer.json
+TOKENIZER_FILES = (HF_FILE, CONFIG_FILE, SPECIAL_TOKENS_FILE, CHAT_TEMPLATE_FILE, SPM_FILE)
 SPM_SPACE = "\u2581"  # SentencePiece's visible space, "▁"
 # Texts a converted tokenizer must encode exactly as SentencePiece does: code, runs of spaces, tabs and newlines,
 # leading and trailing spaces, digits, accents, CJK, emoji (byte fallback).

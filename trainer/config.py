@@ -101,6 +101,11 @@ class TrainConfig:
                                      "balanced (chosen per sequence from its documents so that every rank does the "
                                      "same attention work; needs --doc-mask) or auto (balanced with --doc-mask, "
                                      "else zigzag).")
+    train_on_prompt: bool = setting(False, "Score every token of an instruction store's conversations (`burst prepare "
+                                           "--chat`), prompts too, not only the answers.")
+    long_conversations: str = setting("refuse", "A conversation longer than a sequence: refuse (the run, naming it), "
+                                                "truncate (cut the prompt's start away, BOS kept) or split (into "
+                                                "sequence-long pieces).")
     seed: int = setting(0, "Seed of the initial weights and the data order.")
     val_sequences: int = setting(8, "Held-out sequences (the data's validation split) scored at the start and the end "
                                     "of each invocation and every --val-every steps: the validation loss of "
@@ -128,6 +133,7 @@ class TrainConfig:
         from burst.attention import check_backward_mode
         from burst.layout import check_layout, check_sequence_length
         from burst.topology import check_topology
+        from data.conversation_packing import check_policy
         from data.mixture import parse_mixture, resolved_sources
         from models.config import PRESETS
         from models.rope import parse_rope_scaling
@@ -181,6 +187,7 @@ class TrainConfig:
             # The model's context length is known only once the model is (trainer/preflight.py fills it in);
             # seq_len stands in for it here, where everything else about the flag is checked.
             parse_rope_scaling(self.rope_scaling, "--rope-scaling", original_length=self.seq_len)
+        check_policy(self.long_conversations)
         check_backward_mode(self.attention_backward, "--attention-backward")
         check_topology(self.cp_topology, "--cp-topology")
         if self.cp_layout != "auto":

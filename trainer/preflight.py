@@ -151,14 +151,35 @@ def init_checkpoint(config: TrainConfig, store: TokenStore) -> tuple[ModelConfig
 
 
 def check_sequence_fits(config: TrainConfig, sources: list[Source]) -> None:
-    """Refuse a --seq-len longer than a source's training documents: every sequence would repeat the data."""
+    """Refuse a --seq-len longer than a source's training documents: every sequence would repeat the data (an
+    instruction store's sequences never do: they hold whole conversations, the rest padding)."""
     for source in sources:
         train = source.store
+        if train.is_conversations:
+            continue
         stream = int(train.document_lengths.sum()) + 2 * train.num_documents  # BOS + document + EOS each
         if config.seq_len > stream:
             raise ValueError(f"--seq-len {config.seq_len:,} is longer than the training documents of --data "
                              f"{source.spec.name} ({stream:,} tokens with BOS/EOS): every sequence would repeat the "
                              f"data; lower --seq-len, or prepare more data")
+
+
+def check_conversations(config: TrainConfig, sources: list[Source]) -> None:
+    """Refuse instruction stores without --doc-mask (packed conversations would read each other), and build the
+    training and validation loaders, which refuse conversations over the --long-conversations policy and
+    --train-on-prompt without an instruction store (building them reads only the long conversations)."""
+    conversations = [source.spec.name for source in sources if source.store.is_conversations]
+    if conversations and not config.doc_mask:
+        raise ValueError(f"--data {', '.join(conversations)}: instruction stores (`burst prepare --chat`) pack "
+                         f"several conversations to a sequence, which must not attend to each other nor to the "
+                         f"padding; add --doc-mask")
+    loader = dict(seq_len=config.seq_len, batch_size=config.batch_size, dp_size=config.dp, cp_size=config.cp,
+                  long_conversations=config.long_conversations)
+    SequenceLoader([source.store for source in sources], shares=[source.spec.share for source in sources],
+                   train_on_prompt=config.train_on_prompt, **loader)
+    for source in sources:
+        if source.store.is_conversations and source.val.num_documents:
+            SequenceLoader(source.val, train_on_prompt=config.train_on_prompt, **loader)
 
 
 # A CPU worker's memory before its first tensor: Python, torch and its libraries (about 350 MiB measured).
@@ -249,9 +270,9 @@ def plan_run(config: TrainConfig, world_size: int, restart: int = 0) -> RunPlan:
         model_config, init_from = init_checkpoint(config, store)
     else:
         model_config, checkpoint = model_and_store(config, store)
-    # The loader checks batch and sequence settings against the data; building one reads no tokens.
-    SequenceLoader([source.store for source in sources], config.seq_len, config.batch_size,
-                   shares=[source.spec.share for source in sources], dp_size=config.dp, cp_size=config.cp)
+    # The loader checks batch, sequence and conversation settings against the data; building one reads no tokens
+    # (but an over-long conversation's, to truncate it).
+    check_conversations(config, sources)
     check_sequence_fits(config, sources)
     check_memory(config, model_config, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     resume_from = check_resume(config, Path(out), model_config, store) if config.resume else None

@@ -31,6 +31,7 @@ class StepResult:
     loss: float  # global mean token loss
     grad_norm: float  # global gradient norm before clipping
     applied: bool  # False: non-finite loss or gradient norm, the optimizer step was skipped
+    scored_tokens: int  # the tokens the loss is the mean over: every label of the global batch
 
 
 def forward_backward(model: Transformer, batch: Batch, global_count: torch.Tensor, config: TrainConfig,
@@ -70,8 +71,8 @@ def train_step(model: Transformer, optimizer: torch.optim.Optimizer, micro_batch
 def _train_step(model: Transformer, optimizer: torch.optim.Optimizer, micro_batches: list[Batch],
                 config: TrainConfig, env: Distributed) -> StepResult:
     # Known before any backward, so every micro-batch is scaled by the step's global token count.
-    global_count = all_reduce(torch.tensor(float(sum(b.num_tokens for b in micro_batches)), device=env.device))
-    global_count.clamp_(min=1.0)
+    scored = all_reduce(torch.tensor(float(sum(b.num_tokens for b in micro_batches)), device=env.device))
+    global_count = scored.clamp(min=1.0)  # a step of conversations may score none (all prompts): loss 0
     loss_sum = torch.zeros((), device=env.device)
     for batch in micro_batches:
         loss_sum += forward_backward(model, batch, global_count, config, env.device)
@@ -85,7 +86,7 @@ def _train_step(model: Transformer, optimizer: torch.optim.Optimizer, micro_batc
     if applied:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss.item(), grad_norm.item(), applied)
+    return StepResult(loss.item(), grad_norm.item(), applied, int(scored.item()))
 
 
 def non_finite_weights(model: Transformer, env: Distributed) -> list[str]:

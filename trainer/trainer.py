@@ -87,7 +87,9 @@ class Trainer:
         self.loader = SequenceLoader([source.store for source in self.sources], config.seq_len, config.batch_size,
                                      shares=[source.spec.share for source in self.sources], dp_rank=env.dp_rank,
                                      dp_size=config.dp, cp_rank=env.cp_rank, cp_size=config.cp, seed=config.seed,
-                                     reset_positions=config.doc_mask, cp_layout=config.sequence_layout)
+                                     reset_positions=config.doc_mask, cp_layout=config.sequence_layout,
+                                     long_conversations=config.long_conversations,
+                                     train_on_prompt=config.train_on_prompt)
         self.state = TrainState()
         self.saver = CheckpointSaver(self.out, plan.model_config, env.device, config.keep, config.async_checkpoint,
                                      env.cpu_group, self.report_saved)
@@ -96,6 +98,8 @@ class Trainer:
         self.val_losses: list[tuple[int, float]] = []  # (step, validation loss) of this invocation
         self.losses: list[float] = []  # training losses of this invocation's steps
         self.last_step = min(config.steps, config.stop_after or config.steps)
+        self.conversations = [(source.spec.name, stream) for source, stream in
+                              zip(self.sources, self.loader.streams, strict=True) if source.store.is_conversations]
 
     # -- set-up and resume --------------------------------------------------------------------
 
@@ -132,6 +136,7 @@ class Trainer:
                                f"initialised from {plan.init_from}"
                                + (" (weights and optimizer state)" if self.config.init_optimizer else " (weights)"))
         self.report_model_ready()
+        self.report_conversations()
         if self.metrics is not None and plan.restart:
             self.metrics.event("restart", {"attempt": plan.restart, "from_step": self.state.step},
                                f"restart {plan.restart} of the workers after one died: "
@@ -178,6 +183,23 @@ class Trainer:
             self.metrics.event("model_ready", {"parameters": parameters, "seconds": seconds, "peak_host_mib": peak},
                                f"model ready: {parameters:,} parameters, {seconds:.1f} s, peak host memory "
                                f"{peak:,.0f} MiB (largest rank)")
+
+    def report_conversations(self) -> None:
+        """Report (rank 0) what packing does to each instruction source: its conversations, and those longer than
+        a sequence with what the --long-conversations policy does to them."""
+        if self.metrics is None or not self.conversations:
+            return
+        values, lines = {}, []
+        for name, stream in self.conversations:
+            long = stream.long
+            values[name] = {"conversations": stream.store.num_documents, "longer_than_sequence": long.count,
+                            "policy": long.policy, "truncated_tokens": long.truncated_tokens, "pieces": long.pieces}
+            done = f"truncated, {long.truncated_tokens:,} prompt tokens cut" if long.policy == "truncate" else \
+                f"split into {long.pieces:,} pieces"
+            lines.append(f"{name}: {stream.store.num_documents:,} conversations packed whole"
+                         + (f", {long.count:,} longer than a sequence {done}" if long.count else "")
+                         + (", prompts scored too" if self.config.train_on_prompt else ", answers scored"))
+        self.metrics.event("conversations", {"sources": values}, "; ".join(lines))
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -244,8 +266,10 @@ class Trainer:
                 self.metrics.log(state.step, {"loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
                                               "tokens_per_s": config.tokens_per_step / step_time,
                                               "step_time_s": step_time, "peak_mem_mib": peak,
-                                              "skipped": not result.applied,
-                                              "tokens_by_source": self.tokens_by_source()})
+                                              "skipped": not result.applied, "scored_tokens": result.scored_tokens,
+                                              "tokens_by_source": self.tokens_by_source(),
+                                              **({"padding_tokens": self.loader.padding_tokens}
+                                                 if self.conversations else {})})
         return result
 
     def tokens_by_source(self) -> dict[str, int]:
@@ -311,7 +335,10 @@ class Trainer:
             state, config = self.state, self.config
             what = f"stopped by {signalled} after step {state.step}" if signalled else \
                 f"stopped after step {state.step} (--stop-after)" if state.step < config.steps else "done"
-            self.metrics.message(f"{what}: {state.step} steps, {state.tokens:,} tokens; this invocation "
+            padding = self.loader.padding_tokens
+            packed = f" ({padding:,} of them padding, {padding / max(state.tokens, 1):.1%}, between whole " \
+                     f"conversations)" if self.conversations else ""
+            self.metrics.message(f"{what}: {state.step} steps, {state.tokens:,} tokens{packed}; this invocation "
                                  f"{seconds:.1f} s{self.loss_summary()}; checkpoint {path}")
             if state.step < config.steps:
                 self.metrics.message(f"continue with: burst train --resume --out {self.out}")

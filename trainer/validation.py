@@ -41,7 +41,9 @@ class Validator:
         config, env = self.config, self.env
         loader = SequenceLoader(self.stores, config.seq_len, 1, shares=self.shares, dp_rank=env.dp_rank,
                                 dp_size=config.dp, cp_rank=env.cp_rank, cp_size=config.cp, seed=config.seed,
-                                reset_positions=config.doc_mask, cp_layout=config.sequence_layout)
+                                reset_positions=config.doc_mask, cp_layout=config.sequence_layout,
+                                long_conversations=config.long_conversations,
+                                train_on_prompt=config.train_on_prompt and any(s.is_conversations for s in self.stores))
         totals = torch.zeros(2, dtype=torch.float64, device=env.device)  # summed loss, scored tokens
         was_training = model.training
         model.eval()

@@ -1,0 +1,308 @@
+"""Conversations rendered into token ids, and which of those tokens are scored: the assistant's answers.
+
+A conversation is a list of messages {"role": ..., "content": ...} (the OpenAI and Hugging Face chat format).
+With a tokenizer that has a chat template (data/tokenizer_hf.py finds it where transformers does), it is
+rendered as `AutoTokenizer.apply_chat_template(messages, tokenize=True)` renders it, so the ids are those the
+model meets at inference: the template runs in a jinja2 sandbox set up as transformers sets up its own
+(trim_blocks, lstrip_blocks, loop controls, `raise_exception`, a `tojson` that does not escape HTML,
+`strftime_now`, restricted `dict` and `namespace`, `{% generation %}` blocks), given the messages,
+`add_generation_prompt` (False: training rows end with their last message) and the tokenizer's named special
+tokens as strings; the text is then encoded whole, the special tokens it holds recognised by the `tokenizers`
+library as AutoTokenizer recognises them.
+
+Without a template (the SentencePiece tokenizers burst trains, a tokenizer.json published without one)
+conversations take PLAIN_TEMPLATE: BOS, then each message as "Role:\\n" + content + "\\n\\n", an assistant's
+content followed by EOS, which ends each answer. Its BOS and EOS are written as their ids, never as text, and
+its text is encoded in pieces cut at the answers' edges, each piece after the first encoded as it continues the
+text before it (after a newline whose ids are dropped, so that SentencePiece adds no space at its start).
+At inference, `ChatFormat.prompt_ids` renders the conversation so far with `add_generation_prompt=True` (which ends
+in "Assistant:\\n") and encodes it as training did; generate until EOS.
+
+The scored tokens are each assistant turn's answer and its end-of-turn token: where the template marks them with
+`{% generation %}` blocks (PLAIN_TEMPLATE does), the characters of those blocks, which is what transformers'
+`return_assistant_tokens_mask` scores; otherwise, from the end of the conversation rendered up to that turn with
+the generation prompt to the end of the conversation rendered through that turn, trailing whitespace left out.
+A token is scored when its characters overlap an answer's. A template that renders the start of a conversation
+otherwise than the whole conversation's start (so the answers cannot be placed) is refused, not guessed at.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import jinja2
+import numpy as np
+from jinja2 import nodes
+from jinja2.ext import Extension
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from data.tokenizer import Tokenizer
+
+PLAIN = "plain"  # the name of PLAIN_TEMPLATE where a store records which template rendered it
+PLAIN_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ message['role'] | capitalize + ':\\n' }}"
+    "{% if message['role'] == 'assistant' %}"
+    "{% generation %}{{ message['content'] + eos_token }}{% endgeneration %}"
+    "{% else %}{{ message['content'] }}{% endif %}"
+    "{{ '\\n\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'Assistant:\\n' }}{% endif %}"
+)
+# PLAIN_TEMPLATE's BOS and EOS while it renders: private-use characters, turned into the ids afterwards, so a
+# conversation's own text never becomes a special token. A conversation holding them is refused.
+MARKERS = {"bos_token": "\ue000", "eos_token": "\ue001"}
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # transformers gives a template all three
+# Rendered when a template is loaded, so one that cannot place answers is refused before any data is read.
+PROBE = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is 2 + 2?"},
+         {"role": "assistant", "content": "4"}, {"role": "user", "content": "And 3 + 3?"},
+         {"role": "assistant", "content": "6"}]
+
+
+class ChatTemplateError(ValueError):
+    """The template refused to render one conversation (its raise_exception, or an error inside it): that row is
+    counted as bad input, as transformers would have raised for it."""
+
+
+class TemplateNotIncremental(ValueError):
+    """The template renders a conversation's start otherwise than the whole conversation's: its answers cannot
+    be located, so the template is refused."""
+
+
+@dataclass
+class Rendered:
+    """A conversation rendered to text, with the character spans [start, end) of its scored answers."""
+
+    text: str
+    spans: list[tuple[int, int]]
+
+
+# -- the jinja2 environment -------------------------------------------------------------------------------------
+
+_GENERATION_RECORD: contextvars.ContextVar[tuple[list[str], list[tuple[int, int]]] | None] = \
+    contextvars.ContextVar("generation_record", default=None)
+
+
+class GenerationBlocks(Extension):
+    """`{% generation %}...{% endgeneration %}`: renders its body and records the characters it fills in the output
+    rendered so far (the blocks `generate()` has yielded), as transformers' AssistantTracker does."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_record", []), [], [], body).set_lineno(lineno)
+
+    def _record(self, caller: Any) -> str:
+        text = caller()
+        record = _GENERATION_RECORD.get()
+        if record is not None:
+            blocks, spans = record
+            start = sum(map(len, blocks))
+            spans.append((start, start + len(text)))
+        return text
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    """jinja2's own tojson escapes HTML characters; chat templates expect plain JSON."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
+
+
+class _TemplateDict:
+    """`dict(...)` and `dict.fromkeys(...)` for templates, without the type object itself."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
+        return dict.fromkeys(*args, **kwargs)
+
+
+class _TemplateNamespace(jinja2.utils.Namespace):
+    """jinja2's namespace, refusing underscore attributes (a way out of the sandbox)."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:  # jinja2's signature: `self` may be an attribute name too
+        self, attributes = args[0], dict(*args[1:], **kwargs)
+        for name in attributes:
+            _TemplateNamespace._check(name)
+        jinja2.utils.Namespace.__init__(self, attributes)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _TemplateNamespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"a chat template may not set the attribute {name!r}")
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=[GenerationBlocks, "jinja2.ext.loopcontrols"])
+    environment.filters["tojson"] = _tojson
+    environment.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, dict=_TemplateDict(),
+                               namespace=_TemplateNamespace)
+    return environment
+
+
+def _with_reasoning_aliases(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A message's reasoning under each name templates read it by, as transformers passes it."""
+    aliased = []
+    for message in messages:
+        reasoning = next((message[key] for key in REASONING_FIELDS if message.get(key) is not None), None)
+        aliased.append(message if reasoning is None else {"thinking": reasoning, **message,
+                                                          "reasoning_content": reasoning})
+    return aliased
+
+
+# -- rendering and encoding -------------------------------------------------------------------------------------
+
+class ChatFormat:
+    """How conversations become ids for `tokenizer`: its own chat template, or PLAIN_TEMPLATE without one."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.template_file = tokenizer.chat_template_file or PLAIN
+        self.template = tokenizer.chat_template if tokenizer.chat_template is not None else PLAIN_TEMPLATE
+        self.is_plain = tokenizer.chat_template is None
+        self.special_tokens = MARKERS if self.is_plain else dict(tokenizer.special_tokens)
+        try:
+            self._compiled = _environment().from_string(self.template)
+        except jinja2.TemplateError as err:
+            raise ValueError(f"the chat template in {self.where} is not a template jinja2 can read ({err}); "
+                             f"restore it from the model it came with") from None
+        self.marks_answers = re.search(r"\{%-?\s*generation\s*-?%\}", self.template) is not None
+        self._marker_ids = {MARKERS["bos_token"]: tokenizer.bos_id, MARKERS["eos_token"]: tokenizer.eos_id}
+        self._newline_ids = tokenizer.encode("\n")
+        try:
+            self.render(PROBE)  # TemplateNotIncremental here, before any data is read
+        except ChatTemplateError:
+            pass  # a template may refuse this conversation (no system turn, say); each row is tried as it comes
+
+    @property
+    def where(self) -> str:
+        """The template's file, or "plain"."""
+        return PLAIN if self.is_plain else str(self.tokenizer.files[self.template_file])
+
+    def metadata(self) -> dict[str, Any]:
+        """What a store records of the template that rendered it."""
+        return {"template": self.template_file, "sha256": hashlib.sha256(self.template.encode()).hexdigest(),
+                "generation_blocks": self.marks_answers}
+
+    def render_text(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False
+                    ) -> tuple[str, list[tuple[int, int]]]:
+        """The template's text for `messages` and the spans of its `{% generation %}` blocks."""
+        blocks: list[str] = []
+        spans: list[tuple[int, int]] = []
+        token = _GENERATION_RECORD.set((blocks, spans))
+        try:
+            for block in self._compiled.generate(messages=_with_reasoning_aliases(messages), tools=None,
+                                                 documents=None, add_generation_prompt=add_generation_prompt,
+                                                 **self.special_tokens):
+                blocks.append(block)
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError) as err:
+            raise ChatTemplateError(f"the chat template raised {type(err).__name__}: {err}") from None
+        finally:
+            _GENERATION_RECORD.reset(token)
+        return "".join(blocks), spans
+
+    def render(self, messages: list[dict[str, Any]]) -> Rendered:
+        """The conversation as training sees it (no generation prompt) and its answers' character spans."""
+        if self.is_plain and any(marker in json.dumps(messages, ensure_ascii=False) for marker in MARKERS.values()):
+            raise ChatTemplateError("it holds U+E000 or U+E001, which the plain template keeps for BOS and EOS")
+        text, spans = self.render_text(messages)
+        if not self.marks_answers:
+            spans = self._answer_spans(messages, text)
+        return Rendered(text, spans)
+
+    def _answer_spans(self, messages: list[dict[str, Any]], text: str) -> list[tuple[int, int]]:
+        """Each assistant turn's span, from renderings of the conversation up to it (TemplateNotIncremental when
+        they are not where the whole rendering has them)."""
+        spans = []
+        for i, message in enumerate(messages):
+            if message.get("role") != "assistant":
+                continue
+            before, _ = self.render_text(messages[:i], add_generation_prompt=True)
+            through, _ = self.render_text(messages[:i + 1])
+            end = len(through.rstrip())
+            if not (text.startswith(before) and text.startswith(through) and len(before) < end):
+                raise TemplateNotIncremental(
+                    f"the chat template in {self.where} renders the conversation up to its answer {i} "
+                    f"(message {i} of {len(messages)}) otherwise than the start of the whole conversation, so the "
+                    f"answer's tokens cannot be located; mark the answers in the template with {{% generation %}}"
+                    f"...{{% endgeneration %}} (transformers' assistant mask), or use a template that renders each "
+                    f"turn the same way wherever it stands")
+            spans.append((len(before), end))
+        return spans
+
+    def prompt_ids(self, messages: list[dict[str, Any]]) -> np.ndarray:
+        """The ids a model is given at inference to answer `messages`: rendered with the generation prompt, encoded
+        as training encoded them (for the conversation with its answer, these are its first ids)."""
+        text, spans = self.render_text(messages, add_generation_prompt=True)
+        return self.encode([Rendered(text, spans)])[0][0]
+
+    def encode(self, rendered: list[Rendered]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(ids int64 [n], scored bool [n]) of each rendered conversation; a template's texts in one batch."""
+        if self.is_plain:
+            return [self._encode_plain(r) for r in rendered]
+        out = []
+        for r, (ids, offsets) in zip(rendered, self.tokenizer.encode_with_offsets([r.text for r in rendered]),
+                                     strict=True):
+            out.append((np.asarray(ids, np.int64), _overlapping(np.asarray(offsets, np.int64).reshape(-1, 2),
+                                                                r.spans)))
+        return out
+
+    def _encode_plain(self, rendered: Rendered) -> tuple[np.ndarray, np.ndarray]:
+        """PLAIN_TEMPLATE's ids: BOS and EOS markers as ids, the text in pieces cut at the answers' edges."""
+        text = rendered.text
+        cuts = sorted({0, len(text), *(edge for span in rendered.spans for edge in span)})
+        ids: list[int] = []
+        scored: list[bool] = []
+        split = re.compile(f"([{''.join(MARKERS.values())}])")
+        for start, end in zip(cuts[:-1], cuts[1:], strict=True):
+            inside = any(a <= start and end <= b for a, b in rendered.spans)
+            for part in split.split(text[start:end]):
+                if not part:
+                    continue
+                part_ids = [self._marker_ids[part]] if part in self._marker_ids else \
+                    self.tokenizer.encode(part) if not ids else self._continued(part)
+                ids += part_ids
+                scored += [inside] * len(part_ids)
+        return np.asarray(ids, np.int64), np.asarray(scored, bool)
+
+    def _continued(self, text: str) -> list[int]:
+        """The ids of `text` where it continues a conversation: encoded after a newline whose ids are then dropped,
+        so that a tokenizer adding a space at the start of a text (SentencePiece's dummy prefix) adds none here."""
+        ids = self.tokenizer.encode("\n" + text)
+        if ids[:len(self._newline_ids)] == self._newline_ids:
+            return ids[len(self._newline_ids):]
+        return self.tokenizer.encode(text)
+
+
+def _overlapping(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
+    """bool [tokens]: whether each token's characters offsets[t] = [start, end) overlap one of the sorted,
+    disjoint `spans`."""
+    if not spans or not len(offsets):
+        return np.zeros(len(offsets), bool)
+    starts, ends = (np.asarray(edge, np.int64) for edge in zip(*spans, strict=True))
+    first_after = np.searchsorted(ends, offsets[:, 0], side="right")  # the first span ending after the token starts
+    held = first_after < len(spans)
+    return held & (starts[np.minimum(first_after, len(spans) - 1)] < offsets[:, 1])
