@@ -8,8 +8,10 @@
    with a larger RoPE base (--rope-theta, the NTK-aware value for 8x: 10,000 x 8^(64/62) ~ 86,000, rounded up
    to 100,000), document masking, and a long/short mix by token share: 60% from documents of at least 4,096
    tokens, 40% from all documents (ProLong's recipe, scaled down).
-3. `burst eval` scores both on held-out documents of at least 8,192 tokens (loss by depth into a document,
-   `--positions document`), and a plot shows the two curves.
+3. A control continues stage 1 with the same data, tokens, optimizer and schedule at 1,024 tokens and the
+   original RoPE, so what the extension itself changes can be told from what more training changes.
+4. `burst eval` scores the three on held-out documents of at least 8,192 tokens (loss by depth into a document,
+   `--positions document`), and a plot shows their curves.
 
 The stores are made from the standard-library corpus with its own tokenizer (the default corpus's), with a
 10% validation split so that enough held-out documents reach 8,192 tokens. Every step is a `burst` command,
@@ -75,39 +77,39 @@ def evaluate(run: Path, store: Path, out: Path, documents: int) -> dict:
     return json.loads(result.read_text())
 
 
-def summarize(before: dict, after: dict, out: Path) -> dict:
-    """The figures the recipe is judged by, written to OUT/extension.json and plotted to OUT/extension.png."""
-    def losses(result: dict) -> list[float]:
-        return [bucket["mean_loss"] for bucket in result["loss_by_position"]]
+def summarize(stage1: dict, control: dict, stage2: dict, out: Path) -> dict:
+    """The figures the recipe is judged by, written to OUT/extension.json and plotted to OUT/extension.png:
+    for each model, loss by depth, over the first ORIGINAL positions and over the second half."""
+    runs = {"stage1": stage1, "control": control, "stage2": stage2}
+    half = EXTENDED // ORIGINAL // 2  # buckets of ORIGINAL positions: the second half is 4,096-8,191
 
-    first, tail = slice(0, 1), slice(EXTENDED // ORIGINAL // 2, None)  # positions 0-1023; 4096-8191
-    short_before, short_after = losses(before)[first][0], losses(after)[first][0]
-    long_before = sum(losses(before)[tail]) / len(losses(before)[tail])
-    long_after = sum(losses(after)[tail]) / len(losses(after)[tail])
-    figures = {
-        "buckets": [[b["start"], b["end"]] for b in before["loss_by_position"]],
-        "loss_before": losses(before), "loss_after": losses(after),
-        "documents": before["sequences"], "tokens": before["tokens"],
-        "loss_0_1k_before": short_before, "loss_0_1k_after": short_after,
-        "loss_0_1k_change": short_after / short_before - 1,
-        "loss_4k_8k_before": long_before, "loss_4k_8k_after": long_after,
-    }
+    def figures_of(result: dict) -> dict:
+        losses = [bucket["mean_loss"] for bucket in result["loss_by_position"]]
+        return {"loss_by_bucket": losses, "loss_0_1k": losses[0],
+                "loss_4k_8k": sum(losses[half:]) / (len(losses) - half)}
+
+    figures = {name: figures_of(result) for name, result in runs.items()}
+    figures["buckets"] = [[b["start"], b["end"]] for b in stage1["loss_by_position"]]
+    figures["documents"], figures["tokens"] = stage1["sequences"], stage1["tokens"]
+    figures["stage2_vs_stage1_0_1k"] = figures["stage2"]["loss_0_1k"] / figures["stage1"]["loss_0_1k"] - 1
     (out / "extension.json").write_text(json.dumps(figures, indent=2) + "\n")
     from matplotlib.figure import Figure
 
     figure = Figure(figsize=(7, 4), dpi=120)
     axes = figure.add_subplot()
-    centres = [(b["start"] + b["end"]) / 2 for b in before["loss_by_position"]]
-    axes.plot(centres, losses(before), marker="o", label=f"stage 1: {ORIGINAL:,} tokens, theta 10,000")
-    axes.plot(centres, losses(after), marker="o", label=f"stage 2: {EXTENDED:,} tokens, theta 100,000, long/short "
-                                                         f"mix, doc mask")
+    centres = [(start + end) / 2 for start, end in figures["buckets"]]
+    labels = {"stage1": f"stage 1: {ORIGINAL:,} tokens, theta 10,000",
+              "control": f"stage 1 + the same tokens at {ORIGINAL:,}, theta 10,000 (control)",
+              "stage2": f"stage 1 + extension: {EXTENDED:,} tokens, theta 100,000, long/short mix"}
+    for name, label in labels.items():
+        axes.plot(centres, figures[name]["loss_by_bucket"], marker="o", label=label)
     axes.axvline(ORIGINAL, color="grey", linestyle=":", label="stage 1's context")
     axes.set_xlabel("depth into a held-out document (tokens), bucket centre")
     axes.set_ylabel("mean cross-entropy (nats)")
-    axes.set_title(f"loss by position, {before['sequences']} held-out documents of >= {EXTENDED:,} tokens",
+    axes.set_title(f"loss by position, {figures['documents']} held-out documents of >= {EXTENDED:,} tokens",
                    fontsize=9)
     axes.grid(alpha=0.3)
-    axes.legend(fontsize=8)
+    axes.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(out / "extension.png")
     return figures
@@ -128,23 +130,28 @@ def main() -> None:
     from data import TokenStore
 
     model = make_model(out, TokenStore(store).vocab_size)
-    stage1, stage2 = out / "stage1", out / "stage2"
+    stage1, stage2, control = out / "stage1", out / "stage2", out / "control"
     if not (stage1 / "checkpoints").is_dir():
         burst("train", "--model", model, "--data", store, "--seq-len", ORIGINAL, "--batch-size", args.stage1_batch,
               "--steps", args.stage1_steps, "--lr", 3e-3, "--warmup", args.stage1_steps // 20, "--doc-mask",
               "--precision", "fp32",
               "--out", stage1)
+    if not (control / "checkpoints").is_dir():  # the same tokens and schedule at the original length and RoPE
+        burst("train", "--init-from", stage1, "--init-optimizer", "--data", f"long={store}:0.6:min_doc=4096",
+              "--data", f"short={store}:0.4", "--seq-len", ORIGINAL, "--batch-size", EXTENDED // ORIGINAL,
+              "--steps", args.stage2_steps, "--lr", 1e-3, "--warmup", args.stage2_steps // 10, "--doc-mask",
+              "--precision", "fp32", "--out", control)
     if not (stage2 / "checkpoints").is_dir():
         burst("train", "--init-from", stage1, "--init-optimizer", "--data", f"long={store}:0.6:min_doc=4096",
               "--data", f"short={store}:0.4", "--seq-len", EXTENDED, "--cp", args.cp, "--steps", args.stage2_steps,
               "--lr", 1e-3, "--warmup", args.stage2_steps // 10, "--rope-theta", 100_000, "--doc-mask",
               "--precision", "fp32",
               "--out", stage2)
-    figures = summarize(evaluate(stage1, store, out, args.documents), evaluate(stage2, store, out, args.documents),
-                        out)
-    print(f"positions 0-1,023: loss {figures['loss_0_1k_before']:.4f} -> {figures['loss_0_1k_after']:.4f} "
-          f"({figures['loss_0_1k_change']:+.1%}); positions 4,096-8,191: {figures['loss_4k_8k_before']:.4f} -> "
-          f"{figures['loss_4k_8k_after']:.4f}; plot {out / 'extension.png'}")
+    figures = summarize(*(evaluate(run, store, out, args.documents) for run in (stage1, control, stage2)), out)
+    for name in ("stage1", "control", "stage2"):
+        print(f"{name:8s} positions 0-1,023: loss {figures[name]['loss_0_1k']:.4f}; positions 4,096-8,191: "
+              f"{figures[name]['loss_4k_8k']:.4f}")
+    print(f"plot {out / 'extension.png'}")
 
 
 if __name__ == "__main__":
