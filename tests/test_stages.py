@@ -58,6 +58,8 @@ def test_a_stage_at_another_length_and_layout_trains_and_resumes(run, store, tmp
              "--warmup", 1, "--precision", "fp32", "--out", out]
     first = burst_train(*stage, "--cp", 2, "--stop-after", 1)
     assert first.returncode == 0, first.stderr[-3000:]
+    table = " ".join((first.stdout + first.stderr).split())  # the settings table, unwrapped
+    assert "model │ the --init-from checkpoint's" in table and "rope_theta │ the model's: 10000" in table, table
     assert events(out, "initialised") == [{"event": "initialised", "from": str(complete_checkpoints(run)[-1]),
                                            "optimizer": True}]
     text = (out / "config.toml").read_text()

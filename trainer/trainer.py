@@ -107,9 +107,16 @@ class Trainer:
         table = Table(title="burst train", show_header=False, title_justify="left")
         table.add_column(style="bold")
         table.add_column()
-        for name, value in dataclasses.asdict(self.config).items():
-            table.add_row(name, f"{value} ({self.plan.precision.reason})" if name == "precision" else str(value))
         model = self.plan.model_config
+        # what an unset flag means in this run, so the table never shows a bare None where a value is in force
+        unset = {"model": "the --init-from checkpoint's", "rope_theta": f"the model's: {model.rope_theta:g}",
+                 "rope_scaling": f"the model's: {model.rope_scaling.to_dict() if model.rope_scaling else 'none'}"}
+        for name, value in dataclasses.asdict(self.config).items():
+            if name == "precision":
+                value = f"{value} ({self.plan.precision.reason})"
+            elif value is None and name in unset and (name != "model" or self.config.init_from is not None):
+                value = unset[name]
+            table.add_row(name, str(value))
         table.add_row("model shape", f"dim {model.dim}, {model.n_layers} layers, {model.n_heads} heads "
                                      f"({model.n_kv_heads} kv), vocabulary {model.vocab_size}")
         table.add_row("tokens per step", f"{self.config.tokens_per_step:,}")
