@@ -36,13 +36,19 @@ def snapshot(directory: Path) -> list[tuple]:
     return sorted((p.relative_to(directory), p.stat().st_size, p.stat().st_mtime_ns) for p in directory.rglob("*"))
 
 
-@pytest.fixture
-def stopped_run(store, tmp_path) -> Path:
-    """A run of 4 steps stopped after step 2, its checkpoint saved."""
-    out = tmp_path / "run"
+@pytest.fixture(scope="module")
+def stopped_run_template(store, tmp_path_factory) -> Path:
+    """A run of 4 steps stopped after step 2, its checkpoint saved: trained once for the module."""
+    out = tmp_path_factory.mktemp("template") / "run"
     done = burst_train(*COMMON, "--data", store, "--steps", 4, "--stop-after", 2, "--out", out)
     assert done.returncode == 0, done.stderr[-3000:]
     return out
+
+
+@pytest.fixture
+def stopped_run(stopped_run_template, tmp_path) -> Path:
+    """The stopped run, a copy of its own for each test (a resume takes the directory as --out)."""
+    return Path(shutil.copytree(stopped_run_template, tmp_path / "run", symlinks=True))
 
 
 def resume(out: Path, *flags) -> "CliRunner.invoke":
