@@ -306,55 +306,63 @@ def run_documents_bench(config: DocumentsBenchConfig) -> tuple[list[SequencePlan
 
 
 def print_documents(config: DocumentsBenchConfig, plans: list[SequencePlan], timed: list[TimedRun]) -> None:
+    """Two tables that stay legible at 80 columns: the plans' figures (a row per measure, a column per layout)
+    and the timed runs (the totals; the forward/backward split is in --json)."""
+    from rich import box
     from rich.console import Console
     from rich.table import Table
 
     attention, console = config.attention, Console()
-    title = (f"{len(config.sequences)} packed sequences of {attention.seq_len:,} tokens on {attention.nproc} ranks, "
-             f"{attention.heads}/{attention.kv_heads} heads x {attention.head_dim}, {attention.dtype}, "
-             f"bytes for backward {attention.modes[0]}")
-    table = Table(title=title)
-    for column in ("layout", "slowest / mean", "p90", "fwd", "fwd p90", "bwd", "bwd p90", "masked tiles",
-                   "idle steps", "chunks/rank", "sent MiB/rank", "max", "plan ms", "max"):
-        table.add_column(column, justify="left" if column == "layout" else "right")
-    for layout, row in summarize(plans, config.layouts).items():
-        table.add_row(layout, f"{row['imbalance']:.3f}", f"{row['imbalance_p90']:.3f}",
-                      f"{row['forward_imbalance']:.3f}", f"{row['forward_imbalance_p90']:.3f}",
-                      f"{row['backward_imbalance']:.3f}", f"{row['backward_imbalance_p90']:.3f}",
-                      f"{100 * row['masked_share']:.1f}%", f"{100 * row['idle_steps']:.0f}%",
-                      f"{row['chunks_per_rank']:.1f}", f"{row['sent_mib_mean']:.1f}", f"{row['sent_mib_max']:.1f}",
-                      f"{row['planning_ms']:.1f}", f"{row['planning_ms_max']:.1f}")
+    summary = summarize(plans, config.layouts)
+    table = Table(title=f"{len(config.sequences)} packed sequences of {attention.seq_len:,} tokens on "
+                        f"{attention.nproc} ranks, {attention.heads}/{attention.kv_heads} heads x "
+                        f"{attention.head_dim}, {attention.dtype}", title_justify="left")
+    table.add_column("per sequence")
+    for layout in summary:
+        table.add_column(layout, justify="right")
+    measures = {
+        "slowest rank / mean rank": lambda r: f"{r['imbalance']:.3f} [{r['imbalance_p90']:.3f}]",
+        "  forward (queries' work)": lambda r: f"{r['forward_imbalance']:.3f} [{r['forward_imbalance_p90']:.3f}]",
+        "  backward (keys' work)": lambda r: f"{r['backward_imbalance']:.3f} [{r['backward_imbalance_p90']:.3f}]",
+        "masked share of computed tiles": lambda r: f"{100 * r['masked_share']:.1f}%",
+        "pairs of ranks with no call": lambda r: f"{100 * r['idle_steps']:.0f}%",
+        "chunks per rank": lambda r: f"{r['chunks_per_rank']:.1f}",
+        f"MiB sent per rank (bwd {attention.modes[0]})":
+            lambda r: f"{r['sent_mib_mean']:.1f} [{r['sent_mib_max']:.1f}]",
+        "plan ms": lambda r: f"{r['planning_ms']:.1f} [{r['planning_ms_max']:.1f}]",
+    }
+    for measure, cell in measures.items():
+        table.add_row(measure, *(cell(row) for row in summary.values()))
     console.print(table)
-    console.print("work in 128 x 128 tiles of the kernel calls each rank makes: slowest rank / mean rank per sequence, "
-                  "mean and p90 over the sequences (fwd: queries' work; bwd: keys' work; slowest / mean: the worse of "
-                  "the two); masked tiles: masked share of the computed tiles' area; idle steps: pairs of ranks with "
-                  "no kernel call; plan ms: choosing the layout (not memoised) and every pair of ranks' kernel "
-                  "calls and rows", style="dim")
+    console.print("mean over the sequences [p90; for MiB and ms, max]; work in 128 x 128 tiles of the kernel calls "
+                  "each rank makes; slowest / mean: the worse of forward and backward; plan ms: choosing the layout "
+                  "(not memoised) and every pair of ranks' kernel calls and rows", style="dim")
     if not timed:
         return
     zigzag = {(r.sequence, r.mode): r for r in timed if r.layout == "zigzag"}
     imbalance = {p.sequence: p.imbalance for p in plans if p.layout == "zigzag"}
     title = (f"kernel calls of {attention.nproc} ranks replayed one after another on one thread" if config.replay
              else f"forward + backward on {attention.nproc} local ranks") + f", {attention.dtype}"
-    table = Table(title=title)
-    for column in ("sequence", "zigzag imbalance", "layout", "mode", "fwd s", "bwd s", "total s", "vs zigzag",
-                   "fwd CPU s", "bwd CPU s", "CPU s", "vs zigzag", "mean rank CPU s", "sent MiB"):
-        table.add_column(column, justify="right")
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)
+    columns = ["seq", "zigzag imb.", "layout", "bwd", *([] if config.replay else ["wall s", "x"]), "CPU s", "x",
+               "mean CPU s", *([] if config.replay else ["MiB sent"])]
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("layout", "bwd") else "right",
+                         min_width=max(map(len, config.layouts)) if column == "layout" else None)
     for run in timed:
         base = zigzag[run.sequence, run.mode]
-        wall = ["-"] * 4 if config.replay else [f"{run.forward_s:.2f}", f"{run.backward_s:.2f}", f"{run.total_s:.2f}",
-                                                 f"{base.total_s / run.total_s:.2f}x"]
+        wall = [] if config.replay else [f"{run.total_s:.2f}", f"{base.total_s / run.total_s:.2f}"]
         table.add_row(str(run.sequence), f"{imbalance[run.sequence]:.2f}", run.layout, run.mode, *wall,
-                      f"{run.forward_cpu_s:.2f}", f"{run.backward_cpu_s:.2f}", f"{run.cpu_s:.2f}",
-                      f"{base.cpu_s / run.cpu_s:.2f}x", f"{run.cpu_s_mean:.2f}",
-                      "-" if config.replay else f"{run.sent_mib_max:.1f}")
+                      f"{run.cpu_s:.2f}", f"{base.cpu_s / run.cpu_s:.2f}", f"{run.cpu_s_mean:.2f}",
+                      *([] if config.replay else [f"{run.sent_mib_max:.1f}"]))
     console.print(table)
     if attention.dtype_reason:
         console.print(f"dtype {attention.dtype}: {attention.dtype_reason}", style="dim")
-    console.print("time: the slowest rank, median of --iters; CPU s: the busiest rank's CPU seconds in forward plus "
-                  "the busiest rank's in backward (each pass waits for its slowest rank; unlike wall time it does "
-                  "not count waiting for cores that other processes hold); vs zigzag: zigzag's / this, on the same "
-                  "sequence; sent: forward + backward, the rank that sent most", style="dim")
+    console.print("wall s: forward + backward, the slowest rank, median of --iters; CPU s: the busiest rank's CPU "
+                  "seconds in forward plus the busiest rank's in backward (each pass waits for its slowest rank; "
+                  "unlike wall time it does not count waiting for cores that other processes hold); x: zigzag's / "
+                  "this layout's, on the same sequence; mean CPU s: the mean rank's; MiB sent: forward + backward, "
+                  "the rank that sent most", style="dim")
 
 
 def write_documents_json(path: str, config: DocumentsBenchConfig, plans: list[SequencePlan],

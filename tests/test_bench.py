@@ -37,12 +37,19 @@ def test_bench_attention_rejects_bad_shapes():
     assert "multiple of 2 x world size = 4" in result.output
 
 
+def legible_at_80_columns(output: str, *phrases: str) -> None:
+    """The tables fit 80 columns with their labels whole (not folded into unreadable slivers)."""
+    assert max(map(len, output.splitlines())) <= 80, output
+    assert "…" not in output and all(phrase in output for phrase in phrases), output
+
+
 def test_bench_attention_docs_counts_both_layouts_of_real_packed_sequences(store, tmp_path):
     out = tmp_path / "docs.json"
     result = CliRunner().invoke(app, ["bench", "attention", "--docs", str(store), "--seq-len", "4096", "--nproc", "4",
                                       "--sequences", "6", "--plan-only", "--heads", "4", "--head-dim", "16",
-                                      "--dtype", "bf16", "--json", str(out)])
+                                      "--dtype", "bf16", "--json", str(out)], env={"COLUMNS": "80"})
     assert result.exit_code == 0, result.output
+    legible_at_80_columns(result.output, "slowest rank / mean rank", "masked share of computed tiles")
     figures = json.loads(out.read_text())
     assert figures["config"]["sequences"] == 6 and not figures["timed"]
     zigzag, balanced = figures["summary"]["zigzag"], figures["summary"]["balanced"]
@@ -70,8 +77,9 @@ def test_bench_attention_docs_replays_each_ranks_kernel_calls(store, tmp_path):
     out = tmp_path / "replay.json"
     result = CliRunner().invoke(app, ["bench", "attention", "--docs", str(store), "--seq-len", "1024", "--nproc", "4",
                                       "--sequences", "4", "--replay", "--heads", "2", "--head-dim", "16", "--iters",
-                                      "1", "--dtype", "fp32", "--json", str(out)])
+                                      "1", "--dtype", "fp32", "--json", str(out)], env={"COLUMNS": "80"})
     assert result.exit_code == 0, result.output
+    legible_at_80_columns(result.output, "slowest rank / mean rank", " balanced   ring ")
     timed = json.loads(out.read_text())["timed"]
     assert {(r["layout"], r["mode"]) for r in timed} == {(lay, mode) for lay in ("zigzag", "balanced")
                                                           for mode in ("burst", "ring")}
