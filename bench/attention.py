@@ -191,6 +191,7 @@ def run_attention_bench(config: AttentionBenchConfig) -> list[BenchRow]:
 
 
 def print_table(config: AttentionBenchConfig, rows: list[BenchRow]) -> None:
+    from rich import box
     from rich.console import Console
     from rich.table import Table
 
@@ -198,8 +199,9 @@ def print_table(config: AttentionBenchConfig, rows: list[BenchRow]) -> None:
              f"{config.dtype}, {'causal' if config.causal else 'full'}, batch {config.batch}"
              + (f", docs of {config.doc_length:,} tokens" if config.doc_length else "")
              + f", topology {config.topology}" + (f", nodes of {config.node_size}" if config.node_size else ""))
-    table = Table(title=title)
-    for column in ("run", "fwd s", "bwd s", "total s", "vs single", "sent fwd MiB", "sent bwd MiB", "inter-node MiB",
+    # light borders, one space between columns: the table fits 80 columns
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, padding=0, show_edge=False)
+    for column in ("run", "fwd s", "bwd s", "total s", "speedup", "fwd MiB", "bwd MiB", "x-node MiB",
                    "peak MiB"):
         table.add_column(column, justify="left" if column == "run" else "right")
     single = rows[0].total_s if rows[0].ranks == 1 else None
@@ -211,9 +213,9 @@ def print_table(config: AttentionBenchConfig, rows: list[BenchRow]) -> None:
     Console().print(table)
     if config.dtype_reason:
         Console().print(f"dtype {config.dtype}: {config.dtype_reason}", style="dim")
-    Console().print("time: the slowest rank; sent: bytes per rank, the largest rank (inter-node: fwd + bwd to "
-                    "ranks on other nodes); peak: resident memory of the "
-                    "largest process on CPU, allocated memory on CUDA", style="dim")
+    Console().print("time: the slowest rank; speedup: the single process's time / this run's; MiB: sent per rank "
+                    "in forward, in backward, the largest rank (x-node: fwd + bwd to ranks on other nodes); peak: "
+                    "resident memory of the largest process on CPU, allocated memory on CUDA", style="dim")
 
 
 def write_json(path: str, config: AttentionBenchConfig, rows: list[BenchRow]) -> None:

@@ -13,8 +13,10 @@ def test_bench_attention_writes_figures_for_each_mode(tmp_path):
     out = tmp_path / "bench.json"
     result = CliRunner().invoke(app, ["bench", "attention", "--nproc", "2", "--seq-len", "256", "--heads", "4",
                                       "--kv-heads", "2", "--head-dim", "16", "--iters", "1", "--doc-length", "32",
-                                      "--dtype", "bf16", "--json", str(out)])  # not auto: bytes must not vary by CPU
+                                      "--dtype", "bf16", "--json", str(out)],  # not auto: bytes must not vary by CPU
+                                env={"COLUMNS": "80"})
     assert result.exit_code == 0, result.output
+    legible_at_80_columns(result.output, "single process", "x-node MiB")
     runs = {r["name"]: r for r in json.loads(out.read_text())["runs"]}
     assert set(runs) == {"single process", "single process docs", "burst x2", "ring x2", "burst docs x2",
                          "ring docs x2"}
