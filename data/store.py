@@ -194,10 +194,7 @@ def _check_contents(store: TokenStore) -> None:
             0 <= store._rows[:, 0].min() and store._rows[:, 0].max() < len(meta["conversation_files"])):
         raise _damaged(store.directory, f"{ROWS_FILE} names input files that {METADATA_FILE}'s conversation_files "
                                         f"does not list")
-    max_id = meta.get("max_token_id")
-    if not isinstance(max_id, int):
-        max_id = int(store._tokens.max(initial=0))
-    max_id = max(max_id, tokenizer["bos_id"], tokenizer["eos_id"])
+    max_id = store.largest_id
     if max_id >= tokenizer["vocab_size"]:
         raise _damaged(store.directory, f"it holds token id {max_id} but {METADATA_FILE} gives a vocabulary of "
                                         f"{tokenizer['vocab_size']} tokens")
@@ -228,6 +225,7 @@ class TokenStore:
                                 self.directory)
             self._rows = _map(self.directory / ROWS_FILE, np.dtype(np.int64), 2 * self.metadata["num_documents"],
                               self.directory).reshape(-1, 2)
+        self._largest_id: int | None = None  # of the whole store (its views share it)
         _check_contents(self)
         self._documents: np.ndarray | None = None  # global document ids of a split view; None: all of them
         self.split_name = "all"
@@ -350,6 +348,25 @@ class TokenStore:
     @property
     def vocab_size(self) -> int:
         return self.metadata["tokenizer"]["vocab_size"]
+
+    @property
+    def largest_id(self) -> int:
+        """The largest token id the store holds: of its documents (as `burst prepare` recorded it, or scanned in
+        a store without the record), its BOS and its EOS."""
+        if self._largest_id is None:
+            recorded = self.metadata.get("max_token_id")
+            documents = recorded if isinstance(recorded, int) else int(self._tokens.max(initial=0))
+            self._largest_id = max(documents, self.bos_id, self.eos_id)
+        return self._largest_id
+
+    def check_fits(self, vocab_size: int, model: Path | str, fix: str) -> None:
+        """Refuse a model without an embedding for every id this store holds. A tokenizer with more tokens than
+        the model has embeddings is fine while the data uses none of them: LLaMA-3.2's tokenizer.json as some
+        repositories ship it has 128,257 tokens (<|image|> last) for the text model's 128,256 embeddings."""
+        if self.largest_id >= vocab_size:
+            raise ValueError(f"the token store {self.directory} holds token id {self.largest_id:,} (its tokenizer "
+                             f"has {self.vocab_size:,} tokens) but the model {model} has a vocabulary of "
+                             f"{vocab_size:,} embeddings (ids up to {vocab_size - 1:,}); {fix}")
 
     @property
     def bos_id(self) -> int:

@@ -59,11 +59,8 @@ def check_tokenizer(checkpoint: EvalCheckpoint, store: TokenStore) -> None:
     Every token id must have an embedding; a tokenizer kept with the checkpoint (a run keeps its
     data's) must be the very one the store was prepared with.
     """
-    vocab_size = checkpoint.config.vocab_size
-    if store.vocab_size > vocab_size:
-        raise ValueError(f"the token store {store.directory} uses a tokenizer of {store.vocab_size:,} tokens but "
-                         f"the model at {checkpoint.path} has a vocabulary of {vocab_size:,}; evaluate on a store "
-                         f"prepared with the model's tokenizer (`burst prepare ... --tokenizer {checkpoint.path}`, "
-                         f"when it keeps one)")
+    store.check_fits(checkpoint.config.vocab_size, checkpoint.path,
+                     f"evaluate on a store prepared with the model's tokenizer (`burst prepare ... --tokenizer "
+                     f"{checkpoint.path}`, when it keeps one)")
     if checkpoint.checkpoint.tokenizer is not None:
         store.check_tokenizer(checkpoint.checkpoint.tokenizer, checkpoint.path)

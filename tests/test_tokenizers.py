@@ -303,6 +303,38 @@ def test_a_model_whose_config_names_other_specials_than_the_store_is_refused(tmp
     assert not (tmp_path / "run").exists()
 
 
+def test_a_tokenizer_with_more_tokens_than_the_embeddings_trains_while_the_data_uses_none_of_them(tmp_path, corpus):
+    """As LLaMA-3.2's tokenizer.json in some repositories: 128,257 tokens (<|image|> last), 128,256 embeddings."""
+    source = byte_level_bpe(tmp_path / "tokenizer")
+    library = Tokenizer.from_file(str(source / "tokenizer.json"))
+    library.add_special_tokens([AddedToken("<|image|>", special=True, normalized=False)])
+    library.save(str(source / "tokenizer.json"))
+    prepare([corpus], tmp_path / "store", tokenizer=source, progress=False)
+    store = TokenStore(tmp_path / "store")
+    assert store.largest_id < store.vocab_size - 1  # <|image|> is in no document
+    for vocab_size in (store.vocab_size - 1, store.largest_id):  # fits; one embedding short of the data's ids
+        model = tmp_path / f"model-{vocab_size}"
+        config = ModelConfig(dim=64, n_layers=1, n_heads=4, vocab_size=vocab_size, multiple_of=32)
+        save_model(init_model(config), config, model)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copyfile(source / name, model / name)
+        train = ["train", "--model", model, "--data", tmp_path / "store", "--seq-len", 64, "--steps", 1,
+                 "--precision", "fp32", "--out", tmp_path / f"run-{vocab_size}"]
+        if vocab_size == store.largest_id:
+            refused(invoke(*train), 2, f"holds token id {store.largest_id:,} (its tokenizer has "
+                                       f"{store.vocab_size:,} tokens) but the model {model} has a vocabulary of "
+                                       f"{vocab_size:,} embeddings", "prepare the data with the model's tokenizer")
+            assert not (tmp_path / f"run-{vocab_size}").exists()
+            refused(invoke("eval", "--checkpoint", model, "--data", tmp_path / "store", "--seq-len", 64),
+                    2, f"holds token id {store.largest_id:,}", "evaluate on a store prepared with the model's")
+        else:
+            result = invoke(*train)
+            assert result.exit_code == 0, result.output
+            result = invoke("eval", "--checkpoint", tmp_path / f"run-{vocab_size}", "--data", tmp_path / "store",
+                            "--seq-len", 64, "--batches", 1, "--passkey-trials", 0)
+            assert result.exit_code == 0, result.output
+
+
 def test_version_1_stores_open_and_a_run_never_replaces_its_tokenizer(tmp_path, corpus):
     model = sentencepiece_model(tmp_path / "sp.model", "bpe", byte_fallback=True)
     prepare([corpus], tmp_path / "store", tokenizer=model, progress=False)

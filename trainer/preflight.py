@@ -123,13 +123,8 @@ def check_store_fits(store: TokenStore, model_config: ModelConfig, tokenizer: Pa
     there is one), or whose ids do not all have an embedding in the model."""
     if tokenizer is not None:
         store.check_tokenizer(tokenizer, model)
-    recorded = store.metadata.get("max_token_id")  # the largest id in the documents (stores since it is recorded)
-    max_id = max(recorded if isinstance(recorded, int) else -1, store.bos_id, store.eos_id)
-    if store.vocab_size > model_config.vocab_size or max_id >= model_config.vocab_size:
-        raise ValueError(f"the token store {store.directory} has a vocabulary of {store.vocab_size:,} tokens (ids up "
-                         f"to {max_id:,} in its documents and specials) but the model {model} has "
-                         f"{model_config.vocab_size:,} embeddings; prepare the data with the model's tokenizer "
-                         f"(`burst prepare INPUT... --tokenizer {model} --out STORE`)")
+    store.check_fits(model_config.vocab_size, model, f"prepare the data with the model's tokenizer (`burst prepare "
+                                                     f"INPUT... --tokenizer {model} --out STORE`)")
 
 
 def init_checkpoint(config: TrainConfig, store: TokenStore) -> tuple[ModelConfig, Path]:
