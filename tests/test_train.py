@@ -131,7 +131,7 @@ def test_bad_configs_are_refused_before_any_work(store, tmp_path, monkeypatch, c
         "seq_len": "--seq-len 250 does not split over --cp 2",
         "preset": "'llama9' is neither a preset",
         "tokenizer": "was prepared with another tokenizer than the model",
-        "vocabulary": "has a vocabulary of 320 tokens (ids up to",
+        "vocabulary": "(its tokenizer has 320 tokens) but the model",
         "occupied": "already holds another run",
         "not a model": "is not a model checkpoint directory",
     }[case]
