@@ -19,7 +19,7 @@ from checkpoints.training import MARKER, complete_checkpoints
 from cli import app
 from data import TokenStore, load_tokenizer
 from models import ModelConfig, Transformer, load_model
-from tests.test_train import burst_train, metrics, relative_gap
+from tests.test_train import burst_train, burst_train_together, metrics, relative_gap
 from tests.test_train import store as store  # noqa: F401  (the module-scoped token store fixture)
 
 COMMON = ["--model", "debug", "--seq-len", 256, "--lr", 0.01, "--warmup", 2, "--precision", "fp32"]
@@ -42,15 +42,16 @@ def steps_of(out: Path) -> list[int]:
 
 def test_stop_after_and_resume_reproduce_the_uninterrupted_run_also_on_another_layout(store, tmp_path):
     common = [*COMMON, "--data", store, "--steps", 12]
-    whole = burst_train(*common, "--cp", 2, "--out", tmp_path / "whole")
-    stopped = burst_train(*common, "--cp", 2, "--stop-after", 6, "--checkpoint-every", 2, "--out", tmp_path / "run")
+    whole, stopped = burst_train_together([*common, "--cp", 2, "--out", tmp_path / "whole"],
+                                          [*common, "--cp", 2, "--stop-after", 6, "--checkpoint-every", 2, "--out",
+                                           tmp_path / "run"])
     assert whole.returncode == 0 and stopped.returncode == 0, whole.stderr[-2000:] + stopped.stderr[-2000:]
     assert steps_of(tmp_path / "run") == [4, 6]  # --keep 2
     assert sorted(losses(tmp_path / "run")) == list(range(1, 7))
     shutil.copytree(tmp_path / "run", tmp_path / "resharded")
 
-    same = burst_train("--resume", "--out", tmp_path / "run")
-    other = burst_train("--resume", "--cp", 1, "--out", tmp_path / "resharded")
+    same, other = burst_train_together(["--resume", "--out", tmp_path / "run"],
+                                       ["--resume", "--cp", 1, "--out", tmp_path / "resharded"])
     assert same.returncode == 0 and other.returncode == 0, same.stderr[-2000:] + other.stderr[-2000:]
     reference = losses(tmp_path / "whole")
     resumed = losses(tmp_path / "run")

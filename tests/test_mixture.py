@@ -11,7 +11,7 @@ from burst import shard_for_rank
 from data import SequenceLoader, prepare
 from data.mixture import MixtureSchedule, SourceSpec, open_sources, parse_mixture, parse_source
 from tests.test_data_loader import BOS, make_store
-from tests.test_train import burst_train, make_text, metrics
+from tests.test_train import burst_train, burst_train_together, make_text, metrics
 
 
 def test_a_source_is_name_store_share_and_min_doc_read_from_the_right():
@@ -143,7 +143,8 @@ def test_a_three_source_mixture_at_cp2_keeps_its_shares_and_resumes_bit_exactly(
     data = ["--data", f"code={code}:0.5", "--data", f"books={books}:0.3", "--data", f"short={short}:0.2"]
     common = ["--model", "debug", *data, "--seq-len", 128, "--batch-size", 4, "--steps", 25, "--cp", 2,
               "--precision", "fp32", "--log-every", 1]
-    whole = burst_train(*common, "--out", tmp_path / "whole")
+    whole, first = burst_train_together([*common, "--out", tmp_path / "whole"],
+                                        [*common, "--stop-after", 11, "--out", tmp_path / "split"])
     assert whole.returncode == 0, whole.stderr[-3000:]
     rows = metrics(tmp_path / "whole")
     assert rows[-1]["tokens_by_source"] == {"code": 50 * 128, "books": 30 * 128, "short": 20 * 128}
@@ -154,7 +155,6 @@ def test_a_three_source_mixture_at_cp2_keeps_its_shares_and_resumes_bit_exactly(
             shares = {name: tokens / total for name, tokens in row["tokens_by_source"].items()}
             assert all(abs(shares[n] - t) <= 0.01 for n, t in (("code", 0.5), ("books", 0.3), ("short", 0.2)))
     assert 'data = ["code=' in (tmp_path / "whole" / "config.toml").read_text()
-    first = burst_train(*common, "--stop-after", 11, "--out", tmp_path / "split")
     assert first.returncode == 0, first.stderr[-3000:]
     second = burst_train("--resume", "--out", tmp_path / "split")
     assert second.returncode == 0, second.stderr[-3000:]

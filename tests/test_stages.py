@@ -16,7 +16,7 @@ from data import prepare
 from models import save_model
 from tests.test_checkpoint import losses
 from tests.test_checkpoint import run as run  # noqa: F401  (a 4-step run stopped after step 3)
-from tests.test_train import burst_train, events, make_text
+from tests.test_train import burst_train, burst_train_together, events, make_text
 from tests.test_train import store as store  # noqa: F401
 from trainer.checkpoint import load_stage_start
 from trainer.config import TrainConfig
@@ -56,7 +56,9 @@ def test_a_stage_at_another_length_and_layout_trains_and_resumes(run, store, tmp
     out = tmp_path / "stage2"
     stage = ["--init-from", run, "--init-optimizer", "--data", store, "--seq-len", 512, "--steps", 3, "--lr", 0.005,
              "--warmup", 1, "--precision", "fp32", "--out", out]
-    first = burst_train(*stage, "--cp", 2, "--stop-after", 1)
+    first, fresh = burst_train_together([*stage, "--cp", 2, "--stop-after", 1],
+                                        ["--model", "debug", "--data", store, "--seq-len", 512, "--steps", 1,
+                                         "--precision", "fp32", "--out", tmp_path / "fresh"])
     assert first.returncode == 0, first.stderr[-3000:]
     table = " ".join((first.stdout + first.stderr).split())  # the settings table, unwrapped
     assert "model │ the --init-from checkpoint's" in table and "rope_theta │ the model's: 10000" in table, table
@@ -64,8 +66,6 @@ def test_a_stage_at_another_length_and_layout_trains_and_resumes(run, store, tmp
                                            "optimizer": True}]
     text = (out / "config.toml").read_text()
     assert f'init_from = "{run}"' in text and "init_optimizer = true" in text and "model =" not in text
-    fresh = burst_train("--model", "debug", "--data", store, "--seq-len", 512, "--steps", 1, "--precision", "fp32",
-                        "--out", tmp_path / "fresh")
     assert fresh.returncode == 0, fresh.stderr[-3000:]
     assert losses(out)[1] < losses(tmp_path / "fresh")[1] - 0.3  # it starts where stage 1 left off
     second = burst_train("--resume", "--out", out)  # cp 1 now; the stage's own checkpoint holds the model

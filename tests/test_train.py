@@ -7,6 +7,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,32 @@ def store(tmp_path_factory) -> Path:
 def burst_train(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "cli", "train", *map(str, args)], capture_output=True, text=True,
                           timeout=timeout, cwd=Path(__file__).parents[1])
+
+
+def burst_train_together(*runs: Sequence[object], timeout: float = 240) -> list[subprocess.CompletedProcess]:
+    """Independent `burst train` invocations run at once, their results in order: most of a small run is start-up
+    (imports, spawning ranks), which overlaps well, so the suite waits less."""
+    started = []
+    for args in runs:
+        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")  # files: a full pipe would stall
+        command = [sys.executable, "-m", "cli", "train", *map(str, args)]
+        started.append((subprocess.Popen(command, stdout=out, stderr=err, text=True, cwd=Path(__file__).parents[1]),
+                        out, err))
+    deadline, results = time.monotonic() + timeout, []
+    try:
+        for process, out, err in started:
+            process.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            out.seek(0)
+            err.seek(0)
+            results.append(subprocess.CompletedProcess(process.args, process.returncode, out.read(), err.read()))
+    finally:
+        for process, out, err in started:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+            out.close()
+            err.close()
+    return results
 
 
 def metrics(out: Path) -> list[dict]:
@@ -164,9 +191,12 @@ def test_doc_mask_cp2_gives_the_loss_curve_of_one_process_and_resumes_bit_exactl
     """--doc-mask cuts each sequence by its balanced layout (cp_layout auto); the same sequences at cp 1."""
     common = ["--model", "debug", "--data", store, "--seq-len", 1024, "--steps", 6, "--lr", 0.01, "--warmup", 2,
               "--precision", "fp32"]
-    runs = {name: burst_train(*common, *flags, "--out", tmp_path / name)
-            for name, flags in {"mask1": ["--doc-mask"], "mask2": ["--doc-mask", "--cp", 2], "plain": [],
-                                "stopped": ["--doc-mask", "--cp", 2, "--stop-after", 3]}.items()}
+    flags = {"mask1": ["--doc-mask"], "mask2": ["--doc-mask", "--cp", 2], "plain": [],
+             "stopped": ["--doc-mask", "--cp", 2, "--stop-after", 3]}
+    runs = {}
+    for pair in (("mask1", "mask2"), ("plain", "stopped")):  # two at a time: each pair is one process and two ranks
+        runs.update(zip(pair, burst_train_together(*([*common, *flags[name], "--out", tmp_path / name]
+                                                      for name in pair)), strict=True))
     runs["resumed"] = burst_train("--resume", "--out", tmp_path / "stopped")
     for done in runs.values():
         assert done.returncode == 0, done.stderr[-3000:]
