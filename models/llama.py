@@ -119,13 +119,23 @@ class TransformerBlock(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
+class TokenEmbedding(nn.Embedding):
+    """nn.Embedding that skips its default initialiser on the meta device: a meta tensor holds no values, and
+    normal_ on one loads PyTorch's meta decompositions, ~1.5 s of every process's start-up (init_weights sets
+    the real values)."""
+
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
+
 class Transformer(nn.Module):
     """tokens [batch, seq] -> logits [batch, seq, vocab]; `loss` for training without full logits."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.tok_embeddings = TokenEmbedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
         # With tied embeddings there is no output module: the embedding matrix projects back.
