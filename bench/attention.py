@@ -116,23 +116,24 @@ def global_inputs(config: AttentionBenchConfig, device: torch.device) -> list[to
     return [torch.randn(s, generator=g).to(device, dtype) for s in (shape_q, shape_kv, shape_kv, shape_q)]
 
 
-def _time_once(q, k, v, dout, config: AttentionBenchConfig, mode: str, masked: bool, layout: str,
-               device) -> tuple[float, float]:
+def time_call(q, k, v, dout, device: torch.device, **attention) -> tuple[float, float, float, float]:
+    """(forward s, backward s, forward CPU s, backward CPU s) of one burst_attn(q, k, v, **attention) and its
+    backward, each pass between barriers (and CUDA synchronisations); CPU seconds are this process's."""
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     barrier = dist.barrier if dist.is_initialized() else (lambda: None)
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    node_size = config.node_size if dist.is_initialized() else None  # the single-process run is one node
     barrier()
-    start = time.perf_counter()
-    out = burst_attn(q, k, v, causal=config.causal, backward=mode, topology=config.topology,
-                     node_size=node_size, doc_boundaries=config.doc_boundaries() if masked else None, layout=layout)
+    cpu, start = time.process_time(), time.perf_counter()
+    out = burst_attn(q, k, v, **attention)
     sync()
+    forward_cpu = time.process_time() - cpu
     barrier()
-    middle = time.perf_counter()
+    cpu, middle = time.process_time(), time.perf_counter()
     out.backward(dout)
     sync()
+    backward_cpu = time.process_time() - cpu
     barrier()
-    return middle - start, time.perf_counter() - middle
+    return middle - start, time.perf_counter() - middle, forward_cpu, backward_cpu
 
 
 def _measure(config: AttentionBenchConfig, variants: list[tuple[str, str, bool, str]], inputs,
@@ -145,7 +146,10 @@ def _measure(config: AttentionBenchConfig, variants: list[tuple[str, str, bool, 
     for i in range(config.iters + 1):  # the first round warms up
         for name, mode, masked, layout in variants:
             reset_peak_memory(device)
-            fwd, bwd = _time_once(*inputs[layout], config, mode, masked, layout, device)
+            node_size = config.node_size if dist.is_initialized() else None  # the single process is one node
+            fwd, bwd, _, _ = time_call(*inputs[layout], device, causal=config.causal, backward=mode,
+                                       topology=config.topology, node_size=node_size, layout=layout,
+                                       doc_boundaries=config.doc_boundaries() if masked else None)
             peaks[name] = max(peaks.get(name, 0.0), peak_memory_mib(device))
             sent[name] = (SENT.last_forward, SENT.last_backward,
                           SENT.last_forward_inter_node + SENT.last_backward_inter_node)

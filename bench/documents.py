@@ -27,10 +27,9 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
-import torch.distributed as dist
 
-from bench.attention import DTYPES, AttentionBenchConfig, global_inputs
-from burst.attention import burst_attn, heads_first
+from bench.attention import DTYPES, AttentionBenchConfig, global_inputs, time_call
+from burst.attention import heads_first
 from burst.balance import OPTIONS, choose_chunks, plan_work
 from burst.comm import SENT
 from burst.cost import plan_bytes
@@ -159,22 +158,6 @@ def picked_sequences(plans: list[SequencePlan], quantiles: list[float]) -> list[
     return picks
 
 
-def _time_once(q, k, v, dout, boundaries, layout: str, mode: str) -> tuple[float, float, float, float]:
-    """(forward s, backward s, forward CPU s, backward CPU s) of one call, each pass between barriers."""
-    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    dist.barrier()
-    cpu, start = time.process_time(), time.perf_counter()
-    out = burst_attn(q, k, v, causal=True, backward=mode, doc_boundaries=boundaries, layout=layout, topology="flat",
-                     check_ranks=False)  # the ranks agree by construction: only the ring's bytes are counted
-    forward_cpu = time.process_time() - cpu
-    dist.barrier()
-    cpu, middle = time.process_time(), time.perf_counter()
-    out.backward(dout)
-    backward_cpu = time.process_time() - cpu
-    dist.barrier()
-    return middle - start, time.perf_counter() - middle, forward_cpu, backward_cpu
-
-
 def _time_worker(config: DocumentsBenchConfig, picks: list[int]) -> dict[str, dict]:
     """Median seconds, CPU seconds and bytes of every (sequence, layout, mode) on this rank."""
     device = init_worker_process_group()
@@ -190,7 +173,9 @@ def _time_worker(config: DocumentsBenchConfig, picks: list[int]) -> dict[str, di
             sent = {}
             for i in range(attention.iters + 1):  # the first round warms up
                 for layout, mode in variants:
-                    measured = _time_once(*inputs[layout], boundaries, layout, mode)
+                    # the ranks agree by construction (check_ranks off): only the ring's bytes are counted
+                    measured = time_call(*inputs[layout], device, causal=True, backward=mode, layout=layout,
+                                         doc_boundaries=boundaries, topology="flat", check_ranks=False)
                     sent[layout, mode] = (SENT.last_forward + SENT.last_backward) / MIB
                     if i:
                         runs[layout, mode].append(measured)
