@@ -191,9 +191,9 @@ def unshard(parts: list[torch.Tensor], dim: int = 1, *, layout: str = "zigzag", 
     full = parts[0].new_empty(shape)
     rows = shape[batch_dim] if layout != "zigzag" else 1
     layouts = row_layouts(layout, doc_boundaries, shape[dim], world_size, rows)
-    row_dim = dim - (dim > batch_dim)
+    row_dim, same = dim - (dim > batch_dim), _same_everywhere(layouts)
     for rank, part in enumerate(parts):
-        if _same_everywhere(layouts):
+        if same:
             full.index_copy_(dim, layouts[0].positions(rank).to(part.device), part)
             continue
         for row, piece, lay in zip(full.unbind(batch_dim), part.unbind(batch_dim), layouts, strict=True):
