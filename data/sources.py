@@ -111,7 +111,8 @@ def find_input_files(inputs: Sequence[str | Path], report: InputReport) -> list[
                                  f"twice (and could be in both splits); pass each file or directory once")
         files += found
     if any(kind_of(p) == "parquet" for p in files) and importlib.util.find_spec("pyarrow") is None:
-        raise ImportError("reading .parquet inputs needs pyarrow: pip install -e '.[parquet]' (or pass other inputs)")
+        raise ImportError("reading .parquet inputs needs pyarrow: pip install 'burst-attention[parquet]' "
+                          "(or pass other inputs)")
     return files
 
 
