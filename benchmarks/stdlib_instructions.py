@@ -12,10 +12,10 @@ Hugging Face chat format, one JSON Lines row each:
     assistant:  <the expression, as written in the source>
 
 The answer is in the context, verbatim, at the function's return statement: `burst eval`'s question answering
-places it there (its depth in the prompt). The README's fine-tuning example uses it:
+places it there (its depth in the prompt). The fine-tuning example (docs/instruction-tuning-example.md) uses it:
 
     python benchmarks/stdlib_instructions.py --out stdlib-qa.jsonl
-    burst prepare stdlib-qa.jsonl --chat --tokenizer runs/pretrain --out stores/stdlib-qa --val-fraction 0.05
+    burst prepare stdlib-qa.jsonl --chat --tokenizer runs/pretrain --out stores/stdlib-qa --val-fraction 0.1
 """
 
 from __future__ import annotations

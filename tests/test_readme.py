@@ -1,0 +1,228 @@
+"""README.md and the pages in docs/ stay navigable and true to the command line.
+
+- README.md starts with its two copy-paste commands, one line each (.ci/run runs them);
+- its contents list is its sections' headers, in order;
+- no section (a header's body, up to the next header of any level) runs past MAX_SECTION_LINES lines;
+- every relative link, in README.md and docs/*.md, names a file that exists, and an anchor that exists in it;
+- every `burst` command they show uses options that command has, and every `python benchmarks/X.py` command
+  options its script declares; an option named in prose belongs to some command.
+
+Plain text parsing, no torch: the `burst` options come from the Typer app (cli.py imports no torch).
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import typer.main
+
+import cli
+
+REPO = Path(__file__).parents[1]
+README = REPO / "README.md"
+PAGES = [README, *sorted((REPO / "docs").glob("*.md"))]
+MAX_SECTION_LINES = 80
+# Options of the other tools the pages show (pip, torchrun, docker, and ../shared/bench's harness), which
+# prose may name too.
+OTHER_TOOLS_OPTIONS = {"--no-deps", "--nnodes", "--nproc-per-node", "--rdzv-backend", "--rdzv-endpoint",
+                       "--rdzv-id", "--no-python", "--max-restarts", "--gpus", "--ipc", "--impls", "--seq",
+                       "--heads", "--dim", "--dtype", "--iters"}
+
+FENCE = re.compile(r"^(```|~~~)")
+HEADER = re.compile(r"^(#{1,6}) +(.+?) *#*$")
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+CODE_SPAN = re.compile(r"`[^`]+`")
+OPTION = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
+
+
+def prose(path: Path) -> list[str]:
+    """The file's lines, those inside fenced code blocks blanked (a `# comment` there is no header)."""
+    lines, fenced = [], False
+    for line in path.read_text().splitlines():
+        if FENCE.match(line):
+            fenced = not fenced
+            lines.append("")
+        else:
+            lines.append("" if fenced else line)
+    return lines
+
+
+def headers(path: Path) -> list[tuple[int, int, str]]:
+    """(line index, level, title) of each header outside code blocks."""
+    return [(i, len(m[1]), m[2]) for i, line in enumerate(prose(path)) if (m := HEADER.match(line))]
+
+
+def slug(title: str) -> str:
+    """GitHub's anchor for a header: lower case, punctuation (backticks, colons, commas, ...) dropped, spaces
+    to hyphens."""
+    return re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    """Every anchor GitHub gives the file's headers (a repeated one gets -1, -2, ...)."""
+    seen: dict[str, int] = {}
+    found = set()
+    for _, _, title in headers(path):
+        base = slug(title)
+        found.add(f"{base}-{seen[base]}" if base in seen else base)
+        seen[base] = seen.get(base, 0) + 1
+    return found
+
+
+def relative_links(path: Path) -> list[str]:
+    """The targets of the file's links and images that are not URLs (code spans and blocks left out)."""
+    text = CODE_SPAN.sub("", "\n".join(prose(path)))
+    return [target for target in LINK.findall(text) if not re.match(r"[a-z]+:", target)]
+
+
+def bash_blocks(path: Path) -> list[str]:
+    return re.findall(r"```bash\n(.*?)```", path.read_text(), re.S)
+
+
+def test_readme_starts_with_its_two_one_line_commands():
+    """.ci/run runs the first two ```bash blocks as they are: each must be one line, and they are the first
+    thing a reader meets, before any section."""
+    text = README.read_text()
+    blocks = bash_blocks(README)
+    assert len(blocks) >= 2, "README.md must start with two ```bash blocks: install + train, install + test"
+    for number, block in enumerate(blocks[:2], 1):
+        assert "\n" not in block.strip(), f"README command {number} must be one line, got:\n{block}"
+    first_section = min(i for i, level, _ in headers(README) if level == 2)
+    second_block_end = text.index(blocks[1]) + len(blocks[1])
+    assert text[:second_block_end].count("\n") < first_section, "the two commands come before any ## section"
+
+
+def test_contents_lists_every_section_in_order():
+    found = headers(README)
+    start = next(n for n, (_, level, title) in enumerate(found) if level == 2 and title == "Contents")
+    lines = prose(README)[found[start][0] + 1:found[start + 1][0]]
+    listed = []
+    for line in lines:
+        if m := re.match(r"^( *)- \[(.+)\]\(#([^)]+)\)$", line):
+            listed.append((2 + len(m[1]) // 2, m[2], m[3]))
+    expected = [(level, title, slug(title)) for _, level, title in found[start + 1:] if level <= 3]
+    assert listed == expected, "the ## Contents list must name every ## and ### section, in order, nested"
+
+
+def test_no_section_runs_past_80_lines():
+    found = headers(README)
+    ends = [i for i, _, _ in found[1:]] + [len(prose(README))]
+    lengths = {title: end - i - 1 for (i, _, title), end in zip(found, ends, strict=True)}
+    too_long = {title: length for title, length in lengths.items() if length > MAX_SECTION_LINES}
+    assert not too_long, f"sections longer than {MAX_SECTION_LINES} lines (split them, or move measurements to " \
+                         f"docs/): {too_long}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: str(page.relative_to(REPO)))
+def test_relative_links_resolve(page: Path):
+    broken = []
+    for target in relative_links(page):
+        file, _, anchor = target.partition("#")
+        linked = (page.parent / file).resolve() if file else page
+        if not linked.exists():
+            broken.append(f"{target}: no file {linked.relative_to(REPO) if linked.is_relative_to(REPO) else linked}")
+        elif anchor and linked.suffix == ".md" and anchor not in anchors(linked):
+            broken.append(f"{target}: no header with anchor #{anchor} in {linked.relative_to(REPO)}")
+    assert not broken, f"broken links in {page.relative_to(REPO)}: {broken}"
+
+
+def burst_options() -> dict[str, set[str]]:
+    """'train' -> {'--cp', ...}, 'bench attention' -> {...}: every `burst` command and its options."""
+    def walk(command: Any, name: str) -> Iterator[tuple[str, set[str]]]:
+        if hasattr(command, "commands"):  # a group (Typer's own click, whose classes are not click's)
+            for sub_name, sub in command.commands.items():
+                yield from walk(sub, f"{name} {sub_name}".strip())
+        else:
+            yield name, {option for p in command.params for option in (*p.opts, *p.secondary_opts)} | {"--help"}
+    return dict(walk(typer.main.get_command(cli.app), ""))
+
+
+def script_options(script: Path) -> set[str]:
+    """The options a benchmark script declares to argparse."""
+    return set(re.findall(r"""["'](--[a-z0-9-]+)["']""", script.read_text())) | {"--help"}
+
+
+def commands(page: Path) -> Iterator[str]:
+    """Each command line of the page's ```bash blocks (continuation lines joined), and each code span in its
+    prose that is a `burst ...` command."""
+    for block in bash_blocks(page):
+        yield from block.replace("\\\n", " ").splitlines()
+    for span in CODE_SPAN.findall("\n".join(prose(page))):
+        if span.startswith("`burst "):
+            yield span.strip("`").replace("\n", " ")
+
+
+def simple_commands(line: str) -> Iterator[list[str]]:
+    """The words of each simple command of a shell line: split at && ; | ( ), quotes respected, comments
+    dropped."""
+    lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    words: list[str] = []
+    for token in lexer:
+        if token and set(token) <= set("&;|()"):
+            yield words
+            words = []
+        else:
+            words.append(token)
+    yield words
+
+
+def unknown_options(line: str, burst: dict[str, set[str]]) -> list[str]:
+    """The options a command line gives `burst` or a benchmark script that they do not have."""
+    return [bad for words in simple_commands(line) for bad in unknown_in(words, burst)]
+
+
+def unknown_in(words: list[str], burst: dict[str, set[str]]) -> list[str]:
+    for n, word in enumerate(words):
+        if word == "burst" and n + 1 < len(words) and re.fullmatch(r"[a-z][a-z-]*", words[n + 1]):
+            name = words[n + 1] + (f" {words[n + 2]}" if words[n + 1] == "bench" and n + 2 < len(words) else "")
+            if name not in burst:
+                return [f"`burst {name}` is no command"]
+            known, rest = burst[name], words[n + 1:]
+            break
+        if re.fullmatch(r"benchmarks/\w+\.py", word):
+            script = REPO / word
+            if not script.exists():
+                return [f"{word} does not exist"]
+            known, rest = script_options(script), words[n + 1:]
+            break
+    else:
+        return []
+    return [word for word in rest if word.startswith("--") and word.split("=")[0] not in known]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: str(page.relative_to(REPO)))
+def test_commands_use_options_that_exist(page: Path):
+    burst = burst_options()
+    wrong = {command.strip(): bad for command in commands(page) if (bad := unknown_options(command, burst))}
+    assert not wrong, f"{page.relative_to(REPO)} shows options its commands do not have: {wrong}"
+
+
+def test_every_option_named_in_prose_exists():
+    """An option named in a sentence (`--val-sequences` (8)) belongs to a `burst` command, a benchmark script,
+    or one of the other tools the pages show: a renamed option cannot linger in the text."""
+    known = set(OTHER_TOOLS_OPTIONS).union(*burst_options().values(),
+                                           *map(script_options, (REPO / "benchmarks").glob("*.py")))
+    named = {option for page in PAGES for option in OPTION.findall("\n".join(prose(page)))}
+    assert not named - known, f"options named in README.md or docs/ that no command has: {sorted(named - known)}"
+
+
+def test_the_checks_catch_what_they_are_for(tmp_path: Path):
+    """The parsers find a broken anchor, a header inside a code block is no header, and an unknown option or
+    command is reported."""
+    page = tmp_path / "page.md"
+    page.write_text("# Title\n\n## A `b`: c, d\n\n```bash\n# not a header\nburst train --cp 2\n```\n"
+                    "[x](#a-b-c-d) [y](#missing) [z](https://example.com) `[w](#in-code)`\n")
+    assert [title for _, _, title in headers(page)] == ["Title", "A `b`: c, d"]
+    assert anchors(page) == {"title", "a-b-c-d"}
+    assert relative_links(page) == ["#a-b-c-d", "#missing"]
+    burst = burst_options()
+    assert unknown_options("burst train --cp 2 --no-such-flag 3  # --comment", burst) == ["--no-such-flag"]
+    assert unknown_options("burst trian --cp 2", burst) == ["`burst trian` is no command"]
+    assert unknown_options("docker build -t burst .", burst) == []
+    assert unknown_options("python benchmarks/step_modes.py --setting compile --bogus", burst) == ["--bogus"]
