@@ -136,7 +136,7 @@ class TrainConfig:
         from data.conversation_packing import check_policy
         from data.mixture import parse_mixture, resolved_sources
         from models.config import PRESETS
-        from models.rope import parse_rope_scaling
+        from models.rope import check_theta, parse_rope_scaling
         from runtime.precision import PRECISIONS
 
         for name in ("seq_len", "cp", "dp", "batch_size", "grad_accum", "steps", "log_every", "max_bad_steps",
@@ -181,8 +181,8 @@ class TrainConfig:
         if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
             raise ValueError(f"--activation-checkpointing {self.activation_checkpointing!r} is not one of "
                              f"{', '.join(ACTIVATION_CHECKPOINTING)}")
-        if self.rope_theta is not None and not 0 < self.rope_theta < math.inf:
-            raise ValueError(f"--rope-theta {self.rope_theta} must be a positive number, e.g. 500000 or 8e6")
+        if self.rope_theta is not None:
+            check_theta(self.rope_theta, "--rope-theta")
         if self.rope_scaling is not None:
             # The model's context length is known only once the model is (trainer/preflight.py fills it in);
             # seq_len stands in for it here, where everything else about the flag is checked.
