@@ -20,6 +20,7 @@ from models.convert import config_from_hf, config_to_hf
 from models.rope import (
     DynamicRope,
     LinearRope,
+    Llama3Rope,
     LongRope,
     YarnRope,
     parse_rope_scaling,
@@ -278,6 +279,18 @@ def test_rope_flags_change_a_checkpoints_rope_and_a_resume_may_not(tmp_path, sto
     assert load_run_config(tmp_path / "run", {}).rope_theta == 8e6
     with pytest.raises(ValueError, match="--rope-theta 1000000.0 differs from the run's 8000000.0"):
         load_run_config(tmp_path / "run", {"rope_theta": 1e6})
+
+
+def test_a_new_scaling_of_a_scaled_model_extends_the_same_original_context(tmp_path, store):
+    """A LLaMA-3.1-style model (llama3 scaling from 64 positions, max_seq_len 512): --rope-scaling yarn interpolates
+    from its original 64, the context it was pretrained at, not from the 512 its scaling reaches."""
+    vocab = TokenStore(store).vocab_size
+    llama3 = Llama3Rope(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64)
+    config = dataclasses.replace(ModelConfig.from_name("debug"), vocab_size=vocab, max_seq_len=512, rope_scaling=llama3)
+    save_model(init_model(config), config, tmp_path / "model")
+    train = TrainConfig(model=str(tmp_path / "model"), data=str(store), seq_len=64, rope_scaling="yarn:factor=16")
+    resolved, _ = model_and_store(train, TokenStore(store))
+    assert resolved.rope_scaling == YarnRope(factor=16.0, original_max_position_embeddings=64)
 
 
 @pytest.mark.parametrize("flags, message", [

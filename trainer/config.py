@@ -60,9 +60,10 @@ class TrainConfig:
                                              "beta_fast, beta_slow, mscale, mscale_all_dim, truncate), longrope "
                                              "(short_factor=a,b,..., long_factor=..., factor or attention_factor) or "
                                              "llama3 (factor, low_freq_factor, high_freq_factor); all but linear also "
-                                             "take original_max_position_embeddings (default: the model's "
-                                             "max_seq_len); "
-                                             "e.g. yarn:factor=8,original_max_position_embeddings=1024.",
+                                             "take original_max_position_embeddings (default: the context the model "
+                                             "was trained at: its present scaling's original length, else its "
+                                             "max_seq_len, or the --seq-len an --init-from run from a preset trained "
+                                             "at); e.g. yarn:factor=8,original_max_position_embeddings=1024.",
                                        shown="the model's")
     seq_len: int = setting(1024, "Tokens per sequence, split over the --cp ranks.")
     cp: int = setting(1, "Sequence-parallel degree: ranks that share one sequence (BurstAttention).")
@@ -371,4 +372,3 @@ def _run_value(saved: TrainConfig, name: str, out: Path) -> str:
         return f"(unset: the model's own {name})"
     own = model.rope_theta if name == "rope_theta" else model.rope_scaling and model.rope_scaling.to_dict()
     return f"(unset: the model's own {name}, {'none' if own is None else own})"
-
