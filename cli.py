@@ -145,7 +145,8 @@ def eval_command(
     cp: int | None = typer.Option(None, "--cp", help="Context-parallel ranks, started here or by torchrun (1)."),
     precision: str | None = typer.Option(None, "--precision", help="Weights dtype: fp32, bf16 or auto (bf16 where "
                                                                    "the hardware has it natively) (fp32)."),
-    json_path: Path | None = typer.Option(None, "--json", help="Write the results here, and a PNG plot beside."),
+    json_path: Path | None = typer.Option(None, "--json", help="Write the results to this .json file, and a PNG plot "
+                                                                "beside it (same name, .png)."),
     force: bool = typer.Option(False, "--force", help="Replace the --json file (and its PNG) if they exist."),
 ) -> None:
     """Perplexity, loss by position and passkey retrieval of a model checkpoint: results on stdout. On an

@@ -99,12 +99,13 @@ class Layout:
 
 
 def check_sequence_length(seq_len: int, world_size: int) -> None:
-    """Raise a ValueError unless `seq_len` splits into 2 * world_size equal chunks."""
-    if seq_len <= 0 or seq_len % (2 * world_size) != 0:
-        lower = seq_len - seq_len % (2 * world_size)
-        raise ValueError(
-            f"sequence length {seq_len} must be a positive multiple of 2 x world size = {2 * world_size} "
-            f"for the zigzag layout; use {lower or 2 * world_size} or {lower + 2 * world_size}, or pad the sequence")
+    """Raise a ValueError unless `seq_len` splits into 2 * world_size equal chunks (both layouts start from them)."""
+    step = 2 * world_size
+    if seq_len <= 0 or seq_len % step != 0:
+        lower = seq_len - seq_len % step
+        nearest = f"{lower} or {lower + step}" if lower > 0 else f"{step}"
+        raise ValueError(f"sequence length {seq_len} must be a positive multiple of 2 x world size = {step}, the "
+                         f"chunks the ranks' layouts are made of; use {nearest}, or pad the sequence")
 
 
 def check_layout(layout: str, name: str = "layout") -> None:

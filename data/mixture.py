@@ -15,6 +15,7 @@ at rate 1/n, with no randomness, identically on every rank and after a resume.
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 from dataclasses import dataclass
@@ -24,6 +25,8 @@ from data.store import TokenStore
 
 SHARE_TOLERANCE = 1e-6  # shares written as decimals (0.3 + 0.3 + 0.4) sum to one only up to rounding
 _NAME = re.compile(r"[A-Za-z_][\w.-]*")
+_OPTION = re.compile(r"[A-Za-z_][\w-]*=.*")  # KEY=VALUE after the store
+OPTIONS = ("min_doc",)
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,12 @@ def parse_source(text: str, *, single: bool = False) -> SourceSpec:
             min_doc = int(value)
         elif _is_number(option) and share is None:
             share = float(option)
+        elif _OPTION.fullmatch(option) and not Path(":".join(parts)).exists():  # a path may hold KEY=VALUE
+            key = option.partition("=")[0]
+            close = difflib.get_close_matches(key, OPTIONS, n=1)
+            guess = f" (did you mean {close[0]}?)" if close else ""
+            raise ValueError(f"--data {text!r}: unknown option {key}{guess}; write "
+                             f"[NAME=]STORE[:SHARE][:min_doc=TOKENS]")
         else:
             break
         parts.pop()

@@ -75,6 +75,9 @@ class EvalConfig:
 
     def __post_init__(self) -> None:
         """Refuse values that cannot work, naming the flag; the checks that need files come later."""
+        if self.json_path is not None and self.json_path.suffix.lower() != ".json":
+            raise ValueError(f"--json {self.json_path} must end in .json: the plot is written beside it, with .png "
+                             f"for .json; e.g. --json {self.json_path.with_suffix('.json')}")
         if self.json_path is not None and not self.force:
             existing = [p for p in (self.json_path, self.json_path.with_suffix(".png")) if p.exists()]
             if existing:

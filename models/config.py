@@ -8,11 +8,10 @@ preset describe the same model.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from models.rope import Llama3Rope, RopeScaling, rope_scaling_from_dict
+from models.rope import Llama3Rope, RopeScaling, check_theta, rope_scaling_from_dict
 
 
 @dataclass
@@ -58,9 +57,7 @@ class ModelConfig:
         for name in sizes:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} = {getattr(self, name)} must be at least 1")
-        if not self.rope_theta > 0 or not math.isfinite(self.rope_theta):
-            raise ValueError(f"rope_theta = {self.rope_theta} must be a positive number (10000 in LLaMA-2, "
-                             f"500000 in LLaMA-3)")
+        check_theta(self.rope_theta, "rope_theta =")
         if isinstance(self.rope_scaling, dict):  # a native config.json; before the other types, llama3's had no type
             self.rope_scaling = rope_scaling_from_dict(self.rope_scaling, "rope_scaling", default_type="llama3")
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):

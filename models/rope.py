@@ -44,6 +44,7 @@ class RopeScaling:
 
     rope_type: ClassVar[str]
     depends_on_length: ClassVar[bool] = False  # whether the frequencies depend on the sequence length
+    positive: ClassVar[tuple[str, ...]] = ("attention_factor",)  # parameters that must be above 0 when set
 
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))
@@ -62,11 +63,13 @@ class RopeScaling:
         if factor is not None and factor < 1:
             raise ValueError(self._message("factor", factor, "must be at least 1 (the context grows by it)"))
         original = getattr(self, ORIGINAL_LENGTH, None)
-        if original is not None and original < 1:
-            raise ValueError(self._message(ORIGINAL_LENGTH, original, "must be at least 1"))
-        attention_factor = getattr(self, "attention_factor", None)
-        if attention_factor is not None and attention_factor <= 0:
-            raise ValueError(self._message("attention_factor", attention_factor, "must be positive"))
+        if original is not None and original < 2:
+            raise ValueError(self._message(ORIGINAL_LENGTH, original, "must be at least 2 (the context the model "
+                                                                       "was trained at)"))
+        for name in self.positive:
+            value = getattr(self, name, None)
+            if value is not None and value <= 0:
+                raise ValueError(self._message(name, value, "must be positive"))
 
     def check_head_dim(self, head_dim: int) -> None:
         """Refuse parameters that do not fit the model's head dimension (longrope's per-frequency factors)."""
@@ -83,6 +86,15 @@ class RopeScaling:
                     device: torch.device | str | None) -> tuple[torch.Tensor, float]:
         """(inverse frequencies [head_dim // 2] float32, cos/sin scale) for sequences of `length` positions."""
         raise NotImplementedError
+
+
+def check_theta(theta: float, name: str) -> None:
+    """Refuse a RoPE base that is not a finite number above 1 (`name` says where it came from): the wavelengths are
+    2 pi x theta^(2i / head_dim), so a base of 1 or less rotates every dimension at least as fast as the first, and
+    YaRN divides by its logarithm."""
+    if not 1 < theta < math.inf:
+        raise ValueError(f"{name} {theta:g} must be a number above 1, the base whose powers set the wavelengths "
+                         f"(10000 in LLaMA-2, 500000 in LLaMA-3, e.g. 8e6 to extend a LLaMA-3 to 64K tokens)")
 
 
 def _typed(rope_type: str, name: str, value: Any, kind: type) -> Any:
@@ -131,6 +143,10 @@ class DynamicRope(RopeScaling):
     rope_type: ClassVar[str] = "dynamic"
     depends_on_length: ClassVar[bool] = True
 
+    def check_head_dim(self, head_dim: int) -> None:
+        if head_dim <= 2:  # the base grows by a power head_dim / (head_dim - 2)
+            raise ValueError(self._message("factor", self.factor, f"needs a head dimension above 2, not {head_dim}"))
+
     def frequencies(self, theta, head_dim, length, device):
         original = self.original_max_position_embeddings
         # transformers' two paths: at initialisation (and below the original length) a Python int; in a forward
@@ -160,6 +176,8 @@ class YarnRope(RopeScaling):
     mscale_all_dim: float | None = None
     truncate: bool | None = None  # None: True (round the correction range outwards)
     rope_type: ClassVar[str] = "yarn"
+    # beta_*: rotations, whose logarithm sets the ramp; mscale*: a negative one would flip or zero cos/sin's scale
+    positive: ClassVar[tuple[str, ...]] = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 
     def check(self) -> None:
         super().check()
@@ -244,6 +262,7 @@ class Llama3Rope(RopeScaling):
     high_freq_factor: float
     original_max_position_embeddings: int
     rope_type: ClassVar[str] = "llama3"
+    positive: ClassVar[tuple[str, ...]] = ("low_freq_factor", "high_freq_factor")  # the wavelengths divide by them
 
     def check(self) -> None:
         super().check()
@@ -286,7 +305,11 @@ def rope_scaling_from_dict(fields: Mapping[str, Any], where: str, default_type: 
     if not isinstance(fields, Mapping):
         raise ValueError(f"{where}: rope scaling {fields!r} must be a JSON object with a rope_type")
     fields = dict(fields)
-    rope_type = fields.pop("rope_type", fields.pop("type", default_type))
+    named = {key: fields.pop(key) for key in ("rope_type", "type") if key in fields}
+    if len(set(map(str, named.values()))) > 1:
+        raise ValueError(f"{where}: rope_type {named['rope_type']!r} and type {named['type']!r} name different rope "
+                         f"types; keep one")
+    rope_type = named.get("rope_type", named.get("type", default_type))
     if fields.get("partial_rotary_factor", 1.0) == 1.0:  # every dimension rotated: the only way LLaMA works
         fields.pop("partial_rotary_factor", None)
     if rope_type == "default":
@@ -329,6 +352,11 @@ def parse_rope_scaling(spec: str, where: str, original_length: int | None = None
         if "=" in item:
             key, _, text = item.partition("=")
             key = key.strip()
+            if key in ("rope_type", "type"):
+                raise ValueError(f"{where}: {item!r}: the rope type is the word before the colon ({rope_type!r} "
+                                 f"here); write TYPE:key=value,..., e.g. {text.strip() or 'yarn'}:factor=2")
+            if key in fields:
+                raise ValueError(f"{where}: {key} is given twice; give each parameter once")
             fields[key] = _value(text.strip())
         elif key is None:
             raise ValueError(f"{where}: {item!r} is not key=value; write TYPE:key=value,key=value")

@@ -225,6 +225,12 @@ def test_a_learning_rate_that_cannot_train_is_refused_at_config_time(store, tmp_
     assert not (tmp_path / "run").exists()
 
 
+def test_a_misspelt_data_option_is_named_not_taken_for_part_of_the_store_path(store, tmp_path):
+    refused(invoke("train", "--model", "debug", "--data", f"sft={store}:1:mindoc=400", "--out", tmp_path / "run"),
+            "unknown option mindoc (did you mean min_doc?)")
+    assert not (tmp_path / "run").exists()
+
+
 def test_resume_in_a_config_file_is_refused_and_the_run_is_untouched(store, tmp_path):
     out = tmp_path / "run"
     done = invoke("train", "--model", "debug", "--data", store, "--seq-len", 128, "--steps", 2, "--precision",
@@ -400,6 +406,20 @@ def test_eval_json_refuses_to_overwrite_a_file_without_force(model_for_store, st
     done = invoke(*evaluate_args(model_for_store, store, "--json", report, "--force"))
     assert done.exit_code == 0, done.output
     assert json.loads(report.read_text())["perplexity"] > 1
+
+
+def test_eval_never_writes_its_json_and_its_plot_to_one_file(model_for_store, store, tmp_path):
+    report = tmp_path / "res.png"
+    refused(invoke(*evaluate_args(model_for_store, store, "--json", report)),
+            f"--json {report} must end in .json: the plot is written beside it", f"--json {tmp_path / 'res.json'}")
+    assert not report.exists()
+
+
+def test_eval_passkey_lengths_that_do_not_split_suggest_one_that_does(model_for_store, store):
+    refused(invoke(*evaluate_args(model_for_store, store, "--passkey-trials", 1, "--passkey-lengths", 0)),
+            "--passkey-lengths: sequence length 0 must be a positive multiple of 2 x world size = 2", "use 2,")
+    refused(invoke(*evaluate_args(model_for_store, store, "--passkey-trials", 1, "--passkey-lengths", 129)),
+            "use 128 or 130,")
 
 
 # ---- burst bench -----------------------------------------------------------------------------------------------

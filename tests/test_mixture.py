@@ -14,11 +14,13 @@ from tests.test_data_loader import BOS, make_store
 from tests.test_train import burst_train, burst_train_together, make_text, metrics
 
 
-def test_a_source_is_name_store_share_and_min_doc_read_from_the_right():
+def test_a_source_is_name_store_share_and_min_doc_read_from_the_right(tmp_path):
+    (tmp_path / "s:k=v").mkdir()
     assert parse_source("books=/data/books:0.3:min_doc=65536") == SourceSpec("books", "/data/books", 0.3, 65536)
     assert parse_source("/data/web:0.7") == SourceSpec("web", "/data/web", 0.7)
     assert parse_source("stores/a:b/web", single=True) == SourceSpec("web", "stores/a:b/web", 1.0)  # ':' in a path
     assert parse_source("x=a=b:1", single=True) == SourceSpec("x", "a=b", 1.0)
+    assert parse_source(f"{tmp_path}/s:k=v", single=True).path == f"{tmp_path}/s:k=v"  # a store named so, if it is
     assert parse_source('my "quoted" dir', single=True).name == "my__quoted__dir"
     spec = SourceSpec("code", "/s/code", 0.25, 100)
     assert parse_source(str(spec)) == spec  # config.toml's canonical text reads back
@@ -32,6 +34,9 @@ def test_a_source_is_name_store_share_and_min_doc_read_from_the_right():
     (["a=/s/a:1.5"], "share 1.5 must be in (0, 1]"),
     (["a=/s/a:0.5:min_doc=lots", "b=/s/b:0.5"], "min_doc='lots' must be a whole number"),
     (["a=:0.5"], "names no store"),
+    (["sft=/s/sft:1:mindoc=400"], "--data 'sft=/s/sft:1:mindoc=400': unknown option mindoc (did you mean min_doc?)"),
+    (["a=/s/a:0.5:min-doc=4", "b=/s/b:0.5"], "unknown option min-doc (did you mean min_doc?)"),
+    (["a=/s/a:shares=1"], "unknown option shares; write [NAME=]STORE[:SHARE][:min_doc=TOKENS]"),
 ])
 def test_bad_mixtures_are_refused_naming_the_fix(texts, message):
     with pytest.raises(ValueError) as refused:

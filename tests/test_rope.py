@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import pytest
 import torch
@@ -16,7 +17,16 @@ from cli import app
 from data import TokenStore
 from models import ModelConfig, convert_checkpoint, init_model, load_model, save_model
 from models.convert import config_from_hf, config_to_hf
-from models.rope import DynamicRope, LinearRope, LongRope, YarnRope, parse_rope_scaling, rope_scaling_from_dict
+from models.rope import (
+    DynamicRope,
+    LinearRope,
+    Llama3Rope,
+    LongRope,
+    YarnRope,
+    parse_rope_scaling,
+    rope_frequencies,
+    rope_scaling_from_dict,
+)
 from tests.test_train import store as store  # noqa: F401  (the module-scoped token store fixture)
 from trainer.config import TrainConfig, load_run_config, save_config
 from trainer.preflight import model_and_store
@@ -156,6 +166,15 @@ def test_length_dependent_scalings_rotate_a_shard_by_the_whole_sequence_length(m
       "original_max_position_embeddings": 8}, "short_factor = '\\[1 numbers\\]' must hold head_dim / 2 = 8 numbers"),
     ({"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5},
      "rope type 'linear' has no parameter partial_rotary_factor"),
+    # Values of the right type that would divide by zero, take the logarithm of a negative or flip cos/sin:
+    ({**ROPES["llama3"], "low_freq_factor": 0}, "low_freq_factor = 0.0 must be positive"),
+    ({**ROPES["llama3"], "low_freq_factor": -1}, "low_freq_factor = -1.0 must be positive"),
+    ({**ROPES["yarn"], "beta_slow": -5}, "beta_slow = -5.0 must be positive"),
+    ({**ROPES["yarn"], "beta_fast": 0}, "beta_fast = 0.0 must be positive"),
+    ({**ROPES["yarn"], "mscale": -50, "mscale_all_dim": 1}, "mscale = -50.0 must be positive"),
+    ({**ROPES["yarn"], "original_max_position_embeddings": 1}, "original_max_position_embeddings = 1 must be at "
+                                                               "least 2"),
+    ({**ROPES["yarn"], "type": "linear"}, "rope_type 'yarn' and type 'linear' name different rope types"),
 ])
 def test_bad_rope_parameters_are_refused_naming_the_field(rope, message):
     hf = {**hf_model(ROPES["default"]).config.to_dict(), "rope_parameters": None, "rope_scaling": rope}
@@ -203,10 +222,43 @@ def test_the_flag_syntax(spec, expected):
     ("linear:4", "'4' is not key=value"),
     ("linear", "rope type 'linear' needs factor"),
     ("llama3:factor=32", "rope type 'llama3' needs low_freq_factor, high_freq_factor"),
+    ("yarn:factor=2,rope_type=linear", "'rope_type=linear': the rope type is the word before the colon"),
+    ("yarn:factor=2,type=linear", "'type=linear': the rope type is the word before the colon"),
+    ("yarn:factor=2,factor=4", "factor is given twice"),
+    ("llama3:factor=8,low_freq_factor=0,high_freq_factor=4", "low_freq_factor = 0.0 must be positive"),
+    ("yarn:factor=8,beta_slow=-5", "beta_slow = -5.0 must be positive"),
+    ("yarn:factor=8,mscale=-50,mscale_all_dim=1", "mscale = -50.0 must be positive"),
 ])
 def test_bad_flags_are_refused(spec, message):
     with pytest.raises(ValueError, match=f"--rope-scaling: .*{message}"):
         parse_rope_scaling(spec, "--rope-scaling", original_length=64)
+
+
+def test_every_accepted_rope_gives_finite_positive_frequencies():
+    """Each type's parameters over their edges (zero, negative, tiny, huge): what construction accepts computes
+    frequencies and a cos/sin scale that are finite and positive, at any base it accepts and any length."""
+    edges = [-50.0, -1.0, 0.0, 1e-9, 0.5, 1.0, 2.0, 1e9]
+    for name, rope in ROPES.items():
+        if name == "default":
+            continue
+        numbers = [key for key, value in rope.items() if isinstance(value, float) or key.startswith("original")]
+        extra = {"yarn": ["attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"],
+                 "longrope": ["attention_factor"]}.get(rope["rope_type"], [])
+        for key in [*numbers, *extra]:
+            for edge in edges:
+                value = int(edge) if key.startswith("original") else edge
+                fields = {**rope, key: value, **({"mscale_all_dim": 1.0} if key == "mscale" else {})}
+                try:
+                    scaling = rope_scaling_from_dict(fields, name)
+                except ValueError:
+                    continue
+                for theta in (1.0001, 500.0, 1e9):
+                    for length in (None, 2, ORIGINAL, 10**7):
+                        inv_freq, scale = rope_frequencies(theta, HEAD_DIM, scaling, length)
+                        assert torch.isfinite(inv_freq).all() and (inv_freq > 0).all(), (fields, theta, length)
+                        assert math.isfinite(scale) and scale > 0, (fields, theta, length)
+    with pytest.raises(ValueError, match="rope_theta = 1 must be a number above 1"):
+        ModelConfig(rope_theta=1.0, rope_scaling=YarnRope(factor=2.0, original_max_position_embeddings=ORIGINAL))
 
 
 def test_rope_flags_change_a_checkpoints_rope_and_a_resume_may_not(tmp_path, store):
@@ -229,9 +281,25 @@ def test_rope_flags_change_a_checkpoints_rope_and_a_resume_may_not(tmp_path, sto
         load_run_config(tmp_path / "run", {"rope_theta": 1e6})
 
 
+def test_a_new_scaling_of_a_scaled_model_extends_the_same_original_context(tmp_path, store):
+    """A LLaMA-3.1-style model (llama3 scaling from 64 positions, max_seq_len 512): --rope-scaling yarn interpolates
+    from its original 64, the context it was pretrained at, not from the 512 its scaling reaches."""
+    vocab = TokenStore(store).vocab_size
+    llama3 = Llama3Rope(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64)
+    config = dataclasses.replace(ModelConfig.from_name("debug"), vocab_size=vocab, max_seq_len=512, rope_scaling=llama3)
+    save_model(init_model(config), config, tmp_path / "model")
+    train = TrainConfig(model=str(tmp_path / "model"), data=str(store), seq_len=64, rope_scaling="yarn:factor=16")
+    resolved, _ = model_and_store(train, TokenStore(store))
+    assert resolved.rope_scaling == YarnRope(factor=16.0, original_max_position_embeddings=64)
+
+
 @pytest.mark.parametrize("flags, message", [
-    (["--rope-theta", "-1"], "--rope-theta -1.0 must be a positive number"),
-    (["--rope-theta", "inf"], "--rope-theta inf must be a positive number"),
+    (["--rope-theta", "-1"], "--rope-theta -1 must be a number above 1"),
+    (["--rope-theta", "inf"], "--rope-theta inf must be a number above 1"),
+    (["--rope-theta", "1", "--rope-scaling", "yarn:factor=2"], "--rope-theta 1 must be a number above 1"),
+    (["--rope-scaling", "llama3:factor=8,low_freq_factor=0,high_freq_factor=4"], "low_freq_factor = 0.0 must be "
+                                                                                 "positive"),
+    (["--rope-scaling", "yarn:factor=2,rope_type=linear"], "the rope type is the word before the colon"),
     (["--rope-scaling", "yarn:factor=abc"], "--rope-scaling: rope scaling 'yarn': factor = 'abc' must be a number"),
     (["--rope-scaling", "su:factor=2"], "--rope-scaling: unknown rope type 'su'"),
     (["--rope-scaling", "linear:factor=2,beta_fast=3"], "rope type 'linear' has no parameter beta_fast"),

@@ -2,6 +2,7 @@
 --init-optimizer, its optimizer state), with its own seq-len, data, layout and schedule; what cannot carry over
 is refused before any work."""
 
+import dataclasses
 import random
 
 import pytest
@@ -14,14 +15,17 @@ from checkpoints.training import complete_checkpoints
 from cli import app
 from data import prepare
 from models import save_model
+from models.rope import YarnRope
 from tests.test_checkpoint import losses
 from tests.test_checkpoint import run as run  # noqa: F401  (a 4-step run stopped after step 3)
 from tests.test_train import burst_train, burst_train_together, events, make_text
 from tests.test_train import store as store  # noqa: F401
 from trainer.checkpoint import load_stage_start
-from trainer.config import TrainConfig
+from trainer.config import TrainConfig, save_config
 from trainer.optim import build_optimizer, build_schedule
 from trainer.parallelize import build_model
+from trainer.preflight import plan_run, with_rope
+from trainer.rundir import claim_run_directory
 
 
 @pytest.mark.parametrize("with_optimizer", [False, True], ids=["weights", "weights-and-optimizer"])
@@ -90,18 +94,24 @@ def stage_cases(run, store, other_store, tmp_path):
     save_model(model, read_checkpoint(run).config, model_dir)
     empty_run = tmp_path / "empty-run"
     (empty_run / "checkpoints").mkdir(parents=True)
+    failed_run = tmp_path / "failed-run"  # what a run whose first step failed leaves: marker, config, no checkpoints
+    claim_run_directory(failed_run)
+    save_config(TrainConfig(model="debug", data=str(store)), failed_run / "config.toml")
     return {
         "with --model": (["--init-from", run, "--model", "debug"], "--model debug would not be used; drop --model"),
         "optimizer alone": (["--init-optimizer"], "--init-optimizer starts from the optimizer state of --init-from"),
         "missing": (["--init-from", tmp_path / "nowhere"], "does not exist; pass a run directory"),
         "model directory": (["--init-from", model_dir], f"start from a model directory with --model {model_dir}"),
         "no checkpoint": (["--init-from", empty_run], "holds no complete checkpoint"),
+        "failed start-up": (["--init-from", failed_run], f"--init-from {failed_run} is a training run without a "
+                                                         f"checkpoint (its start-up failed, or it ended before its "
+                                                         f"first save)"),
         "other tokenizer": (["--init-from", run, "--data", other_store], "prepared with another tokenizer"),
     }
 
 
 @pytest.mark.parametrize("case", ["with --model", "optimizer alone", "missing", "model directory", "no checkpoint",
-                                  "other tokenizer"])
+                                  "failed start-up", "other tokenizer"])
 def test_what_cannot_start_a_stage_is_refused_before_any_work(run, store, other_store, tmp_path, case):
     args, message = stage_cases(run, store, other_store, tmp_path)[case]
     if "--data" not in args:
@@ -112,3 +122,37 @@ def test_what_cannot_start_a_stage_is_refused_before_any_work(run, store, other_
     assert result.exit_code == 2, result.output
     assert message in " ".join(result.output.split()), result.output
     assert not out.exists()
+
+
+def test_a_stages_rope_scaling_extends_the_context_its_checkpoint_was_trained_at(run, store, tmp_path):
+    """`run` trained the debug preset (max_seq_len 4096) from seed at --seq-len 256: a stage at 512 with YaRN x 8
+    interpolates from 256 (not from the new --seq-len, nor the preset's 4096, which its weights never saw), in its
+    config and in its logits."""
+    checkpoint = complete_checkpoints(run)[-1]
+    config = TrainConfig(init_from=str(run), data=str(store), seq_len=512, rope_scaling="yarn:factor=8",
+                         precision="fp32", out=str(tmp_path / "stage"))
+    plan = plan_run(config, 1)
+    assert plan.model_config.rope_scaling == YarnRope(factor=8.0, original_max_position_embeddings=256)
+    assert plan.model_config.max_seq_len == 512  # the context it is now trained for: a next stage extends that
+
+    model = build_model(plan.model_config, None, config, torch.device("cpu"), fill=False)
+    load_stage_start(checkpoint, model, None)
+    tokens = torch.randint(0, plan.model_config.vocab_size, (1, 512))
+
+    def logits(original: int) -> torch.Tensor:
+        other = build_model(dataclasses.replace(plan.model_config, rope_scaling=YarnRope(
+            factor=8.0, original_max_position_embeddings=original)), None, config, torch.device("cpu"), fill=False)
+        other.load_state_dict(model.state_dict())
+        return other(tokens)
+
+    with torch.no_grad():
+        stage_logits = model(tokens)
+        assert torch.equal(stage_logits, logits(256))
+        # Before, the original length was the stage's max_seq_len: the preset's 4096 here (the new --seq-len where
+        # that is longer); with head_dim 16 YaRN's rounded ramp from 512 is the same as from 256.
+        assert (stage_logits - logits(4096)).abs().max() > 1e-3
+
+    # A stage of that stage extends the same context: its scaling's original length, whatever --seq-len it trained at.
+    stage = {"rope_scaling": YarnRope(factor=8.0, original_max_position_embeddings=256), "max_seq_len": 512}
+    again = with_rope(dataclasses.replace(plan.model_config, **stage), TrainConfig(rope_scaling="yarn:factor=16"), 512)
+    assert again.rope_scaling == YarnRope(factor=16.0, original_max_position_embeddings=256)

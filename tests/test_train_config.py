@@ -1,6 +1,7 @@
 """TrainConfig: defaults < TOML file < flags, refusals that name the bad setting, the LR schedule, decay groups."""
 
 import dataclasses
+import json
 import math
 import re
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from models import ModelConfig, Transformer
-from trainer.config import TrainConfig, load_config, save_config, to_toml
+from trainer.config import TrainConfig, load_config, load_run_config, save_config, to_toml
 from trainer.optim import build_optimizer, lr_factor
 
 
@@ -46,6 +47,17 @@ def test_the_saved_toml_reads_back_to_the_same_config(tmp_path):
     ("", {"seed": -1}, "--seed -1 must be between 0 and 2^63 - 1"),
     ("", {"timeout": 1e300}, "--timeout 1e+300 minutes must be between 0.1"),
     ("", {"timeout": 1e-5}, "--timeout 1e-05 minutes must be between 0.1"),
+    # Decoupled AdamW multiplies each decayed weight by 1 - lr x weight decay: at 1 or above it zeroes or flips them.
+    ("", {"weight_decay": 1000.0}, "--weight-decay 1000 with --lr 0.002: decoupled AdamW multiplies each decayed "
+                                   "weight by 1 - lr x weight decay = -1 every step"),
+    ("lr = 0.01\n", {"weight_decay": 100.0}, "1 - lr x weight decay = 0 every step"),
+    ("", {"weight_decay": -0.1}, "--weight-decay -0.1 must not be negative"),
+    ("", {"max_grad_norm": -1.0}, "--max-grad-norm -1.0 must not be negative"),
+    ("", {"beta2": 1.0}, "--beta2 1.0 must be in [0, 1)"),
+    ("", {"lr": math.nan}, "--lr nan must be a finite number"),
+    # Both layouts are made of 2 x cp chunks: the message names neither, and suggests two lengths.
+    ("cp = 3\ndoc_mask = true\n", {}, "sequence length 1024 must be a positive multiple of 2 x world size = 6, the "
+                                       "chunks the ranks' layouts are made of; use 1020 or 1026"),
 ])
 def test_bad_settings_are_refused_with_the_setting_named(tmp_path, text, overrides, message):
     path = tmp_path / "run.toml"
@@ -104,3 +116,24 @@ def test_every_setting_is_a_burst_train_option_with_its_help_and_default():
         default = str(setting.default).lower() if isinstance(setting.default, bool) else str(setting.default)
         assert option.show_default == (setting.metadata["shown"] or default)
     assert set(options) == {field.name for field in dataclasses.fields(TrainConfig)} | {"config"}
+
+
+def test_a_resume_that_changes_the_rope_names_the_value_the_run_used(tmp_path):
+    """A run that left --rope-theta unset used its model's: the refusal gives that value, not None."""
+    out = tmp_path / "run"
+    out.mkdir()
+    save_config(TrainConfig(model="debug"), out / "config.toml")
+    with pytest.raises(ValueError, match=re.escape("--rope-theta 50000.0 differs from the run's (unset: the model's "
+                                                   "own rope_theta, 10000.0)")):
+        load_run_config(out, {"rope_theta": 50000.0})
+    checkpoint = out / "checkpoints" / "step-000002"  # once the run has a checkpoint, its model says
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "COMPLETE").write_text(json.dumps({"step": 2}))
+    model = dataclasses.replace(ModelConfig.from_name("debug"), rope_theta=70000.0)
+    (checkpoint / "config.json").write_text(json.dumps(model.to_dict()))
+    with pytest.raises(ValueError, match=re.escape("--rope-theta 50000.0 differs from the run's (unset: the model's "
+                                                   "own rope_theta, 70000.0)")):
+        load_run_config(out, {"rope_theta": 50000.0})
+    with pytest.raises(ValueError, match=re.escape("--rope-scaling linear:factor=2 differs from the run's (unset: the "
+                                                   "model's own rope_scaling, none)")):
+        load_run_config(out, {"rope_scaling": "linear:factor=2"})

@@ -60,9 +60,10 @@ class TrainConfig:
                                              "beta_fast, beta_slow, mscale, mscale_all_dim, truncate), longrope "
                                              "(short_factor=a,b,..., long_factor=..., factor or attention_factor) or "
                                              "llama3 (factor, low_freq_factor, high_freq_factor); all but linear also "
-                                             "take original_max_position_embeddings (default: the model's "
-                                             "max_seq_len); "
-                                             "e.g. yarn:factor=8,original_max_position_embeddings=1024.",
+                                             "take original_max_position_embeddings (default: the context the model "
+                                             "was trained at: its present scaling's original length, else its "
+                                             "max_seq_len, or the --seq-len an --init-from run from a preset trained "
+                                             "at); e.g. yarn:factor=8,original_max_position_embeddings=1024.",
                                        shown="the model's")
     seq_len: int = setting(1024, "Tokens per sequence, split over the --cp ranks.")
     cp: int = setting(1, "Sequence-parallel degree: ranks that share one sequence (BurstAttention).")
@@ -136,7 +137,7 @@ class TrainConfig:
         from data.conversation_packing import check_policy
         from data.mixture import parse_mixture, resolved_sources
         from models.config import PRESETS
-        from models.rope import parse_rope_scaling
+        from models.rope import check_theta, parse_rope_scaling
         from runtime.precision import PRECISIONS
 
         for name in ("seq_len", "cp", "dp", "batch_size", "grad_accum", "steps", "log_every", "max_bad_steps",
@@ -171,6 +172,11 @@ class TrainConfig:
         if self.lr > MAX_LR:
             raise ValueError(f"--lr {self.lr} would wreck the weights in one step (AdamW moves each weight by about "
                              f"--lr per step; 1e-4 to 1e-2 are usual); pass at most {MAX_LR}")
+        if self.lr * self.weight_decay >= 1:
+            raise ValueError(f"--weight-decay {self.weight_decay:g} with --lr {self.lr:g}: decoupled AdamW multiplies "
+                             f"each decayed weight by 1 - lr x weight decay = {1 - self.lr * self.weight_decay:g} "
+                             f"every step, which zeroes or flips the weights; lr x weight decay must stay below 1 (a "
+                             f"weight decay of 0.01 to 0.1 is usual)")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"--min-lr-ratio {self.min_lr_ratio} must be in [0, 1]")
         for name in ("beta1", "beta2"):
@@ -181,8 +187,8 @@ class TrainConfig:
         if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
             raise ValueError(f"--activation-checkpointing {self.activation_checkpointing!r} is not one of "
                              f"{', '.join(ACTIVATION_CHECKPOINTING)}")
-        if self.rope_theta is not None and not 0 < self.rope_theta < math.inf:
-            raise ValueError(f"--rope-theta {self.rope_theta} must be a positive number, e.g. 500000 or 8e6")
+        if self.rope_theta is not None:
+            check_theta(self.rope_theta, "--rope-theta")
         if self.rope_scaling is not None:
             # The model's context length is known only once the model is (trainer/preflight.py fills it in);
             # seq_len stands in for it here, where everything else about the flag is checked.
@@ -338,7 +344,7 @@ def load_run_config(out: str | Path, overrides: dict[str, Any]) -> TrainConfig:
     if changed:
         raise ValueError("--resume continues a run with its own settings, but "
                          + ", ".join(f"{flag(n)} {getattr(config, n)} differs from the run's "
-                                     f"{getattr(saved, n)}" for n in changed)
+                                     f"{_run_value(saved, n, Path(out))}" for n in changed)
                          + f"; drop these flags (only {', '.join(map(flag, RESUMABLE_CHANGES))} may change), "
                            f"or start a new run")
     if config.tokens_per_step != saved.tokens_per_step:
@@ -346,3 +352,23 @@ def load_run_config(out: str | Path, overrides: dict[str, Any]) -> TrainConfig:
                          f"{config.grad_accum} changes the run's {saved.batch_size * saved.dp * saved.grad_accum} "
                          f"sequences per step, which changes the loss and the data order; keep the product")
     return config
+
+
+def _run_value(saved: TrainConfig, name: str, out: Path) -> str:
+    """The run's value of setting `name`, for a refusal: a setting left unset reads as the default it stood for;
+    for RoPE, the model's own, with its value (from the run's newest checkpoint, or its preset)."""
+    value = getattr(saved, name)
+    if value is not None:
+        return str(value)
+    if name not in ("rope_theta", "rope_scaling"):
+        return FIELDS[name].metadata["shown"] or "none"
+    from checkpoints.training import complete_checkpoints  # here: reading a model needs torch
+    from models.checkpoint import read_config
+    from models.config import PRESETS
+
+    complete = complete_checkpoints(out)
+    model = read_config(complete[-1]) if complete else PRESETS.get(saved.model or "")
+    if model is None:
+        return f"(unset: the model's own {name})"
+    own = model.rope_theta if name == "rope_theta" else model.rope_scaling and model.rope_scaling.to_dict()
+    return f"(unset: the model's own {name}, {'none' if own is None else own})"

@@ -30,8 +30,8 @@ from data.mixture import Source, open_sources, parse_mixture
 from models import PRESETS, ModelConfig
 from models.checkpoint import expected_shapes, is_native_checkpoint
 from models.convert import is_hf_checkpoint, read_checkpoint
-from models.rope import parse_rope_scaling
-from runtime.directories import check_writable
+from models.rope import ORIGINAL_LENGTH, parse_rope_scaling
+from runtime.directories import check_writable, read_marker
 from runtime.precision import Precision, resolve_precision
 from trainer.checkpoint import check_model_config, metrics_rows
 from trainer.config import TrainConfig, run_identity
@@ -90,14 +90,16 @@ def model_and_store(config: TrainConfig, store: TokenStore) -> tuple[ModelConfig
     return with_specials(model_config, store, path), path
 
 
-def with_rope(model_config: ModelConfig, config: TrainConfig) -> ModelConfig:
-    """`model_config` with --rope-theta and --rope-scaling, whose original length defaults to its max_seq_len."""
+def with_rope(model_config: ModelConfig, config: TrainConfig, context: int | None = None) -> ModelConfig:
+    """`model_config` with --rope-theta and --rope-scaling. The scaling's original length defaults to the context
+    the model was trained at: its present scaling's original length (a new scaling extends the same context), else
+    `context` (default: its max_seq_len)."""
     changes = {}
     if config.rope_theta is not None:
         changes["rope_theta"] = config.rope_theta
     if config.rope_scaling is not None:
-        changes["rope_scaling"] = parse_rope_scaling(config.rope_scaling, "--rope-scaling",
-                                                     original_length=model_config.max_seq_len)
+        original = getattr(model_config.rope_scaling, ORIGINAL_LENGTH, None) or context or model_config.max_seq_len
+        changes["rope_scaling"] = parse_rope_scaling(config.rope_scaling, "--rope-scaling", original_length=original)
     try:
         return dataclasses.replace(model_config, **changes)
     except ValueError as err:  # what fits only this model: longrope's factors, one per frequency of its heads
@@ -127,22 +129,40 @@ def check_store_fits(store: TokenStore, model_config: ModelConfig, tokenizer: Pa
                                                      f"INPUT... --tokenizer {model} --out STORE`)")
 
 
+def trained_context(checkpoint: Path, model_config: ModelConfig) -> int:
+    """The context the weights of the training checkpoint `checkpoint` (of model `model_config`) were trained for:
+    its model's max_seq_len, but for a run that started from seed (a preset: no --model directory, no --init-from)
+    the --seq-len it trained at, as the preset's max_seq_len is a context its weights never saw."""
+    settings = read_train_state(checkpoint).get("settings") or {}  # checkpoints of older versions recorded none
+    seq_len = settings.get("seq_len")
+    if settings.get("model") in PRESETS and settings.get("init_from") is None and isinstance(seq_len, int):
+        return min(seq_len, model_config.max_seq_len)
+    return model_config.max_seq_len
+
+
 def init_checkpoint(config: TrainConfig, store: TokenStore) -> tuple[ModelConfig, Path]:
     """The training checkpoint --init-from names (a run's newest, or one checkpoint), checked whole, and the
-    model this new stage trains: the checkpoint's, with max_seq_len raised to --seq-len."""
+    model this new stage trains: the checkpoint's, its --rope-scaling extending the context the checkpoint was
+    trained at (`trained_context`), with max_seq_len raised from that context to --seq-len."""
     path = Path(config.init_from)
     if not path.is_dir():
         raise ValueError(f"--init-from {path} does not exist; pass a run directory of `burst train` or one of its "
                          f"checkpoints (RUN/checkpoints/step-N)")
+    if not is_run_or_checkpoint(path) and (read_marker(path) or {}).get("kind") == "run":
+        raise ValueError(f"--init-from {path} is a training run without a checkpoint (its start-up failed, or it ended "
+                         f"before its first save); start the stage from a run that saved one, or train this one "
+                         f"first (its directory may be reused: `burst train --out {path} ...`)")
     if not is_run_or_checkpoint(path):
         hint = f"start from a model directory with --model {path}" if is_native_checkpoint(path) or \
             is_hf_checkpoint(path) else "pass a run directory of `burst train` or one of its checkpoints"
         raise ValueError(f"--init-from {path} is not a training run or checkpoint; {hint}")
-    checkpoint = read_model_checkpoint(path)  # the newest complete checkpoint of a run; checked, no tensor read
-    model_config = with_rope(dataclasses.replace(checkpoint.config, max_seq_len=max(checkpoint.config.max_seq_len,
-                                                                                    config.seq_len)), config)
+    resolved = resolve_checkpoint(path)  # the newest complete checkpoint of a run; checked
+    checkpoint = read_model_checkpoint(resolved)  # no tensor read
+    context = trained_context(resolved, checkpoint.config)
+    model_config = with_rope(dataclasses.replace(checkpoint.config, max_seq_len=max(context, config.seq_len)),
+                             config, context)
     check_store_fits(store, model_config, checkpoint.tokenizer, path)
-    return with_specials(model_config, store, path), resolve_checkpoint(path)
+    return with_specials(model_config, store, path), resolved
 
 
 def check_sequence_fits(config: TrainConfig, sources: list[Source]) -> None:
