@@ -66,9 +66,41 @@ PROBE = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "con
          {"role": "assistant", "content": "6"}]
 
 
-class ChatTemplateError(ValueError):
-    """The template refused to render one conversation (its raise_exception, or an error inside it): that row is
-    counted as bad input, as transformers would have raised for it."""
+class ConversationRefused(ValueError):
+    """One conversation cannot be stored: `problem` names the kind (an InputReport field) its row is counted as."""
+
+    problem = "template_errors"
+
+
+class ChatTemplateError(ConversationRefused):
+    """The template refused to render one conversation (its raise_exception, or any error inside it: a division by
+    zero, a sandbox limit, nesting too deep): that row is counted as bad input, as transformers would have raised
+    for it."""
+
+
+class UnplacedAnswers(ConversationRefused):
+    """The template renders this conversation's start otherwise than the whole conversation's (an assistant turn
+    first, earlier reasoning dropped): its answers cannot be located, so the row is counted and left out."""
+
+    problem = "unplaced_answers"
+
+
+class EmptyAnswers(ConversationRefused):
+    """The template renders no answer of this conversation, or only whitespace: nothing in it would be scored."""
+
+    problem = "empty_answers"
+
+
+class NoAnswer(ConversationRefused):
+    """The template renders no assistant turn of this conversation as an answer."""
+
+    problem = "no_answer"
+
+
+class ToolCallsUnsupported(ConversationRefused):
+    """The conversation holds tool calls, and the template does not render them."""
+
+    problem = "unsupported_tool_calls"
 
 
 class TemplateNotIncremental(ValueError):
@@ -190,11 +222,17 @@ class ChatFormat:
             raise ValueError(f"the chat template in {self.where} is not a template jinja2 can read ({err}); "
                              f"restore it from the model it came with") from None
         self.marks_answers = re.search(r"\{%-?\s*generation\s*-?%\}", self.template) is not None
+        self.renders_tool_calls = "tool_calls" in self.template  # a template that never reads them drops them
         self._marker_ids = {MARKERS["bos_token"]: tokenizer.bos_id, MARKERS["eos_token"]: tokenizer.eos_id}
         self._newline_ids = tokenizer.encode("\n")
         try:
-            self.render(PROBE)  # TemplateNotIncremental here, before any data is read
-        except ChatTemplateError:
+            self.render(PROBE)  # refused here, before any data is read, when it cannot place an ordinary row's answers
+        except UnplacedAnswers as err:
+            raise TemplateNotIncremental(
+                f"the chat template in {self.where} {str(err).removeprefix('the chat template ')}; mark the answers in "
+                f"the template with {{% generation %}}...{{% endgeneration %}} (transformers' assistant mask), or use "
+                f"a template that renders each turn the same way wherever it stands") from None
+        except ConversationRefused:
             pass  # a template may refuse this conversation (no system turn, say); each row is tried as it comes
 
     @property
@@ -207,49 +245,61 @@ class ChatFormat:
         return {"template": self.template_file, "sha256": hashlib.sha256(self.template.encode()).hexdigest(),
                 "generation_blocks": self.marks_answers}
 
-    def render_text(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False
-                    ) -> tuple[str, list[tuple[int, int]]]:
-        """The template's text for `messages` and the spans of its `{% generation %}` blocks."""
+    def render_text(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False,
+                    tools: list[dict[str, Any]] | None = None) -> tuple[str, list[tuple[int, int]]]:
+        """The template's text for `messages` (and the `tools` offered, as transformers passes them) and the spans
+        of its `{% generation %}` blocks. Whatever the template raises on them is a ChatTemplateError."""
         blocks: list[str] = []
         spans: list[tuple[int, int]] = []
         token = _GENERATION_RECORD.set((blocks, spans))
         try:
-            for block in self._compiled.generate(messages=_with_reasoning_aliases(messages), tools=None,
+            for block in self._compiled.generate(messages=_with_reasoning_aliases(messages), tools=tools,
                                                  documents=None, add_generation_prompt=add_generation_prompt,
                                                  **self.special_tokens):
                 blocks.append(block)
-        except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError) as err:
+        except Exception as err:  # a template is code: any error of its own (1 // 0, a sandbox limit) is this row's
             raise ChatTemplateError(f"the chat template raised {type(err).__name__}: {err}") from None
         finally:
             _GENERATION_RECORD.reset(token)
         return "".join(blocks), spans
 
-    def render(self, messages: list[dict[str, Any]]) -> Rendered:
-        """The conversation as training sees it (no generation prompt) and its answers' character spans."""
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> Rendered:
+        """The conversation as training sees it (no generation prompt) and its answers' character spans; a
+        ConversationRefused, naming the kind of problem, when it cannot be stored."""
         if self.is_plain and any(marker in json.dumps(messages, ensure_ascii=False) for marker in MARKERS.values()):
             raise ChatTemplateError("it holds U+E000 or U+E001, which the plain template keeps for BOS and EOS")
-        text, spans = self.render_text(messages)
+        if not self.renders_tool_calls and any(message.get("tool_calls") for message in messages):
+            raise ToolCallsUnsupported(f"it holds tool calls, which the chat template in {self.where} does not render "
+                                       f"(it never reads `tool_calls`)")
+        text, spans = self.render_text(messages, tools=tools)
         if not self.marks_answers:
-            spans = self._answer_spans(messages, text)
+            spans = self._answer_spans(messages, text, tools)
+        if not spans:
+            raise NoAnswer("the chat template renders none of its assistant turns as an answer")
+        if all(not text[start:end].strip() for start, end in spans):
+            raise EmptyAnswers("the chat template renders its answers empty")
         return Rendered(text, spans)
 
-    def _answer_spans(self, messages: list[dict[str, Any]], text: str) -> list[tuple[int, int]]:
-        """Each assistant turn's span, from renderings of the conversation up to it (TemplateNotIncremental when
-        they are not where the whole rendering has them)."""
+    def _answer_spans(self, messages: list[dict[str, Any]], text: str, tools: list[dict[str, Any]] | None
+                      ) -> list[tuple[int, int]]:
+        """Each assistant turn's span, from renderings of the conversation up to it (UnplacedAnswers when they are
+        not where the whole rendering has them)."""
         spans = []
         for i, message in enumerate(messages):
             if message.get("role") != "assistant":
                 continue
-            before, _ = self.render_text(messages[:i], add_generation_prompt=True)
-            through, _ = self.render_text(messages[:i + 1])
+            try:
+                before, _ = self.render_text(messages[:i], add_generation_prompt=True, tools=tools)
+                through, _ = self.render_text(messages[:i + 1], tools=tools)
+            except ChatTemplateError as err:
+                raise UnplacedAnswers(f"{err}, rendering the conversation up to its answer {i} (message {i} of "
+                                      f"{len(messages)}), so the answer's tokens cannot be located") from None
             end = len(through.rstrip())
             if not (text.startswith(before) and text.startswith(through) and len(before) < end):
-                raise TemplateNotIncremental(
-                    f"the chat template in {self.where} renders the conversation up to its answer {i} "
-                    f"(message {i} of {len(messages)}) otherwise than the start of the whole conversation, so the "
-                    f"answer's tokens cannot be located; mark the answers in the template with {{% generation %}}"
-                    f"...{{% endgeneration %}} (transformers' assistant mask), or use a template that renders each "
-                    f"turn the same way wherever it stands")
+                raise UnplacedAnswers(
+                    f"the chat template renders the conversation up to its answer {i} (message {i} of "
+                    f"{len(messages)}) otherwise than the start of the whole conversation, so the answer's tokens "
+                    f"cannot be located")
             spans.append((len(before), end))
         return spans
 
@@ -283,7 +333,7 @@ class ChatFormat:
                 if not part:
                     continue
                 part_ids = [self._marker_ids[part]] if part in self._marker_ids else \
-                    self.tokenizer.encode(part) if not ids else self._continued(part)
+                    self.tokenizer.encode_as_text(part) if not ids else self._continued(part)
                 ids += part_ids
                 scored += [inside] * len(part_ids)
         return np.asarray(ids, np.int64), np.asarray(scored, bool)
@@ -291,10 +341,10 @@ class ChatFormat:
     def _continued(self, text: str) -> list[int]:
         """The ids of `text` where it continues a conversation: encoded after a newline whose ids are then dropped,
         so that a tokenizer adding a space at the start of a text (SentencePiece's dummy prefix) adds none here."""
-        ids = self.tokenizer.encode("\n" + text)
+        ids = self.tokenizer.encode_as_text("\n" + text)
         if ids[:len(self._newline_ids)] == self._newline_ids:
             return ids[len(self._newline_ids):]
-        return self.tokenizer.encode(text)
+        return self.tokenizer.encode_as_text(text)
 
 
 def _overlapping(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:

@@ -257,7 +257,8 @@ def test_prepare_chat_stores_conversations_whole_and_counts_bad_rows(tmp_path):
     assert (inputs / "chat.jsonl").read_bytes() == before
     assert summary.report.problems() == {"skipped_files": 1, "unreadable_files": 0, "invalid_json": 1,
                                          "invalid_utf8": 0, "missing_messages": 1, "malformed_messages": 2,
-                                         "no_answer": 1, "empty_answers": 1, "template_errors": 1}
+                                         "no_answer": 1, "empty_answers": 1, "template_errors": 1,
+                                         "unplaced_answers": 0, "unsupported_tool_calls": 0}
     assert "unknown role critic" in summary.report.examples["template_errors"][0]
     store = TokenStore(tmp_path / "store")
     assert store.is_conversations and store.num_documents == len(good) == summary.num_documents
@@ -318,3 +319,68 @@ def test_what_cannot_become_an_instruction_store_is_refused_and_nothing_is_writt
     refused(runner.invoke(app, ["prepare", str(bad), "--chat", "--tokenizer", str(llama), "--out", str(out)]), 2,
             "no documents to store", "1 template errors", "give each row `messages`")
     assert not out.exists() and not list(tmp_path.glob("store.tmp-*"))
+
+
+# A header only before a conversation that has messages: the conversation up to an answer that comes first renders
+# otherwise than the start of the whole one, though every ordinary conversation places its answers.
+HEADED_TEMPLATE = """{%- if messages %}{{- '[chat]\\n' }}{%- endif %}
+{%- for message in messages %}{{- message['role'] + ': ' + message['content'] + '\\n' }}{%- endfor %}
+{%- if add_generation_prompt %}{{- 'assistant: ' }}{%- endif %}
+"""
+# Qwen3's habit: an assistant turn's reasoning is rendered only in the last turn, dropped from earlier ones.
+REASONING_TEMPLATE = """{%- for message in messages %}
+    {{- '<|im_start|>' + message['role'] + '\\n' }}
+    {%- if message['role'] == 'assistant' and loop.last and message.reasoning_content %}
+        {{- '<think>' + message.reasoning_content + '</think>' }}
+    {%- endif %}
+    {{- message['content'] + '<|im_end|>\\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
+"""
+# Divides by zero on a row whose user says so; otherwise ChatML.
+RAISING_TEMPLATE = CHATML_TEMPLATE.replace("{%- for message in messages %}",
+                                           "{%- for message in messages %}{%- if message['content'] == 'divide' %}"
+                                           "{{- 1 // 0 }}{%- endif %}")
+# Renders the answers' text only when it is not a secret: a secret answer renders empty in its generation block.
+SILENT_TEMPLATE = GENERATION_TEMPLATE.replace("message['content'] + '<|im_end|>' }}",
+                                              "(message['content'] if message['content'] != 'secret' else '') }}")
+
+
+@pytest.mark.parametrize("template, row, problem", [
+    (HEADED_TEMPLATE, [{"role": "assistant", "content": "I speak first."}, {"role": "user", "content": "ok"}],
+     "unplaced_answers"),
+    (REASONING_TEMPLATE, [{"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": "4",
+                                                                      "reasoning_content": "two and two"},
+                          {"role": "user", "content": "3 + 3?"}, {"role": "assistant", "content": "6"}],
+     "unplaced_answers"),
+    (RAISING_TEMPLATE, [{"role": "user", "content": "divide"}, {"role": "assistant", "content": "no"}],
+     "template_errors"),
+    (SILENT_TEMPLATE, [{"role": "user", "content": "tell me"}, {"role": "assistant", "content": "secret"}],
+     "empty_answers"),
+])
+def test_one_row_the_template_cannot_store_is_counted_and_every_other_row_is_kept(tmp_path, template, row, problem):
+    """Issue 27, defects 1, 13 and 19: such a row once ended its file's read ("unreadable files: 1"), or the whole
+    prepare in a traceback, or was stored with nothing to score."""
+    directory = chat_tokenizer(tmp_path / "tok", CHATML_SPECIALS, template)
+    good = [{"messages": c} for c in CONVERSATIONS[:2]]
+    first = write_rows(tmp_path / "good_bad_good.jsonl", [good[0], {"messages": row}, good[1]])
+    more = write_rows(tmp_path / "more.jsonl", good)
+    summary = prepare([first, more], tmp_path / "store", tokenizer=directory, val_fraction=0, chat=True,
+                      progress=False)
+    assert {name: count for name, count in summary.report.problems().items() if count} == {problem: 1}
+    assert summary.report.examples[problem][0].startswith(f"{first}:2: ")
+    store = TokenStore(tmp_path / "store")
+    assert [store.place(i) for i in range(store.num_documents)] == [f"{first}:1", f"{first}:3", f"{more}:1",
+                                                                    f"{more}:2"]
+    assert all(store.scored(i).any() for i in range(store.num_documents))
+    assert store.metadata["input_report"][problem] == 1
+
+
+def test_a_template_refused_up_front_is_named_by_the_users_file_not_the_staging_copy(tmp_path):
+    """Issue 27, defect 17: the refusal named out/X.tmp-.../tokenizer_config.json."""
+    directory = chat_tokenizer(tmp_path / "tok", CHATML_SPECIALS, LAST_MARKED_TEMPLATE)
+    rows = write_rows(tmp_path / "chat.jsonl", [{"messages": CONVERSATIONS[1]}])
+    output = refused(CliRunner().invoke(app, ["prepare", str(rows), "--chat", "--tokenizer", str(directory), "--out",
+                                              str(tmp_path / "store")]), 2, "renders the conversation up to its answer")
+    assert f"the chat template in {directory / 'tokenizer_config.json'} renders" in output
+    assert ".tmp-" not in output and not (tmp_path / "store").exists()
