@@ -32,7 +32,7 @@ import contextvars
 import hashlib
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -60,6 +60,10 @@ PLAIN_TEMPLATE = (
 # conversation's own text never becomes a special token. A conversation holding them is refused.
 MARKERS = {"bos_token": "\ue000", "eos_token": "\ue001"}
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # transformers gives a template all three
+# A conversation without {% generation %} blocks whose answers, placed one by one, would take more than this many
+# messages rendered (about 10 ms) has them placed from one rendering, checked one by one on a few (_spans_from_reads).
+EXACT_RENDERS = 10_000
+MAX_CHECKED_ANSWERS = 16  # more kinds of answer in one conversation than this: placed one by one
 # Rendered when a template is loaded, so one that cannot place answers is refused before any data is read.
 PROBE = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is 2 + 2?"},
          {"role": "assistant", "content": "4"}, {"role": "user", "content": "And 3 + 3?"},
@@ -118,8 +122,43 @@ class Rendered:
 
 # -- the jinja2 environment -------------------------------------------------------------------------------------
 
-_GENERATION_RECORD: contextvars.ContextVar[tuple[list[str], list[tuple[int, int]]] | None] = \
-    contextvars.ContextVar("generation_record", default=None)
+@dataclass
+class _Output:
+    """What one render has yielded so far: its length, the spans of its `{% generation %}` blocks, and, when
+    `reads` is a list, each read of a message's key as (message index, output length at the read)."""
+
+    length: int = 0
+    spans: list[tuple[int, int]] = field(default_factory=list)
+    reads: list[tuple[int, int]] | None = None
+
+
+_OUTPUT: contextvars.ContextVar[_Output | None] = contextvars.ContextVar("chat_output", default=None)
+
+
+class _ReadMessage(dict):
+    """A message that notes each read of one of its keys (`message.role`, `message['content']`, `'tool_calls' in
+    message`, `message.get(...)`) in the render's output, with how much the render had output by then."""
+
+    __slots__ = ("_index", "_output")
+
+    def __init__(self, message: dict[str, Any], index: int, output: _Output) -> None:
+        super().__init__(message)
+        self._index, self._output = index, output
+
+    def _note(self) -> None:
+        self._output.reads.append((self._index, self._output.length))
+
+    def __getitem__(self, key: Any) -> Any:
+        self._note()
+        return dict.__getitem__(self, key)
+
+    def __contains__(self, key: Any) -> bool:
+        self._note()
+        return dict.__contains__(self, key)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self._note()
+        return dict.get(self, key, default)
 
 
 class GenerationBlocks(Extension):
@@ -135,11 +174,9 @@ class GenerationBlocks(Extension):
 
     def _record(self, caller: Any) -> str:
         text = caller()
-        record = _GENERATION_RECORD.get()
-        if record is not None:
-            blocks, spans = record
-            start = sum(map(len, blocks))
-            spans.append((start, start + len(text)))
+        output = _OUTPUT.get()
+        if output is not None:
+            output.spans.append((output.length, output.length + len(text)))
         return text
 
 
@@ -249,19 +286,28 @@ class ChatFormat:
                     tools: list[dict[str, Any]] | None = None) -> tuple[str, list[tuple[int, int]]]:
         """The template's text for `messages` (and the `tools` offered, as transformers passes them) and the spans
         of its `{% generation %}` blocks. Whatever the template raises on them is a ChatTemplateError."""
+        text, output = self._render(messages, add_generation_prompt, tools)
+        return text, output.spans
+
+    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False,
+                tools: list[dict[str, Any]] | None = None, note_reads: bool = False) -> tuple[str, _Output]:
+        """render_text(), noting with `note_reads` where in the output each message's keys were read."""
+        output = _Output(reads=[] if note_reads else None)
+        aliased = _with_reasoning_aliases(messages)
+        if note_reads:
+            aliased = [_ReadMessage(message, i, output) for i, message in enumerate(aliased)]
         blocks: list[str] = []
-        spans: list[tuple[int, int]] = []
-        token = _GENERATION_RECORD.set((blocks, spans))
+        token = _OUTPUT.set(output)
         try:
-            for block in self._compiled.generate(messages=_with_reasoning_aliases(messages), tools=tools,
-                                                 documents=None, add_generation_prompt=add_generation_prompt,
-                                                 **self.special_tokens):
+            for block in self._compiled.generate(messages=aliased, tools=tools, documents=None,
+                                                 add_generation_prompt=add_generation_prompt, **self.special_tokens):
                 blocks.append(block)
+                output.length += len(block)
         except Exception as err:  # a template is code: any error of its own (1 // 0, a sandbox limit) is this row's
             raise ChatTemplateError(f"the chat template raised {type(err).__name__}: {err}") from None
         finally:
-            _GENERATION_RECORD.reset(token)
-        return "".join(blocks), spans
+            _OUTPUT.reset(token)
+        return "".join(blocks), output
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> Rendered:
         """The conversation as training sees it (no generation prompt) and its answers' character spans; a
@@ -271,37 +317,66 @@ class ChatFormat:
         if not self.renders_tool_calls and any(message.get("tool_calls") for message in messages):
             raise ToolCallsUnsupported(f"it holds tool calls, which the chat template in {self.where} does not render "
                                        f"(it never reads `tool_calls`)")
-        text, spans = self.render_text(messages, tools=tools)
-        if not self.marks_answers:
-            spans = self._answer_spans(messages, text, tools)
+        answers = [i for i, message in enumerate(messages) if message.get("role") == "assistant"]
+        one_by_one = self.marks_answers or sum(2 * i + 1 for i in answers) <= EXACT_RENDERS
+        text, output = self._render(messages, tools=tools, note_reads=not one_by_one)
+        if self.marks_answers:
+            spans = output.spans
+        elif one_by_one:
+            spans = [self._answer_span(messages, text, tools, i) for i in answers]
+        else:
+            spans = self._spans_from_reads(messages, text, tools, answers, output.reads)
         if not spans:
             raise NoAnswer("the chat template renders none of its assistant turns as an answer")
         if all(not text[start:end].strip() for start, end in spans):
             raise EmptyAnswers("the chat template renders its answers empty")
         return Rendered(text, spans)
 
-    def _answer_spans(self, messages: list[dict[str, Any]], text: str, tools: list[dict[str, Any]] | None
-                      ) -> list[tuple[int, int]]:
-        """Each assistant turn's span, from renderings of the conversation up to it (UnplacedAnswers when they are
-        not where the whole rendering has them)."""
-        spans = []
-        for i, message in enumerate(messages):
-            if message.get("role") != "assistant":
-                continue
-            try:
-                before, _ = self.render_text(messages[:i], add_generation_prompt=True, tools=tools)
-                through, _ = self.render_text(messages[:i + 1], tools=tools)
-            except ChatTemplateError as err:
-                raise UnplacedAnswers(f"{err}, rendering the conversation up to its answer {i} (message {i} of "
-                                      f"{len(messages)}), so the answer's tokens cannot be located") from None
-            end = len(through.rstrip())
-            if not (text.startswith(before) and text.startswith(through) and len(before) < end):
-                raise UnplacedAnswers(
-                    f"the chat template renders the conversation up to its answer {i} (message {i} of "
-                    f"{len(messages)}) otherwise than the start of the whole conversation, so the answer's tokens "
-                    f"cannot be located")
-            spans.append((len(before), end))
-        return spans
+    def _answer_span(self, messages: list[dict[str, Any]], text: str, tools: list[dict[str, Any]] | None,
+                     i: int) -> tuple[int, int]:
+        """Assistant turn i's span in `text`, from renderings of the conversation up to it (UnplacedAnswers when they
+        are not where the whole rendering has them)."""
+        try:
+            before, _ = self.render_text(messages[:i], add_generation_prompt=True, tools=tools)
+            through, _ = self.render_text(messages[:i + 1], tools=tools)
+        except ChatTemplateError as err:
+            raise UnplacedAnswers(f"{err}, rendering the conversation up to its answer {i} (message {i} of "
+                                  f"{len(messages)}), so the answer's tokens cannot be located") from None
+        end = len(through.rstrip())
+        if not (text.startswith(before) and text.startswith(through) and len(before) < end):
+            raise UnplacedAnswers(
+                f"the chat template renders the conversation up to its answer {i} (message {i} of "
+                f"{len(messages)}) otherwise than the start of the whole conversation, so the answer's tokens "
+                f"cannot be located")
+        return len(before), end
+
+    def _spans_from_reads(self, messages: list[dict[str, Any]], text: str, tools: list[dict[str, Any]] | None,
+                          answers: list[int], reads: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """The answers' spans of a long conversation, in time linear in its turns: each turn starts where the one
+        rendering first read its message after the last read of the message before; an answer runs from its
+        turn's start plus the generation prompt (as the first answer, placed one by one, has it) to the next
+        turn's start, trailing whitespace left out. The first and the last answer, and one answer of each
+        context (the roles and keys of it and the messages on either side), are placed one by one too; when
+        one differs, or a turn does not start with the generation prompt, every answer is placed one by one."""
+        starts = _turn_starts(reads, len(messages), len(text))
+        first_start, first_end = self._answer_span(messages, text, tools, answers[0])
+        prompt = text[starts[answers[0]]:first_start] if starts is not None else None
+        spans: list[tuple[int, int]] = []
+        for i in answers if prompt is not None else ():
+            start, end = starts[i] + len(prompt), starts[i + 1]
+            while end > start and text[end - 1].isspace():
+                end -= 1
+            if not (text.startswith(prompt, starts[i]) and start < end):
+                break
+            spans.append((start, end))
+        examples = {}
+        for n, i in enumerate(answers):
+            examples.setdefault(_context(messages, i), n)
+        checked = sorted({0, len(answers) - 1, *examples.values()})
+        if len(spans) == len(answers) and len(checked) <= MAX_CHECKED_ANSWERS and spans[0] == (first_start, first_end) \
+                and all(self._answer_span(messages, text, tools, answers[n]) == spans[n] for n in checked[1:]):
+            return spans
+        return [self._answer_span(messages, text, tools, i) for i in answers]
 
     def prompt_ids(self, messages: list[dict[str, Any]]) -> np.ndarray:
         """The ids a model is given at inference to answer `messages`: rendered with the generation prompt, encoded
@@ -345,6 +420,33 @@ class ChatFormat:
         if ids[:len(self._newline_ids)] == self._newline_ids:
             return ids[len(self._newline_ids):]
         return self.tokenizer.encode_as_text(text)
+
+
+def _turn_starts(reads: list[tuple[int, int]], count: int, length: int) -> list[int] | None:
+    """Where each of `count` messages' turns starts in a rendering of `length` characters, from its reads (message
+    index, output length) in order: the first read of a message at or after the last read of the message before
+    (a template may read every message before its turns, or look back at the previous one); then `length`.
+    None when a message is never read."""
+    by_message: list[list[int]] = [[] for _ in range(count)]
+    for index, at in reads:
+        by_message[index].append(at)  # in the order read: output lengths only grow
+    starts, after = [], 0
+    for positions in by_message:
+        at = next((at for at in positions if at >= after), None)
+        if at is None:
+            return None
+        starts.append(at)
+        after = positions[-1]
+    return starts + [length]
+
+
+def _context(messages: list[dict[str, Any]], i: int) -> tuple:
+    """What a template may render an answer differently by: the roles and keys (and whether the content is blank)
+    of message i and the messages on either side."""
+    def shape(message: dict[str, Any]) -> tuple:
+        return message.get("role"), tuple(sorted(message)), not str(message.get("content") or "").strip()
+
+    return tuple(shape(messages[j]) if 0 <= j < len(messages) else None for j in (i - 1, i, i + 1))
 
 
 def _overlapping(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from cli import app
 from data import TokenStore, load_tokenizer, prepare, train_tokenizer
-from data.chat import PLAIN_TEMPLATE, ChatFormat, TemplateNotIncremental
+from data.chat import MAX_CHECKED_ANSWERS, PLAIN_TEMPLATE, ChatFormat, TemplateNotIncremental
 from tests.test_tokenizers import corpus_texts, refused
 
 LLAMA_SPECIALS = ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
@@ -471,3 +471,47 @@ def test_tool_calls_are_rendered_as_transformers_renders_them_or_counted_when_th
                       progress=False)
     assert summary.num_documents == 1 and summary.report.unsupported_tool_calls == 1
     assert "does not render" in summary.report.examples["unsupported_tool_calls"][0]
+
+
+def long_conversation(turns: int, tools: bool = False) -> list[dict]:
+    """A system turn, then `turns` questions and answers; with `tools`, every third answer calls one first."""
+    messages = [{"role": "system", "content": "Answer briefly."}]
+    for i in range(turns):
+        messages.append({"role": "user", "content": f"What is {i} + {i}?" + (" " if i % 5 == 0 else "")})
+        if tools and i % 3 == 0:
+            messages += [{"role": "assistant", "content": "", "tool_calls": [
+                {"type": "function", "function": {"name": "weather", "arguments": {"city": f"city {i}"}}}]},
+                {"role": "tool", "content": f"{i} C"}]
+        messages.append({"role": "assistant", "content": f"{2 * i}, said plainly." + ("\n" if i % 4 == 0 else "")})
+    return messages
+
+
+@pytest.mark.parametrize("name", ["llama3", "chatml", "tools"])
+def test_a_long_conversation_is_rendered_a_fixed_number_of_times_with_the_spans_of_turn_by_turn(tmp_path,
+                                                                                               monkeypatch, name):
+    """Issue 27, defect 15: a row of 3,000 turns took 79 s, each answer rendering the conversation so far twice.
+    Past data.chat.EXACT_RENDERS the answers are placed from one rendering (and a few checked one by one): the
+    same ids and spans as turn by turn, with every template here, and the ids of apply_chat_template."""
+    template, specials = {"llama3": (LLAMA3_TEMPLATE, LLAMA_SPECIALS), "chatml": (CHATML_TEMPLATE, CHATML_SPECIALS),
+                          "tools": (TOOL_TEMPLATE, CHATML_SPECIALS)}[name]
+    directory = chat_tokenizer(tmp_path / "tok", specials, template)
+    chat = ChatFormat(load_tokenizer(directory))
+    conversations = [long_conversation(300, tools=name == "tools"), *CONVERSATIONS]
+    one_by_one = [[chat._answer_span(c, chat.render_text(c)[0], None, i) for i, m in enumerate(c)
+                   if m["role"] == "assistant"] for c in conversations]
+    monkeypatch.setattr("data.chat.EXACT_RENDERS", 0)  # every conversation placed from one rendering
+    renders = []
+    render = ChatFormat._render
+    monkeypatch.setattr(ChatFormat, "_render", lambda self, *a, **k: renders.append(1) or render(self, *a, **k))
+    for conversation, spans in zip(conversations, one_by_one, strict=True):
+        renders.clear()
+        assert chat.render(conversation).spans == spans
+        assert len(renders) <= 1 + 2 * MAX_CHECKED_ANSWERS
+    long = long_conversation(1500)  # 3,001 messages
+    renders.clear()
+    ids, scored = chat.encode([chat.render(long)])[0]
+    assert len(renders) <= 1 + 2 * 6  # the first and last answers, and those after a question ending in " "
+    if name != "tools":
+        auto = transformers.AutoTokenizer.from_pretrained(directory)
+        assert ids.tolist() == list(auto.apply_chat_template(long, tokenize=True, return_dict=False))
+    assert scored.sum() > 1500 * 3
