@@ -341,6 +341,8 @@ REASONING_TEMPLATE = """{%- for message in messages %}
 RAISING_TEMPLATE = CHATML_TEMPLATE.replace("{%- for message in messages %}",
                                            "{%- for message in messages %}{%- if message['content'] == 'divide' %}"
                                            "{{- 1 // 0 }}{%- endif %}")
+# Asks the sandbox for a range past its limit (OverflowError) on a row whose user says so; otherwise ChatML.
+LOOPING_TEMPLATE = RAISING_TEMPLATE.replace("'divide' %}{{- 1 // 0 }}", "'loop' %}{{- range(10 ** 9) | length }}")
 # Renders the answers' text only when it is not a secret: a secret answer renders empty in its generation block.
 SILENT_TEMPLATE = GENERATION_TEMPLATE.replace("message['content'] + '<|im_end|>' }}",
                                               "(message['content'] if message['content'] != 'secret' else '') }}")
@@ -357,7 +359,9 @@ SILENT_TEMPLATE = GENERATION_TEMPLATE.replace("message['content'] + '<|im_end|>'
      "template_errors"),
     (SILENT_TEMPLATE, [{"role": "user", "content": "tell me"}, {"role": "assistant", "content": "secret"}],
      "empty_answers"),
-])
+    (LOOPING_TEMPLATE, [{"role": "user", "content": "loop"}, {"role": "assistant", "content": "no"}],
+     "template_errors"),
+], ids=["assistant_first", "reasoning_dropped", "divides_by_zero", "answer_renders_empty", "sandbox_limit"])
 def test_one_row_the_template_cannot_store_is_counted_and_every_other_row_is_kept(tmp_path, template, row, problem):
     """Issue 27, defects 1, 13 and 19: such a row once ended its file's read ("unreadable files: 1"), or the whole
     prepare in a traceback, or was stored with nothing to score."""
