@@ -14,7 +14,10 @@ Without a template (the SentencePiece tokenizers burst trains, a tokenizer.json 
 conversations take PLAIN_TEMPLATE: BOS, then each message as "Role:\\n" + content + "\\n\\n", an assistant's
 content followed by EOS, which ends each answer. Its BOS and EOS are written as their ids, never as text, and
 its text is encoded in pieces cut at the answers' edges, each piece after the first encoded as it continues the
-text before it (after a newline whose ids are dropped, so that SentencePiece adds no space at its start).
+text before it (after a newline whose ids are dropped, so that SentencePiece adds no space at its start), with
+special tokens split (`Tokenizer.encode_as_text`): a literal "<|end_of_text|>" in a conversation is text, never
+the EOS id, with a tokenizer.json as with SentencePiece. (A template of the model's own is encoded as
+apply_chat_template encodes it: there such a literal is the special token, in transformers and here alike.)
 At inference, `ChatFormat.prompt_ids` renders the conversation so far with `add_generation_prompt=True` (which ends
 in "Assistant:\\n") and encodes it as training did; generate until EOS.
 
@@ -22,8 +25,13 @@ The scored tokens are each assistant turn's answer and its end-of-turn token: wh
 `{% generation %}` blocks (PLAIN_TEMPLATE does), the characters of those blocks, which is what transformers'
 `return_assistant_tokens_mask` scores; otherwise, from the end of the conversation rendered up to that turn with
 the generation prompt to the end of the conversation rendered through that turn, trailing whitespace left out.
-A token is scored when its characters overlap an answer's. A template that renders the start of a conversation
-otherwise than the whole conversation's start (so the answers cannot be placed) is refused, not guessed at.
+A token is scored when its characters overlap an answer's. A template that renders the start of an ordinary
+conversation otherwise than the whole conversation's start (so the answers cannot be placed) is refused when it
+is loaded (TemplateNotIncremental); one row it does that to (an assistant turn first, earlier reasoning dropped)
+is that row's problem, as is anything the template raises on it: ConversationRefused names the kind.
+Placing each answer that way renders the conversation twice per answer, quadratic in the turns; past
+EXACT_RENDERS the answers are placed from one rendering instead (_spans_from_reads), checked against the
+one-by-one placement on the first and last answers and one answer of each context.
 """
 
 from __future__ import annotations
