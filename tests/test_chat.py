@@ -16,6 +16,7 @@ import transformers
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from typer.testing import CliRunner
 
+import data.chat
 from cli import app
 from data import TokenStore, load_tokenizer, prepare, train_tokenizer
 from data.chat import MAX_CHECKED_ANSWERS, PLAIN_TEMPLATE, ChatFormat, TemplateNotIncremental
@@ -488,6 +489,30 @@ def long_conversation(turns: int, tools: bool = False) -> list[dict]:
                 {"role": "tool", "content": f"{i} C"}]
         messages.append({"role": "assistant", "content": f"{2 * i}, said plainly." + ("\n" if i % 4 == 0 else "")})
     return messages
+
+
+# Reads the next message before ending this one's turn: the next turn seems to start before this one's " |", so
+# answers placed from one rendering would leave it out; the checks find it and every answer is placed one by one.
+LOOKAHEAD_TEMPLATE = """{%- for message in messages %}
+    {{- message['role'] + ': ' + message['content'] }}
+    {%- if not loop.last %}{%- set following = messages[loop.index0 + 1]['role'] %}{%- endif %}
+    {{- ' |\\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- 'assistant: ' }}{%- endif %}
+"""
+
+
+def test_answers_are_placed_one_by_one_when_the_rendering_does_not_show_where_turns_start(tmp_path, monkeypatch):
+    directory = chat_tokenizer(tmp_path / "tok", CHATML_SPECIALS, LOOKAHEAD_TEMPLATE)
+    chat = ChatFormat(load_tokenizer(directory))
+    conversation = long_conversation(100)
+    expected = [chat._answer_span(conversation, chat.render_text(conversation)[0], None, i)
+                for i, m in enumerate(conversation) if m["role"] == "assistant"]
+    monkeypatch.setattr("data.chat.EXACT_RENDERS", 0)
+    text, output = chat._render(conversation, note_reads=True)
+    starts = data.chat._turn_starts(output.reads, len(conversation), len(text))
+    assert text.startswith(" |\nassistant: ", starts[2])  # read before the turn before it ends: " |" left out
+    assert chat.render(conversation).spans == expected and all(text[end - 2:end] == " |" for _, end in expected)
 
 
 @pytest.mark.parametrize("name", ["llama3", "chatml", "tools"])
