@@ -40,6 +40,16 @@ class LongConversations:
     truncated_tokens: int  # tokens cut away by "truncate"
     pieces: int  # sequence-long pieces "split" makes of them
 
+    def describe(self, conversations: int) -> str:
+        """What packing does to a store of `conversations`, as the run reports it: those packed whole, then those
+        longer than a sequence and what the policy does to them (a split one is not packed whole)."""
+        if self.policy == "truncate":  # a truncated conversation is still packed whole, from its cut on
+            return f"{conversations:,} conversations packed whole" + (
+                f", {self.count:,} of them longer than a sequence truncated, {self.truncated_tokens:,} prompt "
+                f"tokens cut" if self.count else "")
+        return f"{conversations - self.count:,} conversations packed whole" + (
+            f", {self.count:,} longer than a sequence split into {self.pieces:,} pieces" if self.count else "")
+
 
 def check_policy(policy: str, flag: str = "--long-conversations") -> None:
     if policy not in LONG_CONVERSATIONS:

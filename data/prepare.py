@@ -83,7 +83,7 @@ def prepare(inputs: Sequence[str | Path], out_dir: str | Path, *, tokenizer: str
     """
     started = time.perf_counter()
     out_dir = Path(out_dir)
-    _check_arguments(inputs, out_dir, tokenizer, vocab_size, val_fraction, seed, force, chat, text_field)
+    _check_arguments(inputs, out_dir, tokenizer, vocab_size, val_fraction, seed, force, chat, text_field, workers)
     text_field = text_field or DEFAULT_TEXT_FIELD
     console = Console(quiet=not progress)
     with exclusive_writer(out_dir, "store") as directory:
@@ -93,11 +93,13 @@ def prepare(inputs: Sequence[str | Path], out_dir: str | Path, *, tokenizer: str
         if not files:
             raise ValueError(no_documents_message(inputs, report))
         kept = f"; {out_dir} is as it was before" if out_dir.exists() else f"; {out_dir} was not created"
+        source = load_tokenizer(tokenizer) if tokenizer is not None else None  # refused here if not a tokenizer
+        # A template that cannot work is refused here, naming the user's file, before anything is written.
+        chat_format = ChatFormat(source) if chat else None
         with directory.staging() as work_dir, writing(out_dir, kept):
             with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeElapsedColumn(),
                           TimeRemainingColumn(), console=console) as bar:
-                tok = _tokenizer_for(files, work_dir, tokenizer, vocab_size, text_field, seed, bar)
-                chat_format = ChatFormat(tok) if chat else None  # a template that cannot work is refused here
+                tok = _tokenizer_for(files, work_dir, source, vocab_size, text_field, seed, bar)
                 writer = StoreWriter(work_dir, token_dtype(tok.vocab_size), conversations=chat)
                 hard_cuts = 0  # a conversation is never cut
                 try:
@@ -155,10 +157,17 @@ def no_documents_message(inputs: Sequence[str | Path], report: InputReport) -> s
 
 def _check_arguments(inputs: Sequence[str | Path], out_dir: Path, tokenizer: str | Path | None,
                      vocab_size: int | None, val_fraction: float, seed: int, force: bool, chat: bool,
-                     text_field: str | None) -> None:
+                     text_field: str | None, workers: int | None) -> None:
     """Refuse bad arguments before any work is done."""
     if not inputs:
         raise ValueError("no inputs given; pass files or directories to tokenize")
+    blocking = next((parent for parent in out_dir.absolute().parents if parent.exists()), None)
+    if blocking is not None and not blocking.is_dir():
+        raise ValueError(f"--out {out_dir}: {blocking} is a file, not a directory; choose an --out inside a "
+                         f"directory")
+    if workers is not None and workers < 1:
+        raise ValueError(f"--workers {workers} must be 1 or more (the SentencePiece encoding threads); leave it out "
+                         f"to use every core")
     if chat and tokenizer is None:
         raise ValueError("--chat renders conversations for the model they will fine-tune: pass its tokenizer with "
                          "--tokenizer (its tokenizer.json, a model directory, or the token store it was trained on)")
@@ -182,12 +191,11 @@ def _check_arguments(inputs: Sequence[str | Path], out_dir: Path, tokenizer: str
                                  f"choose another --out")
 
 
-def _tokenizer_for(files: list[Path], directory: Path, existing: str | Path | None, vocab_size: int | None,
+def _tokenizer_for(files: list[Path], directory: Path, source: Tokenizer | None, vocab_size: int | None,
                    text_field: str, seed: int, bar: Progress) -> Tokenizer:
     """Copy the given tokenizer's files into the store directory, or train a SentencePiece model on the corpus
     there; the tokenizer as loaded from the store."""
-    if existing is not None:
-        source = load_tokenizer(existing)  # refused here, saying what to pass instead, if it is not a tokenizer
+    if source is not None:
         for name, path in source.files.items():
             shutil.copyfile(path, directory / name)
         bar.console.print(f"tokenizer: {source.kind}, {', '.join(map(str, source.files.values()))}, vocabulary "

@@ -17,6 +17,7 @@ import gzip
 import importlib.util
 import json
 import os
+import re
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -35,8 +36,12 @@ PART_CHARS = 2**20  # a longer row's text is handed on in parts of this many cha
 DOCUMENT_PROBLEMS = ("skipped_files", "unreadable_files", "empty_documents", "missing_text_field", "invalid_json",
                      "invalid_utf8")
 CONVERSATION_PROBLEMS = ("skipped_files", "unreadable_files", "invalid_json", "invalid_utf8", "missing_messages",
-                         "malformed_messages", "no_answer", "empty_answers", "template_errors")
+                         "malformed_messages", "no_answer", "empty_answers", "template_errors", "unplaced_answers",
+                         "unsupported_tool_calls")
 Item = TypeVar("Item")
+_INVALID = object()  # a JSON Lines row that could not be read (counted)
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # only a row holding one can decode to a lone surrogate
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # json.loads has joined every valid pair already
 
 
 @dataclass
@@ -57,6 +62,8 @@ class InputReport:
     no_answer: int = 0  # no assistant turn (or none the chat template renders as an answer)
     empty_answers: int = 0  # an assistant turn with no text
     template_errors: int = 0  # the chat template raised on the conversation
+    unplaced_answers: int = 0  # the template renders the conversation's start otherwise than the whole's
+    unsupported_tool_calls: int = 0  # tool calls, which the template does not render
     conversations: bool = False  # what the read expects: conversations, or documents
     examples: dict[str, list[str]] = field(default_factory=dict)
 
@@ -245,14 +252,32 @@ class DocumentReader:
                     continue  # blank lines are layout, not records
                 where = row_place(path, line_number)
                 try:
-                    row = json.loads(self._decode(line, where))
-                except json.JSONDecodeError:
-                    self.report.count("invalid_json", where)
-                    continue
+                    row = self._parse_row(line, line_number == 1, where)
                 finally:
                     del line  # a long row's bytes are not kept while its text is passed on
-                yield row, line_number
+                if row is not _INVALID:
+                    yield row, line_number
                 del row
+
+    def _parse_row(self, line: bytes, first: bool, where: str) -> Any:
+        """The row a JSON Lines line holds, or _INVALID (counted): not JSON, or nested past what Python's parser
+        can follow. A UTF-8 byte order mark before the first row is not part of it; a lone surrogate escape
+        ("\\ud800", which no UTF-8 text can hold) is replaced with U+FFFD and counted as invalid UTF-8."""
+        if first and line.startswith(codecs.BOM_UTF8):
+            line = line[len(codecs.BOM_UTF8):]
+        try:
+            row = json.loads(self._decode(line, where))
+        except json.JSONDecodeError:
+            self.report.count("invalid_json", where)
+            return _INVALID
+        except RecursionError:
+            self.report.count("invalid_json", f"{where} (nested too deeply to read)")
+            return _INVALID
+        if _SURROGATE_ESCAPE.search(line):
+            row, replaced = _without_surrogates(row)
+            if replaced:
+                self.report.count("invalid_utf8", f"{where} (a lone surrogate escape)")
+        return row
 
     def _parquet(self, path: Path, size: int) -> Iterator[tuple[str, bool]]:
         def needed(columns: list[str]) -> list[str]:
@@ -315,3 +340,30 @@ def _blank(path: Path) -> bool:
                 return False
     tail = decoder.decode(b"", final=True)
     return not tail or tail.isspace()
+
+
+def _without_surrogates(value: Any) -> tuple[Any, bool]:
+    """`value` (a parsed JSON row) with every lone surrogate replaced by U+FFFD, and whether there was one; walked
+    with a stack, not recursion, as the row may be nested as deep as Python's parser allows."""
+    def clean(item: Any) -> Any:
+        nonlocal replaced
+        if isinstance(item, str) and _LONE_SURROGATE.search(item):
+            replaced = True
+            return _LONE_SURROGATE.sub("\ufffd", item)
+        return item
+
+    replaced = False
+    value = clean(value)
+    stack = [value] if isinstance(value, dict | list) else []
+    while stack:
+        container = stack.pop()
+        keys = range(len(container)) if isinstance(container, list) else list(container)
+        for key in keys:
+            item = container[key]
+            if isinstance(key, str) and _LONE_SURROGATE.search(key):
+                del container[key]
+                key = clean(key)
+            container[key] = clean(item)
+            if isinstance(item, dict | list):
+                stack.append(item)
+    return value, replaced

@@ -70,6 +70,12 @@ class Tokenizer(ABC):
     def decode(self, ids: Iterable[int]) -> str:
         """The text of `ids`."""
 
+    def encode_as_text(self, text: str) -> list[int]:
+        """encode(), with the text of a special token ("<|end_of_text|>") encoded as the characters it is, never as
+        that token: what burst's plain chat template encodes a conversation's own text with. SentencePiece never
+        reads special tokens in a text, so for it this is encode()."""
+        return self.encode(text)
+
     @property
     def fingerprint(self) -> str:
         return fingerprint(self.kind, self.digest, self.bos_id, self.eos_id)

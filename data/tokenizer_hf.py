@@ -124,6 +124,15 @@ class HFTokenizer(Tokenizer):
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def encode_as_text(self, text: str) -> list[int]:
+        """The `tokenizers` library's split_special_tokens for this one call (transformers' too)."""
+        reads_specials = self._tok.encode_special_tokens
+        self._tok.encode_special_tokens = True
+        try:
+            return self._tok.encode(text, add_special_tokens=False).ids
+        finally:
+            self._tok.encode_special_tokens = reads_specials
+
     def encode_with_offsets(self, texts: list[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
         """encode() of each text with each token's character span in it, [start, end) (tokens of one character's
         bytes share its span), on the `tokenizers` library's thread pool."""

@@ -444,3 +444,49 @@ def test_a_model_config_of_the_wrong_types_is_named_not_a_python_type_error(tmp_
     (tmp_path / "model" / "config.json").write_text(json.dumps(config))
     output = refused(invoke("convert-checkpoint", tmp_path / "model", tmp_path / "out", "--to", "burst"), message)
     assert "unsupported operand" not in output and "not supported between" not in output
+
+
+# ---- burst prepare: rows that once cost their file or the whole prepare (issue 27) -------------------------------
+
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_bom_a_lone_surrogate_and_deep_nesting_cost_one_row_each_and_no_traceback(tmp_path, chat):
+    """Issue 27, defects 9 and 13: a UTF-8 BOM lost the first row as invalid JSON; a lone surrogate escape and
+    100,000 nested brackets ended prepare in a traceback, in document and chat mode."""
+    def row(text: str) -> str:
+        return json.dumps({"messages": [{"role": "user", "content": "say it"}, {"role": "assistant", "content": text}]}
+                          if chat else {"text": text})
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_bytes(b"\xef\xbb\xbf" + "\n".join([row("first row"), row("lone \ud800 surrogate").replace(
+        "\\ud800", "\\uD800"), DEEP, row("last row")]).encode() + b"\n")
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    write_corpus(tok)
+    tokenizer_args = ["--vocab-size", 300] if not chat else []
+    if chat:
+        prepare([tok], tmp_path / "text", vocab_size=300, progress=False)
+        tokenizer_args = ["--tokenizer", tmp_path / "text"]
+    result = invoke("prepare", rows, "--out", tmp_path / "store", *tokenizer_args, *(["--chat"] if chat else []),
+                    "--val-fraction", 0)
+    assert result.exit_code == 0, result.output
+    store = TokenStore(tmp_path / "store")
+    report = store.metadata["input_report"]
+    assert report["documents"] == store.num_documents == 3 and report["invalid_json"] == 1
+    assert report["invalid_utf8"] == 1
+    text = [store.tokenizer().decode(store.document(i)) for i in range(3)]
+    assert "first row" in text[0] and "lone \ufffd surrogate" in text[1] and "last row" in text[2]
+    assert "rows.jsonl:3 (nested too deeply to read)" in result.output
+
+
+def test_prepare_refuses_workers_below_one_and_an_out_under_a_file(tmp_path, corpus, tokenizer):  # noqa: F811
+    """Issue 27, defects 18 and 19: --workers -1 was accepted without saying what it meant; --out a_file/store
+    said only "File exists"."""
+    refused(invoke("prepare", corpus, "--out", tmp_path / "store", "--tokenizer", tokenizer.path, "--workers", -1),
+            "--workers -1 must be 1 or more", "leave it out to use every core")
+    (tmp_path / "a_file").write_text("not a directory")
+    refused(invoke("prepare", corpus, "--out", tmp_path / "a_file" / "store", "--tokenizer", tokenizer.path),
+            f"{tmp_path / 'a_file'} is a file, not a directory")
+    assert not (tmp_path / "store").exists() and (tmp_path / "a_file").read_text() == "not a directory"

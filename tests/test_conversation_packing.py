@@ -126,6 +126,8 @@ def test_a_conversation_longer_than_a_sequence_is_refused_truncated_or_split(tmp
     # truncate: BOS, then the last 24 tokens (its answer, the second half, is kept whole)
     stream = SequenceLoader(store, 24, 1, long_conversations="truncate").streams[0]
     assert (stream.long.count, stream.long.truncated_tokens) == (1, 40 - 25)
+    assert stream.long.describe(3) == "3 conversations packed whole, 1 of them longer than a sequence truncated, " \
+                                      "15 prompt tokens cut"
     sequences = [stream.sequence(k) for k in range(stream.sequences_in_epoch(0))]
     truncated = [tokens for tokens, _, _ in sequences if tokens[1] == token(1, 16)]
     assert len(truncated) == 1 and truncated[0].tolist() == [BOS] + [token(1, j) for j in range(16, 40)]
@@ -140,6 +142,8 @@ def test_a_conversation_longer_than_a_sequence_is_refused_truncated_or_split(tmp
     # split: a sequence-long piece, then the rest at the start of the next sequence
     stream = SequenceLoader(store, 24, 1, long_conversations="split").streams[0]
     assert (stream.long.count, stream.long.pieces) == (1, 2)
+    # issue 27, defect 19: the run's report counted the split conversation among those packed whole
+    assert stream.long.describe(3) == "2 conversations packed whole, 1 longer than a sequence split into 2 pieces"
     sequences = [stream.sequence(k)[0] for k in range(stream.sequences_in_epoch(0))]
     first = next(k for k, tokens in enumerate(sequences) if tokens[1] == token(1, 1))
     assert sequences[first].tolist() == [BOS] + [token(1, j) for j in range(1, 25)]

@@ -201,10 +201,7 @@ class Trainer:
             long = stream.long
             values[name] = {"conversations": stream.store.num_documents, "longer_than_sequence": long.count,
                             "policy": long.policy, "truncated_tokens": long.truncated_tokens, "pieces": long.pieces}
-            done = f"truncated, {long.truncated_tokens:,} prompt tokens cut" if long.policy == "truncate" else \
-                f"split into {long.pieces:,} pieces"
-            lines.append(f"{name}: {stream.store.num_documents:,} conversations packed whole"
-                         + (f", {long.count:,} longer than a sequence {done}" if long.count else "")
+            lines.append(f"{name}: {long.describe(stream.store.num_documents)}"
                          + (", prompts scored too" if self.config.train_on_prompt else ", answers scored"))
         self.metrics.event("conversations", {"sources": values}, "; ".join(lines))
 
