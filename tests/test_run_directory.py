@@ -2,6 +2,7 @@
 on every setting; a checkpoint is complete only with every rank's files; damaged history, state or starting
 weights are refused or recovered, never trained on silently; the summary reports a loss one can trust."""
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -203,6 +204,54 @@ def test_a_second_writer_and_a_resume_of_a_running_run_are_refused_naming_the_ho
         first.terminate()
         first.wait(timeout=120)
     assert first.returncode == 143 and complete_checkpoints(out)  # it saved as it stopped
+
+
+def children(pid: int) -> set[int]:
+    """The processes `pid` started (Linux's /proc), its workers."""
+    found = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            found.update(map(int, (task / "children").read_text().split()))
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, dead and not yet reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the workers through Linux's /proc")
+def test_workers_die_with_a_launcher_killed_outright_so_a_resume_is_the_only_writer(store, tmp_path):
+    """kill -9 of the launcher used to free the run's lock while its workers went on: torch's launcher has them
+    sent SIGINT when it dies, so they finished their step and saved a checkpoint, outside any lock: a --resume let
+    in meanwhile was a second writer (metrics.jsonl logged steps twice). Now they die with it, writing nothing."""
+    out = tmp_path / "run"
+    done = burst_train(*COMMON, "--data", store, "--steps", 400, "--stop-after", 2, "--out", out)
+    assert done.returncode == 0, done.stderr[-3000:]
+    launcher = subprocess.Popen([sys.executable, "-m", "cli", "train", "--resume", "--out", str(out), "--cp", "2",
+                                 "--checkpoint-every", "1000"],
+                                cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while max(losses(out)) < 3:  # the workers are training
+            assert launcher.poll() is None and time.monotonic() < deadline, launcher.stderr.read()
+            time.sleep(0.1)
+        workers = children(launcher.pid)
+        assert len([pid for pid in workers if alive(pid)]) >= 2, workers
+    finally:
+        launcher.kill()
+        launcher.wait()
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(pid) for pid in workers), "the workers outlived their launcher"
+    assert [p.name for p in complete_checkpoints(out)] == ["step-000002"]  # they saved nothing after it
+    done = resume(out, "--stop-after", 4)
+    assert done.exit_code == 0, done.output
+    assert max(losses(out)) == 4  # and each step logged once
 
 
 def test_a_new_run_never_writes_over_files_burst_did_not_write(store, tmp_path):

@@ -7,7 +7,8 @@
                                     # markers), refusing a directory of another kind or one burst did not write
 
 The launcher holds the lock and its workers know it from the environment (they are its children, and flock
-belongs to the process that took it); under torchrun rank 0 holds it.
+belongs to the process that took it; they die with it, however it ends: runtime/launch.py); under torchrun
+rank 0 holds it.
 """
 
 from __future__ import annotations
