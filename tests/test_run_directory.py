@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 
 from checkpoints.training import complete_checkpoints
 from cli import app
-from data import prepare
+from data import TokenStore, prepare
 from models import ModelConfig, Transformer, save_model
 from tests.test_checkpoint import COMMON, losses
 from tests.test_output_faults import one_error_line
@@ -71,6 +71,32 @@ def test_a_resume_on_data_of_another_tokenizer_is_refused_and_changes_nothing(st
         result = resume(stopped_run)
         assert result.exit_code == 2, result.output
         assert "was prepared with another tokenizer than the model" in " ".join(result.output.split())
+        assert snapshot(stopped_run) == before
+    finally:
+        shutil.rmtree(store, ignore_errors=True)
+        shutil.move(moved, store)
+
+
+def test_a_resume_on_the_same_rows_prepared_again_in_another_order_is_refused(stopped_run, store, tmp_path):
+    """Same tokenizer, same counts, other data: it used to continue on it, compared by counts only."""
+    rng = random.Random(0)  # the store fixture's documents, written again in another order
+    texts = [make_text(rng, rng.randint(20, 200)) for _ in range(30)]
+    corpus = tmp_path / "shuffled"
+    corpus.mkdir()
+    for i, text in enumerate(reversed(texts)):
+        (corpus / f"doc{i}.py").write_text(text)
+    moved = tmp_path / "store-before"
+    shutil.move(store, moved)
+    try:
+        prepare([corpus], store, tokenizer=moved / "tokenizer.model", val_fraction=0.05, progress=False)
+        again, trained = TokenStore(store), TokenStore(moved)
+        assert (again.num_documents, again.num_tokens) == (trained.num_documents, trained.num_tokens)
+        assert again.content_digest != trained.content_digest
+        before = snapshot(stopped_run)
+        result = resume(stopped_run)
+        assert result.exit_code == 2, result.output
+        assert "holds other data than the run trained on: its content digest is not the one step-000002 recorded" \
+            in " ".join(result.output.split()), result.output
         assert snapshot(stopped_run) == before
     finally:
         shutil.rmtree(store, ignore_errors=True)
