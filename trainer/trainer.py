@@ -28,7 +28,7 @@ from rich.table import Table
 
 from checkpoints.training import complete_checkpoints, remove_interrupted_saves
 from data import SequenceLoader
-from data.mixture import open_sources, parse_mixture
+from data.mixture import open_sources, parse_mixture, tokenizer_source
 from runtime.memory import peak_memory_mib
 from runtime.process import all_reduce
 from trainer.checkpoint import forget_metrics_after, load_checkpoint, load_stage_start
@@ -76,7 +76,7 @@ class Trainer:
         self.plan, self.env, self.started = plan, env, started
         self.out, self.console = Path(config.out), Console()
         self.sources = open_sources(parse_mixture(config.data))
-        self.store = self.sources[0].store  # every source has the same tokenizer (open_sources checks)
+        self.store = tokenizer_source(self.sources).store  # the same ids in every source; its files: the chat template
         if env.is_main:
             self.print_config()
         # A resumed run, or a new stage, builds no initial weights: its checkpoint's load fills every shard.
@@ -161,7 +161,8 @@ class Trainer:
         continued = plan.resume_from is not None or plan.restart > 0
         claim_run_directory(self.out)
         save_config(config, self.out / "config.toml", notes=f"precision {config.precision}: {plan.precision.reason}")
-        self.store.copy_tokenizer(self.out)  # never replaced (preflight compared it on resume); exports carry it
+        if plan.resume_from is None:  # never replaced (preflight compared its ids on resume); exports carry it
+            self.store.copy_tokenizer(self.out)
         if continued:
             remove_interrupted_saves(self.out)
             forget_metrics_after(self.out, self.state.step)  # steps past the checkpoint (or all: none) come again
