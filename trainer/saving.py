@@ -9,8 +9,8 @@
 
 Every rank writes its shards into `step-N.tmp-<id>` (DCP), hashing each as it writes it; rank 0 then writes
 COMPLETE, the SHA-256 of every file in it, and renames the directory to `step-N`, and only then deletes
-checkpoints past --keep. A kill at any point leaves the
-previous checkpoint whole and a tmp directory that readers ignore and --resume deletes.
+checkpoints past --keep. A kill at any point leaves the previous checkpoint whole and a tmp directory that
+readers ignore and --resume deletes.
 
 Asynchronous saves use DCP's async_save: one background thread copies the state to CPU memory
 (staging) while the next step's forward and backward run, and another writes the copy, on a process
