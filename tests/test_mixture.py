@@ -210,13 +210,15 @@ def test_instruction_stores_rendered_with_different_chat_templates_do_not_mix(ch
 
 def test_a_mixture_run_and_its_export_keep_the_chat_template_of_its_instruction_source(chat_stores, tmp_path):
     """The run kept the first source's tokenizer files only: an instruction store listed second lost its chat
-    template from the run and from every export."""
+    template from the run and from every export. Now it keeps that source's, and every other source's files aside."""
     out = tmp_path / "run"
     done = burst_train("--model", "debug", "--data", f"docs={chat_stores['docs']}:0.5", "--data",
                        f"sft={chat_stores['sft']}:0.5", "--seq-len", 256, "--doc-mask", "--steps", 1,
                        "--precision", "fp32", "--out", out)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads((out / "tokenizer_config.json").read_text())["chat_template"] == LLAMA3_TEMPLATE
+    kept_aside = json.loads((out / "tokenizers" / "docs" / "tokenizer_config.json").read_text())  # the other files
+    assert "chat_template" not in kept_aside and (out / "tokenizers" / "docs" / "tokenizer.json").is_file()
     result = CliRunner().invoke(app, ["convert-checkpoint", str(out), str(tmp_path / "hf"), "--to", "hf"])
     assert result.exit_code == 0, result.output
     transformers = pytest.importorskip("transformers")

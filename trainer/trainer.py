@@ -38,7 +38,7 @@ from trainer.metrics import Metrics
 from trainer.optim import build_optimizer, build_schedule
 from trainer.parallelize import build_model
 from trainer.preflight import RunPlan
-from trainer.rundir import METRICS_FILE, claim_run_directory
+from trainer.rundir import METRICS_FILE, SOURCE_TOKENIZERS, claim_run_directory
 from trainer.saving import CheckpointSaver, Saved
 from trainer.signals import StopRequest, TrainingInterrupted
 from trainer.step import StepResult, checks_ranks, non_finite_weights, train_step
@@ -163,6 +163,10 @@ class Trainer:
         save_config(config, self.out / "config.toml", notes=f"precision {config.precision}: {plan.precision.reason}")
         if plan.resume_from is None:  # never replaced (preflight compared its ids on resume); exports carry it
             self.store.copy_tokenizer(self.out)
+            for source in self.sources:  # the same ids, other files (no chat template): kept aside, by source
+                if source.store.metadata["tokenizer"]["files"] != self.store.metadata["tokenizer"]["files"]:
+                    (self.out / SOURCE_TOKENIZERS / source.spec.name).mkdir(parents=True, exist_ok=True)
+                    source.store.copy_tokenizer(self.out / SOURCE_TOKENIZERS / source.spec.name)
         if continued:
             remove_interrupted_saves(self.out)
             forget_metrics_after(self.out, self.state.step)  # steps past the checkpoint (or all: none) come again
