@@ -5,7 +5,8 @@
         config.json                    the model's ModelConfig: the checkpoint describes itself
         train_state.json               step, token count, LR schedule, data-loader position
         rng-00000.json, ...            each rank's RNG states (torch CPU and CUDA, Python's random)
-        COMPLETE                       written last, by rank 0, once every rank's files are there
+        COMPLETE                       written last, by rank 0, once every rank's files are there: the step
+                                       and the SHA-256 of every other file, which loading checks
 
 A save writes into `step-N.tmp-<id>` and renames it to `step-N` once COMPLETE is there
 (trainer/saving.py); readers ignore tmp directories. This module is the layout, the listing of
@@ -20,8 +21,10 @@ process without a process group reads the weights the ranks wrote.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +34,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from data.tokenizer import file_sha256
 from models.checkpoint import CONFIG_NAME, check_tensor_shapes, expected_shapes, read_config
 from models.convert import Checkpoint
 from models.hf_tokenizer import tokenizer_beside
@@ -40,6 +44,9 @@ MARKER = "COMPLETE"
 STATE_NAME = "train_state.json"
 DCP_METADATA = ".metadata"
 MODEL_PREFIX = "model."  # DCP flattens {"model": {...}, "optimizer": {...}} into dotted keys
+CHECKSUMS = "sha256"  # COMPLETE's {file name: SHA-256} of every other file, as its save wrote them
+# The checkpoints whose checksums this process, or the launcher that started it, checked: read once per launch.
+VERIFIED_ENV = "BURST_VERIFIED_CHECKPOINTS"
 _COMPLETE_NAME = re.compile(r"step-(\d+)")
 # DCP warns on every call without a process group, even when asked for exactly that (no_dist=True).
 warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
@@ -85,6 +92,40 @@ def check_checkpoint(path: Path) -> None:
         raise ValueError(f"checkpoint {path}: {problems[0]}; the checkpoint is damaged (files were deleted, cut "
                          f"short or not copied), resume from an earlier one")
     read_train_state(path)
+    check_checksums(path)
+
+
+def check_checksums(path: Path) -> None:
+    """Refuse a checkpoint whose files are not the bytes its save wrote, naming the file and the checkpoint to
+    resume from instead. Reads every file once per launch: a worker trusts its launcher's check, and under
+    torchrun each node's local rank 0 checks (the others' start waits for it). A checkpoint of a burst from before
+    checksums loads unchecked, and says so."""
+    key = str(path.resolve())
+    verified = os.environ.get(VERIFIED_ENV, "").split(os.pathsep)
+    if key in verified or os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    recorded = json.loads((path / MARKER).read_text()).get(CHECKSUMS)
+    if not isinstance(recorded, dict):
+        print(f"note: checkpoint {path} records no checksums (saved by an older burst): its files are not checked",
+              file=sys.stderr, flush=True)
+    else:
+        for name, sha256 in sorted(recorded.items()):
+            file = path / Path(str(name)).name
+            if not file.is_file() or file_sha256(file) != sha256:
+                what = "is missing" if not file.is_file() else \
+                    "does not match the SHA-256 its save recorded (its bytes changed since)"
+                raise ValueError(f"checkpoint {path} is damaged: {file.name} {what}; {_earlier(path)}")
+    os.environ[VERIFIED_ENV] = os.pathsep.join([*filter(None, verified), key])
+
+
+def _earlier(path: Path) -> str:
+    """What to do instead of loading the damaged checkpoint `path`: the checkpoint before it, by name."""
+    step = step_of(path)
+    earlier = [p for p in complete_checkpoints(path.parent.parent) if step_of(p) < step] \
+        if path.parent.name == CHECKPOINTS_DIR else []
+    if not earlier:
+        return "no earlier checkpoint of its run is left: start again from the run's beginning, or a copy you trust"
+    return f"resume from the checkpoint before it, {earlier[-1]}: move {path} out of {path.parent} first"
 
 
 def missing_files(path: Path, world_size: int | None = None) -> list[str]:

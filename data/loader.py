@@ -178,7 +178,8 @@ class SequenceLoader:
 
     def state_dict(self) -> dict[str, Any]:
         return {"sequences": self.sequences_by_source, "seed": self.seed,
-                "num_documents": [stream.store.num_documents for stream in self.streams]}
+                "num_documents": [stream.store.num_documents for stream in self.streams],
+                "content": [stream.store.content_digest for stream in self.streams]}  # compared on resume (preflight)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         documents = [stream.store.num_documents for stream in self.streams]

@@ -186,4 +186,19 @@ def open_sources(specs: list[SourceSpec]) -> list[Source]:
             raise ValueError(f"--data {other.spec.name} ({other.spec.path}) was prepared with another tokenizer than "
                              f"--data {first.spec.name} ({first.spec.path}); every source of a mixture must speak the "
                              f"same vocabulary: prepare them all with the same --tokenizer")
+    instructions = [source for source in sources if source.store.is_conversations]
+    for other in instructions[1:]:
+        first_chat, chat = instructions[0].store.metadata["chat"], other.store.metadata["chat"]
+        if chat.get("sha256") != first_chat.get("sha256"):
+            raise ValueError(f"--data {other.spec.name} ({other.spec.path}) was rendered with another chat template "
+                             f"({chat.get('template')}) than --data {instructions[0].spec.name} "
+                             f"({instructions[0].spec.path}, {first_chat.get('template')}): a model learns one "
+                             f"conversation format, and its export carries one template: prepare them all with the "
+                             f"same chat template")
     return sources
+
+
+def tokenizer_source(sources: list[Source]) -> Source:
+    """The source whose tokenizer files a run keeps (and its exports carry): every source's ids are the same
+    (open_sources checks), but only an instruction store's files hold the chat template it was rendered with."""
+    return next((source for source in sources if source.store.is_conversations), sources[0])

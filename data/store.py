@@ -7,8 +7,10 @@
                        when it came with them, tokenizer_config.json and special_tokens_map.json; or a
                        SentencePiece tokenizer.model
     metadata.json      format version, dtype, counts, the tokenizer (kind, files and their SHA-256s,
-                       fingerprint, vocabulary, BOS, EOS), split; written last, so a directory without
-                       it is not (yet) a store
+                       fingerprint, vocabulary, BOS, EOS), split, the content digest (a SHA-256 of the
+                       tokens, offsets, split and scored marks, taken as they were written: a run records
+                       it and a resume compares it); written last, so a directory without it is not (yet)
+                       a store
 
 An instruction store (`burst prepare --chat`, format version 3, metadata "content": "conversations") holds
 one conversation per document, its tokens as the chat template renders them (BOS and end-of-turn tokens
@@ -27,6 +29,7 @@ BOS/EOS are not stored in a plain store: the loader adds them when it packs docu
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import uuid
@@ -46,6 +49,7 @@ TOKENS_FILE, OFFSETS_FILE, VAL_FILE = "tokens.bin", "offsets.bin", "val_document
 SCORED_FILE, ROWS_FILE = "scored.bin", "rows.bin"
 CONVERSATIONS = "conversations"  # metadata "content" of an instruction store
 METADATA_FILE = "metadata.json"
+CONTENT_DIGEST = "content_sha256"  # metadata: what training reads, hashed as `burst prepare` wrote it
 SPLITS = ("train", "val")
 TOKENIZER_KEYS = {"kind": str, "files": dict, "digest": str, "fingerprint": str, "vocab_size": int, "bos_id": int,
                   "eos_id": int}
@@ -68,7 +72,9 @@ class StoreWriter:
         self._files = [open(directory / name, "wb") for name in
                        (TOKENS_FILE, OFFSETS_FILE, *((SCORED_FILE, ROWS_FILE) if conversations else ()))]
         self._tokens, self._offsets = self._files[:2]
-        _write_array(self._offsets, np.zeros(1, np.int64))
+        # what training reads, hashed as it is written (where each row came from is not content)
+        self._content = {name: hashlib.sha256() for name in (TOKENS_FILE, OFFSETS_FILE, VAL_FILE, SCORED_FILE)}
+        _write_array(self._offsets, np.zeros(1, np.int64), self._content)
 
     def append(self, documents: list[list[int]] | list[np.ndarray], ends: list[bool] | None = None,
                scored: list[np.ndarray] | None = None, rows: list[tuple[int, int]] | None = None) -> None:
@@ -82,14 +88,15 @@ class StoreWriter:
             return
         if self.conversations:
             mask = np.concatenate(scored).astype(np.uint8)
-            _write_array(self._files[2], mask)
+            _write_array(self._files[2], mask, self._content)
             _write_array(self._files[3], np.asarray(rows, np.int64).reshape(-1, 2))
             self.num_scored_tokens += int(mask.sum())
         lengths = np.fromiter(map(len, documents), np.int64, len(documents))
         tokens = np.concatenate(documents).astype(self.dtype, copy=False)
-        _write_array(self._tokens, tokens)
+        _write_array(self._tokens, tokens, self._content)
         ends_here = np.ones(len(documents), bool) if ends is None else np.asarray(ends, bool)
-        _write_array(self._offsets, (self.num_tokens + np.cumsum(lengths))[ends_here])  # where each ended one stops
+        _write_array(self._offsets, (self.num_tokens + np.cumsum(lengths))[ends_here],  # where each ended one stops
+                     self._content)
         self.max_token_id = max(self.max_token_id, int(tokens.max(initial=0)))
         self.num_documents += int(ends_here.sum())
         self.num_tokens += int(lengths.sum())
@@ -99,13 +106,14 @@ class StoreWriter:
         store's metadata names its "conversation_files" and "chat" template."""
         self.close()
         with open(self.directory / VAL_FILE, "wb") as f:
-            _write_array(f, np.asarray(val_documents, np.int64))
+            _write_array(f, np.asarray(val_documents, np.int64), self._content)
         conversations = {"content": CONVERSATIONS, "num_scored_tokens": self.num_scored_tokens} \
             if self.conversations else {}
+        digest = hashlib.sha256(b"".join(h.digest() for h in self._content.values())).hexdigest()
         metadata = {"format_version": CONVERSATIONS_VERSION if self.conversations else FORMAT_VERSION,
                     "dtype": self.dtype.name, "num_documents": self.num_documents, "num_tokens": self.num_tokens,
                     "num_val_documents": len(val_documents), "max_token_id": self.max_token_id, **conversations,
-                    **metadata}
+                    CONTENT_DIGEST: digest, **metadata}
         (self.directory / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
 
     def close(self) -> None:
@@ -113,9 +121,13 @@ class StoreWriter:
             file.close()
 
 
-def _write_array(file: BinaryIO, array: np.ndarray) -> None:
-    """Write an array's bytes through Python's file (numpy's tofile reports a full disk without its errno)."""
-    file.write(np.ascontiguousarray(array).data)
+def _write_array(file: BinaryIO, array: np.ndarray, digests: dict[str, hashlib._Hash] | None = None) -> None:
+    """Write an array's bytes through Python's file (numpy's tofile reports a full disk without its errno); with
+    `digests`, hash them too, into the digest of the file's name when there is one."""
+    data = np.ascontiguousarray(array).data
+    if digests is not None and Path(file.name).name in digests:
+        digests[Path(file.name).name].update(data)
+    file.write(data)
 
 
 def _map(path: Path, dtype: np.dtype, count: int, directory: Path) -> np.ndarray:
@@ -299,6 +311,13 @@ class TokenStore:
     def tokenizer_files(self) -> dict[str, Path]:
         """The tokenizer's files in the store, by name (tokenizer.json and companions, or tokenizer.model)."""
         return {name: self.directory / name for name in self.metadata["tokenizer"]["files"]}
+
+    @property
+    def content_digest(self) -> str | None:
+        """The SHA-256 of what training reads from the whole store (tokens, offsets, split, scored marks), as
+        `burst prepare` recorded it; None for a store prepared before it did."""
+        digest = self.metadata.get(CONTENT_DIGEST)
+        return digest if isinstance(digest, str) else None
 
     @property
     def tokenizer_fingerprint(self) -> str:

@@ -8,8 +8,13 @@ environment, exactly as under torchrun, so worker code is the same either way.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import signal
+import sys
+import threading
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -36,9 +41,38 @@ def run_local(fn: Callable[..., Any], nproc: int, args: tuple = (), max_restarts
                           start_method="spawn", monitor_interval=0.1)
     logging.disable(logging.ERROR)  # the agent logs a worker's failure as pages of tracebacks; callers report it once
     try:
-        return elastic_launch(config, fn)(*args)
+        return elastic_launch(config, _dying_with_launcher)(fn, os.getpid(), *args)
     finally:
         logging.disable(logging.NOTSET)
+
+
+def _dying_with_launcher(fn: Callable[..., Any], launcher: int, *args: Any) -> Any:
+    """A worker's entry point: fn(*args), in a process that dies with the launcher `launcher` (its parent).
+
+    A launcher killed outright (kill -9, the out-of-memory killer) cannot stop its workers, and the run
+    directory's lock, which it held, is released with it: workers that trained and saved on would write
+    alongside the next `burst train --resume`, the new holder of the lock."""
+    die_with_parent(launcher)
+    return fn(*args)
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent(parent: int, poll_s: float = 0.5) -> None:
+    """Have the kernel SIGKILL this process when its parent (pid `parent`) ends (Linux's PR_SET_PDEATHSIG);
+    where prctl is not there, a daemon thread watches for the parent to change instead. A parent that
+    ended before this was set up ends this process now."""
+    libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+    if libc is None or libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        def watch() -> None:
+            while os.getppid() == parent:
+                time.sleep(poll_s)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        threading.Thread(target=watch, name="launcher-watchdog", daemon=True).start()
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def first_failure(err: ChildFailedError) -> tuple[int, str, str, str]:

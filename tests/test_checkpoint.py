@@ -1,6 +1,7 @@
 """Training checkpoints through the real command line: exact resume, resharding, kills during a save,
 SIGTERM, conversion and evaluation of a run, and refusals of partial, damaged or mismatched checkpoints."""
 
+import hashlib
 import json
 import shutil
 import signal
@@ -203,9 +204,18 @@ def damage(run: Path, tmp_path: Path, case: str) -> tuple[Path, list[str]]:
     elif case == "truncated shard":
         with open(newest / "__0_0.distcp", "r+b") as f:
             f.truncate(1000)
+    elif case == "overwritten shard":  # the size unchanged: this used to load, and train on from a loss of 68
+        shard = newest / "__0_0.distcp"
+        data = bytearray(shard.read_bytes())
+        middle = len(data) // 2
+        data[middle:middle + 64] = bytes(255 - b for b in data[middle:middle + 64])
+        shard.write_bytes(bytes(data))
     elif case == "other model":
         config = json.loads((newest / "config.json").read_text())
         (newest / "config.json").write_text(json.dumps({**config, "dim": 128}))
+        complete = json.loads((newest / MARKER).read_text())  # as its save would have recorded it
+        complete["sha256"]["config.json"] = hashlib.sha256((newest / "config.json").read_bytes()).hexdigest()
+        (newest / MARKER).write_text(json.dumps(complete))
     elif case == "other schedule":
         args += ["--steps", "8"]
     elif case == "other batch":
@@ -217,6 +227,8 @@ def damage(run: Path, tmp_path: Path, case: str) -> tuple[Path, list[str]]:
     ("no checkpoint", "holds no complete checkpoint"),
     ("missing shard", "the shard file __0_0.distcp is missing"),
     ("truncated shard", "the shard file __0_0.distcp has 1000 bytes"),
+    ("overwritten shard", "step-000003 is damaged: __0_0.distcp does not match the SHA-256 its save recorded (its "
+                          "bytes changed since); resume from the checkpoint before it, "),
     ("other model", "holds another model than this run's: dim 128 in the checkpoint, 64 in the run"),
     ("other schedule", "--steps 8 differs from the run's 4"),
     ("other batch", "changes the run's 1 sequences per step"),
@@ -228,6 +240,29 @@ def test_resume_refuses_what_it_cannot_continue_exactly_and_changes_nothing(run,
     assert result.exit_code == 2, result.output
     assert expected in " ".join(result.output.split()), result.output
     assert sorted((p.relative_to(out), p.stat().st_mtime_ns) for p in out.rglob("*")) == before
+
+
+def test_a_damaged_checkpoint_is_refused_by_every_reader_in_one_line_naming_the_one_before_it(run, tmp_path):
+    out, _ = damage(run, tmp_path, "overwritten shard")
+    complete = json.loads((out / "checkpoints" / "step-000003" / MARKER).read_text())
+    assert set(complete["sha256"]) == {p.name for p in (out / "checkpoints" / "step-000003").iterdir()} - {MARKER}
+    for args in (["convert-checkpoint", str(out), str(tmp_path / "x"), "--to", "burst"],
+                 ["eval", "--checkpoint", str(out), "--seq-len", "128", "--batches", "1"]):
+        result = CliRunner().invoke(app, args)
+        text = " ".join(result.output.split())
+        assert result.exit_code == 2 and "__0_0.distcp does not match the SHA-256" in text, result.output
+        assert f"resume from the checkpoint before it, {out / 'checkpoints' / 'step-000002'}" in text
+        assert "Traceback" not in text
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_checkpoint_of_an_older_burst_without_checksums_still_resumes_and_says_so(run, tmp_path):
+    out, _ = damage(run, tmp_path, "none")
+    (out / "checkpoints" / "step-000003" / MARKER).write_text(json.dumps({"step": 3}))
+    resumed = burst_train("--resume", "--out", out)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert resumed.stderr.count("records no checksums (saved by an older burst)") == 1, resumed.stderr
+    assert sorted(losses(out)) == [1, 2, 3, 4]
 
 
 def test_a_checkpoint_without_its_marker_is_refused_and_a_run_falls_back_to_the_previous_one(run, tmp_path):

@@ -2,15 +2,21 @@
 
 import json
 import random
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from typer.testing import CliRunner
 
 from burst import shard_for_rank
+from cli import app
 from data import SequenceLoader, prepare
 from data.mixture import MixtureSchedule, SourceSpec, open_sources, parse_mixture, parse_source
+from tests.test_chat import LLAMA3_TEMPLATE, LLAMA_SPECIALS, chat_tokenizer, write_rows
 from tests.test_data_loader import BOS, make_store
+from tests.test_instruction_training import conversation_rows
 from tests.test_train import burst_train, burst_train_together, make_text, metrics
 
 
@@ -172,3 +178,53 @@ def test_a_mixture_whose_shares_do_not_sum_to_one_is_refused_before_any_work(thr
                        "--out", tmp_path / "run")
     assert done.returncode == 2 and "shares sum to 0.9, not 1" in done.stderr and "Traceback" not in done.stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.fixture(scope="module")
+def chat_stores(tmp_path_factory) -> dict[str, Path]:
+    """Stores of one tokenizer's ids: documents (its files hold no chat template), and conversations rendered
+    with LLaMA-3's template and with another (its date changed)."""
+    root = tmp_path_factory.mktemp("chat-mix")
+    templated = chat_tokenizer(root / "llama3", LLAMA_SPECIALS, LLAMA3_TEMPLATE)
+    plain, dated = root / "plain", root / "dated"
+    for directory, template in ((plain, None), (dated, LLAMA3_TEMPLATE.replace("26 Jul 2024", "1 Jan 2025"))):
+        directory.mkdir()
+        shutil.copy(templated / "tokenizer.json", directory)
+        fields = {**json.loads((templated / "tokenizer_config.json").read_text()), "chat_template": template}
+        (directory / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in fields.items() if v}))
+    corpus = root / "docs"
+    corpus.mkdir()
+    rng = random.Random(3)
+    for i in range(10):
+        (corpus / f"d{i}.py").write_text(make_text(rng, rng.randint(40, 160)))
+    rows = write_rows(root / "chat.jsonl", conversation_rows(30))
+    return {"docs": prepare([corpus], root / "docs-store", tokenizer=plain, val_fraction=0, progress=False).out_dir,
+            "sft": prepare([rows], root / "sft", tokenizer=templated, val_fraction=0, chat=True,
+                           progress=False).out_dir,
+            "dated": prepare([rows], root / "sft-dated", tokenizer=dated, val_fraction=0, chat=True,
+                             progress=False).out_dir}
+
+
+def test_instruction_stores_rendered_with_different_chat_templates_do_not_mix(chat_stores):
+    """They used to train together silently, the export carrying neither template for sure."""
+    with pytest.raises(ValueError, match=r"--data dated \(.*\) was rendered with another chat template "
+                                         r"\(tokenizer_config.json\) than --data sft"):
+        open_sources(parse_mixture([f"sft={chat_stores['sft']}:0.5", f"dated={chat_stores['dated']}:0.5"]))
+    assert len(open_sources(parse_mixture([f"docs={chat_stores['docs']}:0.5", f"sft={chat_stores['sft']}:0.5"]))) == 2
+
+
+def test_a_mixture_run_and_its_export_keep_the_chat_template_of_its_instruction_source(chat_stores, tmp_path):
+    """The run kept the first source's tokenizer files only: an instruction store listed second lost its chat
+    template from the run and from every export. Now it keeps that source's, and every other source's files aside."""
+    out = tmp_path / "run"
+    done = burst_train("--model", "debug", "--data", f"docs={chat_stores['docs']}:0.5", "--data",
+                       f"sft={chat_stores['sft']}:0.5", "--seq-len", 256, "--doc-mask", "--steps", 1,
+                       "--precision", "fp32", "--out", out)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((out / "tokenizer_config.json").read_text())["chat_template"] == LLAMA3_TEMPLATE
+    kept_aside = json.loads((out / "tokenizers" / "docs" / "tokenizer_config.json").read_text())  # the other files
+    assert "chat_template" not in kept_aside and (out / "tokenizers" / "docs" / "tokenizer.json").is_file()
+    result = CliRunner().invoke(app, ["convert-checkpoint", str(out), str(tmp_path / "hf"), "--to", "hf"])
+    assert result.exit_code == 0, result.output
+    transformers = pytest.importorskip("transformers")
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "hf").chat_template == LLAMA3_TEMPLATE

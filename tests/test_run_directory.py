@@ -2,6 +2,7 @@
 on every setting; a checkpoint is complete only with every rank's files; damaged history, state or starting
 weights are refused or recovered, never trained on silently; the summary reports a loss one can trust."""
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -18,7 +19,7 @@ from typer.testing import CliRunner
 
 from checkpoints.training import complete_checkpoints
 from cli import app
-from data import prepare
+from data import TokenStore, prepare
 from models import ModelConfig, Transformer, save_model
 from tests.test_checkpoint import COMMON, losses
 from tests.test_output_faults import one_error_line
@@ -70,6 +71,32 @@ def test_a_resume_on_data_of_another_tokenizer_is_refused_and_changes_nothing(st
         result = resume(stopped_run)
         assert result.exit_code == 2, result.output
         assert "was prepared with another tokenizer than the model" in " ".join(result.output.split())
+        assert snapshot(stopped_run) == before
+    finally:
+        shutil.rmtree(store, ignore_errors=True)
+        shutil.move(moved, store)
+
+
+def test_a_resume_on_the_same_rows_prepared_again_in_another_order_is_refused(stopped_run, store, tmp_path):
+    """Same tokenizer, same counts, other data: it used to continue on it, compared by counts only."""
+    rng = random.Random(0)  # the store fixture's documents, written again in another order
+    texts = [make_text(rng, rng.randint(20, 200)) for _ in range(30)]
+    corpus = tmp_path / "shuffled"
+    corpus.mkdir()
+    for i, text in enumerate(reversed(texts)):
+        (corpus / f"doc{i}.py").write_text(text)
+    moved = tmp_path / "store-before"
+    shutil.move(store, moved)
+    try:
+        prepare([corpus], store, tokenizer=moved / "tokenizer.model", val_fraction=0.05, progress=False)
+        again, trained = TokenStore(store), TokenStore(moved)
+        assert (again.num_documents, again.num_tokens) == (trained.num_documents, trained.num_tokens)
+        assert again.content_digest != trained.content_digest
+        before = snapshot(stopped_run)
+        result = resume(stopped_run)
+        assert result.exit_code == 2, result.output
+        assert "holds other data than the run trained on: its content digest is not the one step-000002 recorded" \
+            in " ".join(result.output.split()), result.output
         assert snapshot(stopped_run) == before
     finally:
         shutil.rmtree(store, ignore_errors=True)
@@ -203,6 +230,54 @@ def test_a_second_writer_and_a_resume_of_a_running_run_are_refused_naming_the_ho
         first.terminate()
         first.wait(timeout=120)
     assert first.returncode == 143 and complete_checkpoints(out)  # it saved as it stopped
+
+
+def children(pid: int) -> set[int]:
+    """The processes `pid` started (Linux's /proc), its workers."""
+    found = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            found.update(map(int, (task / "children").read_text().split()))
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, dead and not yet reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the workers through Linux's /proc")
+def test_workers_die_with_a_launcher_killed_outright_so_a_resume_is_the_only_writer(store, tmp_path):
+    """kill -9 of the launcher used to free the run's lock while its workers went on: torch's launcher has them
+    sent SIGINT when it dies, so they finished their step and saved a checkpoint, outside any lock: a --resume let
+    in meanwhile was a second writer (metrics.jsonl logged steps twice). Now they die with it, writing nothing."""
+    out = tmp_path / "run"
+    done = burst_train(*COMMON, "--data", store, "--steps", 400, "--stop-after", 2, "--out", out)
+    assert done.returncode == 0, done.stderr[-3000:]
+    launcher = subprocess.Popen([sys.executable, "-m", "cli", "train", "--resume", "--out", str(out), "--cp", "2",
+                                 "--checkpoint-every", "1000"],
+                                cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while max(losses(out)) < 3:  # the workers are training
+            assert launcher.poll() is None and time.monotonic() < deadline, launcher.stderr.read()
+            time.sleep(0.1)
+        workers = children(launcher.pid)
+        assert len([pid for pid in workers if alive(pid)]) >= 2, workers
+    finally:
+        launcher.kill()
+        launcher.wait()
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(pid) for pid in workers), "the workers outlived their launcher"
+    assert [p.name for p in complete_checkpoints(out)] == ["step-000002"]  # they saved nothing after it
+    done = resume(out, "--stop-after", 4)
+    assert done.exit_code == 0, done.output
+    assert max(losses(out)) == 4  # and each step logged once
 
 
 def test_a_new_run_never_writes_over_files_burst_did_not_write(store, tmp_path):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -290,19 +291,39 @@ def plan_run(config: TrainConfig, world_size: int, restart: int = 0) -> RunPlan:
     check_conversations(config, sources)
     check_sequence_fits(config, sources)
     check_memory(config, model_config, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
-    resume_from = check_resume(config, Path(out), model_config, store) if config.resume else None
+    resume_from = check_resume(config, Path(out), model_config, sources) if config.resume else None
     precision = resolve_precision(config.precision, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     model = config.model or (None if config.init_from else DEFAULT_MODEL)
     return RunPlan(dataclasses.replace(config, data=data, out=out, model=model), model_config, checkpoint, precision,
                    resume_from, restart, None if resume_from else init_from)
 
 
-def check_resume(config: TrainConfig, out: Path, model_config: ModelConfig, store: TokenStore) -> Path:
+def check_same_data(checkpoint: Path, sources: list[Source]) -> None:
+    """Refuse to resume onto stores whose content is not what the run trained on (prepared again from other or
+    reordered rows: the counts may all agree), compared by the content digests `burst prepare` records and each
+    checkpoint keeps; a store or checkpoint of a burst from before them is not compared, and that is said."""
+    recorded = read_train_state(checkpoint)["loader"].get("content")
+    digests = [source.store.content_digest for source in sources]
+    if not isinstance(recorded, list) or len(recorded) != len(sources) or None in recorded or None in digests:
+        if os.environ.get("LOCAL_RANK") is None:  # said once, by the launcher (or the single process)
+            print(f"note: the data's content is not compared with what {checkpoint} trained on: the store or the "
+                  f"checkpoint was written by a burst from before content digests", file=sys.stderr, flush=True)
+        return
+    for source, then, now in zip(sources, recorded, digests, strict=True):
+        if then != now:
+            raise ValueError(f"--data {source.spec.name} ({source.spec.path}) holds other data than the run trained "
+                             f"on: its content digest is not the one {checkpoint.name} recorded (the store was "
+                             f"prepared again, from other or reordered rows); resume with the data the run trained "
+                             f"on, or start a new stage on this data with --init-from {checkpoint.parent.parent}")
+
+
+def check_resume(config: TrainConfig, out: Path, model_config: ModelConfig, sources: list[Source]) -> Path:
     """The newest complete checkpoint of the run in `out`, checked whole and against the run's model, settings,
-    tokenizer and history; nothing is written (a refused resume leaves the run as it was)."""
-    store.check_tokenizer(out, out)  # first: the likeliest cause of any other difference (data prepared again)
+    tokenizer, data and history; nothing is written (a refused resume leaves the run as it was)."""
+    sources[0].store.check_tokenizer(out, out)  # first: the likeliest cause of any other difference
     path = resolve_checkpoint(out)
     check_model_config(path, model_config)
+    check_same_data(path, sources)
     recorded = read_train_state(path).get("settings")
     if isinstance(recorded, dict):  # checkpoints of older versions recorded none
         now = run_identity(config)

@@ -7,7 +7,8 @@
                                     # markers), refusing a directory of another kind or one burst did not write
 
 The launcher holds the lock and its workers know it from the environment (they are its children, and flock
-belongs to the process that took it); under torchrun rank 0 holds it.
+belongs to the process that took it; they die with it, however it ends: runtime/launch.py); under torchrun
+rank 0 holds it.
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ from runtime.directories import (
 
 HELD_ENV = "BURST_RUN_DIRECTORY_HELD"  # set by the process holding the lock, for the workers it starts
 METRICS_FILE = "metrics.jsonl"
+SOURCE_TOKENIZERS = "tokenizers"  # RUN/tokenizers/NAME/: a mixture source's tokenizer files, where they differ
 # What a run that failed during start-up (before its first step) leaves: a rerun may reuse the directory.
-STARTUP_FILES = {MARKER, "config.toml", *TOKENIZER_FILES, METRICS_FILE}
+STARTUP_FILES = {MARKER, "config.toml", *TOKENIZER_FILES, SOURCE_TOKENIZERS, METRICS_FILE}
 
 
 @contextlib.contextmanager

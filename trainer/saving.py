@@ -7,9 +7,10 @@
     saver.wait()                                        # before the next save and before the run ends
     saver.close()
 
-Every rank writes its shards into `step-N.tmp-<id>` (DCP); rank 0 then writes COMPLETE and renames the
-directory to `step-N`, and only then deletes checkpoints past --keep. A kill at any point leaves the
-previous checkpoint whole and a tmp directory that readers ignore and --resume deletes.
+Every rank writes its shards into `step-N.tmp-<id>` (DCP), hashing each as it writes it; rank 0 then writes
+COMPLETE, the SHA-256 of every file in it, and renames the directory to `step-N`, and only then deletes
+checkpoints past --keep. A kill at any point leaves the previous checkpoint whole and a tmp directory that
+readers ignore and --resume deletes.
 
 Asynchronous saves use DCP's async_save: one background thread copies the state to CPU memory
 (staging) while the next step's forward and backward run, and another writes the copy, on a process
@@ -25,6 +26,8 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
+import io
 import os
 import shutil
 import time
@@ -38,11 +41,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.tensor import DTensor
 
 from checkpoints.training import (
+    CHECKSUMS,
     MARKER,
     STATE_NAME,
     checkpoint_dir,
@@ -50,9 +55,10 @@ from checkpoints.training import (
     missing_files,
     rng_name,
 )
+from data.tokenizer import file_sha256
 from models.checkpoint import CONFIG_NAME
 from models.config import ModelConfig
-from models.storage import write_json
+from models.storage import read_json, write_json
 from runtime.failure import STORAGE_ERRORS, WriteFailed, os_error_message, storage_problem
 from trainer.checkpoint import rng_state
 
@@ -70,6 +76,80 @@ def _tensors(tree: Any) -> Iterator[torch.Tensor]:
     elif isinstance(tree, list | tuple):
         for value in tree:
             yield from _tensors(value)
+
+
+class _HashingStream(io.RawIOBase):
+    """A file being written, and the SHA-256 of what was written to it (DCP writes its shards in order)."""
+
+    def __init__(self, file: io.IOBase) -> None:
+        super().__init__()
+        self.file, self.sha256 = file, hashlib.sha256()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        self.sha256.update(data)
+        return self.file.write(data)
+
+    def tell(self) -> int:
+        return self.file.tell()
+
+    def fileno(self) -> int:
+        return self.file.fileno()
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+class _HashingFileSystem(FileSystem):
+    """DCP's file system, keeping the SHA-256 of each file it writes by name: hashed while written, not read back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.digests: dict[str, str] = {}
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+        with super().create_stream(path, mode) as stream:
+            if "w" not in mode:
+                yield stream
+                return
+            hashing = _HashingStream(stream)
+            yield hashing
+        self.digests[Path(path).name] = hashing.sha256.hexdigest()
+
+
+def _digests_name(rank: int) -> str:
+    return f"sha256-{rank:05d}.json"  # a rank's shard digests, until COMPLETE gathers them
+
+
+class _ChecksummedWriter(dcp.FileSystemWriter):
+    """DCP's file writer, hashing each shard as it writes it; the rank's digests land beside the shards before DCP
+    gathers the ranks' results, so rank 0 finds every rank's once the save is done."""
+
+    def __init__(self, path: Path, rank: int) -> None:
+        super().__init__(path)
+        self.fs, self.own_rank = _HashingFileSystem(), rank
+
+    def write_data(self, plan, planner) -> torch.futures.Future:
+        written = super().write_data(plan, planner)
+        written.wait()  # the file writer has written when it returns
+        write_json(self.fs.digests, Path(self.path) / _digests_name(self.own_rank))
+        return written
+
+
+def checksums(directory: Path) -> dict[str, str]:
+    """The SHA-256 of every file of a finished save in `directory`, for COMPLETE: the shards' as their ranks wrote
+    them (their digest files are then removed), the small files' read here."""
+    found: dict[str, str] = {}
+    for digests in directory.glob("sha256-*.json"):
+        found.update(read_json(digests))
+        digests.unlink()
+    for file in directory.iterdir():
+        if file.is_file() and file.name not in found and file.name != MARKER:
+            found[file.name] = file_sha256(file)
+    return dict(sorted(found.items()))
 
 
 @dataclass(frozen=True)
@@ -141,12 +221,14 @@ class CheckpointSaver:
                 if id(optimizer) not in self._hooked:
                     optimizer.register_step_pre_hook(lambda *_: self._wait_for_staging())
                     self._hooked.add(id(optimizer))
-                response = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group,
-                                          async_stager=self._stager, no_dist=not dist.is_initialized())
+                response = dcp.async_save(state, storage_writer=_ChecksummedWriter(tmp, self.rank),
+                                          process_group=self.group, async_stager=self._stager,
+                                          no_dist=not dist.is_initialized())
                 future, staged = response.upload_completion, response.staging_completion
             else:
                 future = Future()
-                future.set_result(dcp.save(state, checkpoint_id=str(tmp), no_dist=not dist.is_initialized()))
+                future.set_result(dcp.save(state, storage_writer=_ChecksummedWriter(tmp, self.rank),
+                                           no_dist=not dist.is_initialized()))
                 staged = future
         self._pending = _Pending(future, staged, step, tmp, started, time.perf_counter() - started)
         if not self.asynchronous:
@@ -219,7 +301,7 @@ class CheckpointSaver:
                             f"to the same --out, on a file system all nodes share; the newest complete checkpoint "
                             f"is {self.newest or 'none'}")
         elif self.rank == 0:
-            write_json({"step": pending.step}, pending.tmp / MARKER)
+            write_json({"step": pending.step, CHECKSUMS: checksums(pending.tmp)}, pending.tmp / MARKER)
             if final.exists():  # a checkpoint of this step from an earlier invocation: the new one replaces it
                 shutil.rmtree(final)
             os.replace(pending.tmp, final)

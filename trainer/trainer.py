@@ -28,7 +28,7 @@ from rich.table import Table
 
 from checkpoints.training import complete_checkpoints, remove_interrupted_saves
 from data import SequenceLoader
-from data.mixture import open_sources, parse_mixture
+from data.mixture import open_sources, parse_mixture, tokenizer_source
 from runtime.memory import peak_memory_mib
 from runtime.process import all_reduce
 from trainer.checkpoint import forget_metrics_after, load_checkpoint, load_stage_start
@@ -38,7 +38,7 @@ from trainer.metrics import Metrics
 from trainer.optim import build_optimizer, build_schedule
 from trainer.parallelize import build_model
 from trainer.preflight import RunPlan
-from trainer.rundir import METRICS_FILE, claim_run_directory
+from trainer.rundir import METRICS_FILE, SOURCE_TOKENIZERS, claim_run_directory
 from trainer.saving import CheckpointSaver, Saved
 from trainer.signals import StopRequest, TrainingInterrupted
 from trainer.step import StepResult, checks_ranks, non_finite_weights, train_step
@@ -76,7 +76,7 @@ class Trainer:
         self.plan, self.env, self.started = plan, env, started
         self.out, self.console = Path(config.out), Console()
         self.sources = open_sources(parse_mixture(config.data))
-        self.store = self.sources[0].store  # every source has the same tokenizer (open_sources checks)
+        self.store = tokenizer_source(self.sources).store  # the same ids in every source; its files: the chat template
         if env.is_main:
             self.print_config()
         # A resumed run, or a new stage, builds no initial weights: its checkpoint's load fills every shard.
@@ -161,7 +161,12 @@ class Trainer:
         continued = plan.resume_from is not None or plan.restart > 0
         claim_run_directory(self.out)
         save_config(config, self.out / "config.toml", notes=f"precision {config.precision}: {plan.precision.reason}")
-        self.store.copy_tokenizer(self.out)  # never replaced (preflight compared it on resume); exports carry it
+        if plan.resume_from is None:  # never replaced (preflight compared its ids on resume); exports carry it
+            self.store.copy_tokenizer(self.out)
+            for source in self.sources:  # the same ids, other files (no chat template): kept aside, by source
+                if source.store.metadata["tokenizer"]["files"] != self.store.metadata["tokenizer"]["files"]:
+                    (self.out / SOURCE_TOKENIZERS / source.spec.name).mkdir(parents=True, exist_ok=True)
+                    source.store.copy_tokenizer(self.out / SOURCE_TOKENIZERS / source.spec.name)
         if continued:
             remove_interrupted_saves(self.out)
             forget_metrics_after(self.out, self.state.step)  # steps past the checkpoint (or all: none) come again
