@@ -14,6 +14,7 @@ with finite weights: a checkpoint is never a diverged model.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import signal
 import time
@@ -42,7 +43,7 @@ from trainer.rundir import METRICS_FILE, claim_run_directory
 from trainer.saving import CheckpointSaver, Saved
 from trainer.signals import StopRequest, TrainingInterrupted
 from trainer.step import StepResult, checks_ranks, non_finite_weights, train_step
-from trainer.validation import Validator
+from trainer.validation import ValidationResult, Validator
 
 SMOOTHED_STEPS = 10  # the summary's training loss: the mean over this many last steps
 
@@ -95,7 +96,7 @@ class Trainer:
                                      env.cpu_group, self.report_saved)
         self.metrics: Metrics | None = None  # rank 0's, once the run directory is written (`record`)
         self.validator = Validator(self.sources, config, env)
-        self.val_losses: list[tuple[int, float]] = []  # (step, validation loss) of this invocation
+        self.val_losses: list[tuple[int, ValidationResult]] = []  # (step, validation) of this invocation
         self.losses: list[float] = []  # training losses of this invocation's steps
         self.last_step = min(config.steps, config.stop_after or config.steps)
         self.conversations = [(source.spec.name, stream) for source, stream in
@@ -144,6 +145,8 @@ class Trainer:
                                + (" (weights and optimizer state)" if self.config.init_optimizer else " (weights)"))
         self.report_model_ready()
         self.report_conversations()
+        if self.metrics is not None:
+            self.metrics.event("validation_plan", self.validator.plan_values(), self.validator.plan())
         if self.metrics is not None and plan.restart:
             self.metrics.event("restart", {"attempt": plan.restart, "from_step": self.state.step},
                                f"restart {plan.restart} of the workers after one died: "
@@ -243,15 +246,21 @@ class Trainer:
         """The validation loss now (trainer/validation.py), logged as a `validation` event; once per step."""
         if self.val_losses and self.val_losses[-1][0] == self.state.step:
             return
-        loss = self.validator(self.model)
-        if loss is None:
+        metrics, step, validator = self.metrics, self.state.step, self.validator
+        result = validator(self.model, functools.partial(metrics.progress, "validation") if metrics else None)
+        if result is None:
             return
-        self.val_losses.append((self.state.step, loss))
-        if self.metrics is not None:
-            self.metrics.event("validation", {"at_step": self.state.step, "loss": loss,
-                                              "sequences": self.validator.sequences},
-                               f"validation loss {loss:.4f} at step {self.state.step} "
-                               f"({self.validator.sequences} held-out sequences)")
+        if result.loss is not None:
+            self.val_losses.append((step, result))
+        if metrics is not None:
+            text = f"validation loss {result.loss:.4f}" if result.loss is not None else \
+                "validation: the held-out sequences score no token (no answer among their conversations)"
+            metrics.event("validation", {"at_step": step, "loss": result.loss, "held_out_tokens": result.tokens,
+                                         "sequences": validator.sequences, "seconds": result.seconds,
+                                         "left_out": validator.skipped},
+                          f"{text} at step {step} over {result.tokens:,} held-out tokens ({validator.sequences} "
+                          f"sequence{'s' if validator.sequences > 1 else ''}, {result.seconds:.1f} s)"
+                          f"{validator.left_out()}")
 
     def step(self, check_ranks: bool) -> StepResult:
         """One optimizer step over grad_accum micro-batches, its counters, and its metrics when logged."""
@@ -358,8 +367,8 @@ class Trainer:
         text = ""
         if self.val_losses:
             (first_step, first), (last_step, last) = self.val_losses[0], self.val_losses[-1]
-            text += f"; validation loss {first:.4f} (step {first_step}) -> {last:.4f} (step {last_step}), " \
-                    f"{self.validator.sequences} held-out sequences"
+            text += f"; validation loss {first.loss:.4f} (step {first_step}) -> {last.loss:.4f} (step {last_step}) " \
+                    f"over {last.tokens:,} held-out tokens"
         recent = [loss for loss in self.losses[-SMOOTHED_STEPS:] if math.isfinite(loss)]
         if recent:
             text += f"; training loss {sum(recent) / len(recent):.4f} (mean of the last {len(recent)} steps)"
