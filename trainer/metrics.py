@@ -21,11 +21,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 def format_line(step: int, total_steps: int, values: dict[str, Any]) -> str:
     """One human-readable line per logged step (the same in the live display and in plain logs)."""
-    line = (f"step {step:>{len(str(total_steps))}}/{total_steps}  loss {values['loss']:.4f}  lr {values['lr']:.2e}  "
-            f"grad norm {values['grad_norm']:.3f}  {values['tokens_per_s']:,.0f} tok/s  "
+    loss, norm = ("-" if values[name] is None else f"{values[name]:{form}}" for name, form in (("loss", ".4f"),
+                                                                                                ("grad_norm", ".3f")))
+    line = (f"step {step:>{len(str(total_steps))}}/{total_steps}  loss {loss}  lr {values['lr']:.2e}  "
+            f"grad norm {norm}  {values['tokens_per_s']:,.0f} tok/s  "
             f"step {values['step_time_s']:.2f} s  mem {values['peak_mem_mib']:,.0f} MiB")
     if values.get("skipped"):
-        line += "  [skipped: non-finite loss or gradient norm]"
+        line += f"  [skipped: {values['skip_reason']}]"
     return line
 
 
@@ -63,7 +65,9 @@ class Metrics:
         if self._tensorboard is not None:
             for name, value in values.items():
                 for key, number in (value.items() if isinstance(value, dict) else [("", value)]):
-                    self._tensorboard.add_scalar(f"train/{name}" + (f"/{key}" if key else ""), float(number), step)
+                    if isinstance(number, int | float):  # not a skipped step's missing loss, nor its reason
+                        self._tensorboard.add_scalar(f"train/{name}" + (f"/{key}" if key else ""), float(number),
+                                                     step)
         line = format_line(step, self.total_steps, values)
         if self._progress is not None:
             self._progress.update(self._task, completed=step)

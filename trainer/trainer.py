@@ -18,6 +18,7 @@ import functools
 import math
 import signal
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,7 +43,7 @@ from trainer.preflight import RunPlan
 from trainer.rundir import METRICS_FILE, claim_run_directory
 from trainer.saving import CheckpointSaver, Saved
 from trainer.signals import StopRequest, TrainingInterrupted
-from trainer.step import StepResult, checks_ranks, non_finite_weights, train_step
+from trainer.step import NON_FINITE, StepResult, checks_ranks, non_finite_weights, train_step
 from trainer.validation import ValidationResult, Validator
 
 SMOOTHED_STEPS = 10  # the summary's training loss: the mean over this many last steps
@@ -97,7 +98,8 @@ class Trainer:
         self.metrics: Metrics | None = None  # rank 0's, once the run directory is written (`record`)
         self.validator = Validator(self.sources, config, env)
         self.val_losses: list[tuple[int, ValidationResult]] = []  # (step, validation) of this invocation
-        self.losses: list[float] = []  # training losses of this invocation's steps
+        self.losses: list[float] = []  # training losses of this invocation's steps that scored a token
+        self.unscored_steps = 0  # this invocation's steps skipped for scoring no token
         self.last_step = min(config.steps, config.stop_after or config.steps)
         self.conversations = [(source.spec.name, stream) for source, stream in
                               zip(self.sources, self.loader.streams, strict=True) if source.store.is_conversations]
@@ -269,11 +271,17 @@ class Trainer:
         lr = self.schedule.get_last_lr()[0]
         result = train_step(self.model, self.optimizer, [next(self.loader) for _ in range(config.grad_accum)],
                             config, self.env, check_ranks)
-        self.schedule.step()
-        self.losses.append(result.loss)
+        with warnings.catch_warnings():  # a skipped step still takes its step of the schedule: no surprise to warn of
+            warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler.step\(\)` before", UserWarning)
+            self.schedule.step()
+        if result.loss is not None:
+            self.losses.append(result.loss)
+        else:
+            self.unscored_steps += 1
         state.step += 1
         state.tokens += config.tokens_per_step
-        state.bad_steps = 0 if result.applied else state.bad_steps + 1
+        if result.applied or result.skip_reason == NON_FINITE:  # a step that scored no token is neither
+            state.bad_steps = 0 if result.applied else state.bad_steps + 1
         step_time = time.perf_counter() - step_started
         if state.step % config.log_every == 0 or state.step == self.last_step or not result.applied:
             peak = all_reduce(torch.tensor(peak_memory_mib(self.env.device), device=self.env.device),
@@ -282,7 +290,8 @@ class Trainer:
                 self.metrics.log(state.step, {"loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
                                               "tokens_per_s": config.tokens_per_step / step_time,
                                               "step_time_s": step_time, "peak_mem_mib": peak,
-                                              "skipped": not result.applied, "scored_tokens": result.scored_tokens,
+                                              "skipped": not result.applied, "skip_reason": result.skip_reason,
+                                              "scored_tokens": result.scored_tokens,
                                               "tokens_by_source": self.tokens_by_source(),
                                               **({"padding_tokens": self.loader.padding_tokens}
                                                  if self.conversations else {})})
@@ -372,4 +381,7 @@ class Trainer:
         recent = [loss for loss in self.losses[-SMOOTHED_STEPS:] if math.isfinite(loss)]
         if recent:
             text += f"; training loss {sum(recent) / len(recent):.4f} (mean of the last {len(recent)} steps)"
+        if self.unscored_steps:
+            text += f"; {self.unscored_steps} step{'s' if self.unscored_steps > 1 else ''} scored no token " \
+                    f"(skipped, left out of the losses)"
         return text
