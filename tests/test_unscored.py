@@ -11,7 +11,9 @@ from typer.testing import CliRunner
 
 from cli import app
 from data import SequenceLoader, TokenStore
+from tests.test_instruction_eval import checkpoint  # noqa: F401 (a fixture)
 from tests.test_instruction_training import chat_store, model_config  # noqa: F401 (a fixture)
+from tests.test_tokenizers import refused
 from tests.test_train import events, metrics
 from trainer.config import TrainConfig
 from trainer.distributed import Distributed
@@ -68,3 +70,12 @@ def test_steps_that_score_no_token_are_logged_skipped_and_left_out_of_the_losses
            f"the losses)" in output
     assert events(out, "validation")[0]["held_out_tokens"] > 0
 
+
+def test_eval_of_sequences_without_an_answer_says_so_and_how_to_fix_it(chat_store, checkpoint, tmp_path):  # noqa: F811
+    _, scored = prompt_only_batches(chat_store, "val")
+    assert scored[:2] == [0, 0]
+    output = refused(CliRunner().invoke(app, ["eval", "--checkpoint", str(checkpoint), "--data", str(chat_store),
+                                              *SPLIT, "--batches", "2", "--passkey-trials", "0"]), 2,
+                     "the 2 validation sequences of 32 tokens of", "that --batches 2 scores hold no answer token",
+                     "cut into pieces by --long-conversations split", "raise --seq-len or --batches")
+    assert "diverged" not in output
