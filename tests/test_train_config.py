@@ -103,4 +103,5 @@ def test_every_setting_is_a_burst_train_option_with_its_help_and_default():
         assert option.default is None  # an unset flag leaves the config file's value
         default = str(setting.default).lower() if isinstance(setting.default, bool) else str(setting.default)
         assert option.show_default == (setting.metadata["shown"] or default)
-    assert set(options) == {field.name for field in dataclasses.fields(TrainConfig)} | {"config"}
+    # and --val-sequences, hidden: refused, naming --val-tokens
+    assert set(options) == {field.name for field in dataclasses.fields(TrainConfig)} | {"config", "val_sequences"}
