@@ -198,12 +198,13 @@ def check_answers_scored(config: EvalConfig, store: TokenStore, sequences: int) 
     shards = packed_sequences(store.split("val"), config.seq_len, sequences, 0, 1, config.long_conversations)
     if any(int((shard.labels != IGNORE_INDEX).sum()) for shard in shards):
         return
-    cut = {"split": ", cut into pieces by --long-conversations split, whose first pieces hold only prompts",
-           "truncate": ""}.get(config.long_conversations, "")
+    split = config.long_conversations == "split"
     raise ValueError(f"the {sequences} validation sequence{'s' if sequences > 1 else ''} of {config.seq_len:,} "
                      f"tokens of {store.directory} that --batches {config.batches} scores hold no answer token (an "
-                     f"instruction store scores only its answers{cut}): their loss says nothing; raise --seq-len or "
-                     f"--batches, use --long-conversations truncate, or evaluate another store")
+                     f"instruction store scores only its answers"
+                     + (", and --long-conversations split cuts conversations into pieces, the first ones prompts "
+                        "only" if split else "") + "): their loss says nothing; raise --seq-len or --batches"
+                     + (", use --long-conversations truncate" if split else "") + ", or evaluate another store")
 
 
 def evaluate(config: EvalConfig, console: Console | None = None) -> EvalResult:
