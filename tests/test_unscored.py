@@ -53,7 +53,17 @@ def test_a_step_that_scores_no_token_moves_no_weight_nor_optimizer_state(chat_st
         assert p.grad is None
 
 
-def test_steps_that_score_no_token_are_logged_skipped_and_left_out_of_the_losses(chat_store, tmp_path):  # noqa: F811
+def test_steps_that_score_no_token_are_logged_skipped_and_left_out_of_the_losses(chat_store, tmp_path,  # noqa: F811
+                                                                                  monkeypatch):
+    import trainer.trainer
+
+    checked, step = [], trainer.trainer.train_step
+
+    def recording(*args, **kwargs):
+        checked.append(args[-1])  # check_ranks
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(trainer.trainer, "train_step", recording)
     out = tmp_path / "run"
     done = CliRunner().invoke(app, ["train", "--model", "debug", "--data", str(chat_store), "--doc-mask", *SPLIT,
                                     "--steps", "4", "--precision", "fp32", "--out", str(out)])
@@ -69,6 +79,7 @@ def test_steps_that_score_no_token_are_logged_skipped_and_left_out_of_the_losses
     assert f"training loss {mean:.4f} (mean of the last 2 steps); 2 steps scored no token (skipped, left out of " \
            f"the losses)" in output
     assert events(out, "validation")[0]["held_out_tokens"] > 0
+    assert checked == [True, True, True, False]  # the first step that runs attention checks the cp ranks' inputs
 
 
 def test_eval_of_sequences_without_an_answer_says_so_and_how_to_fix_it(chat_store, checkpoint, tmp_path):  # noqa: F811
@@ -77,5 +88,6 @@ def test_eval_of_sequences_without_an_answer_says_so_and_how_to_fix_it(chat_stor
     output = refused(CliRunner().invoke(app, ["eval", "--checkpoint", str(checkpoint), "--data", str(chat_store),
                                               *SPLIT, "--batches", "2", "--passkey-trials", "0"]), 2,
                      "the 2 validation sequences of 32 tokens of", "that --batches 2 scores hold no answer token",
-                     "cut into pieces by --long-conversations split", "raise --seq-len or --batches")
+                     "--long-conversations split cuts conversations into pieces",
+                     "raise --seq-len or --batches, use --long-conversations truncate")
     assert "diverged" not in output

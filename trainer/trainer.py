@@ -225,6 +225,8 @@ class Trainer:
             with StopRequest() as stop_request:
                 while self.state.step < self.last_step and stop_reason is None and signalled is None:
                     result = self.step(checks_ranks(self.state.step + 1, first_step, self.config.check_ranks_every))
+                    if result.loss is None and self.state.step == first_step:
+                        first_step += 1  # it scored no token, so ran no attention: the next step checks the ranks
                     stop_reason = self.bad_steps_reason(result)
                     signalled = self.agreed_signal(stop_request)
                     before_end = self.state.step < self.last_step and stop_reason is None and not signalled
