@@ -263,11 +263,13 @@ def _train_command(config: Path | None = None, **flags: Any) -> None:
     Exits 0 when done (or at --stop-after), 2 on bad input, 1 when the run cannot go on (a full disk too), and
     128 + the signal's number when a signal stopped it after saving: 130 after Ctrl-C, 143 after SIGTERM.
     """
-    from trainer.config import load_config, load_run_config  # here, so `burst --help` does not import torch
+    from trainer.config import load_config, load_run_config, val_sequences_replaced  # here: `burst --help` no torch
     from trainer.launch import launch
     from trainer.signals import TrainingInterrupted
     from trainer.trainer import TrainingStopped
 
+    if flags.pop("val_sequences") is not None:
+        raise _fail(val_sequences_replaced("--val-sequences"), 2)
     overrides = {name: value for name, value in flags.items() if value is not None}
     resume = overrides.get("resume", False)
     try:
@@ -293,6 +295,9 @@ _train_command.__signature__ = inspect.Signature([
                       default=typer.Option(None, "--config", help="TOML file of settings; flags override it.")),
     *(_train_option(setting, typing.get_type_hints(TrainConfig)[setting.name])
       for setting in dataclasses.fields(TrainConfig)),
+    # replaced by --val-tokens: refused, naming it
+    inspect.Parameter("val_sequences", inspect.Parameter.KEYWORD_ONLY, annotation=int | None,
+                      default=typer.Option(None, "--val-sequences", hidden=True)),
 ])
 app.command("train")(_train_command)
 

@@ -157,6 +157,15 @@ class ConversationStream:
     def sequences_in_epoch(self, epoch: int = 0) -> int:
         return len(self._plan(epoch)[2])
 
+    @property
+    def first_epoch_sequences(self) -> int:
+        """How many sequences it takes to read every conversation of the first epoch."""
+        return self.sequences_in_epoch(0)
+
+    def in_first_epoch(self, k: int) -> np.ndarray:
+        """Which tokens of sequence k belong to the first epoch: bool [seq_len + 1] (a sequence is in one epoch)."""
+        return np.full(self.capacity, k < self.sequences_in_epoch(0))
+
     def padding_before(self, k: int) -> int:
         """Padding tokens among the inputs of sequences 0..k-1."""
         if k == 0:

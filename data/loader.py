@@ -86,6 +86,16 @@ class PackedStream:
     def padding_before(self, k: int) -> int:
         return 0  # documents run on from one sequence into the next: there is none
 
+    @property
+    def first_epoch_sequences(self) -> int:
+        """How many sequences it takes to read every token of the first epoch (the last one partly): stream
+        position epoch_tokens - 1 is a label of sequence (epoch_tokens - 2) // seq_len."""
+        return (self.epoch_tokens - 2) // self.seq_len + 1
+
+    def in_first_epoch(self, k: int) -> np.ndarray:
+        """Which tokens of sequence k belong to the first epoch: bool [seq_len + 1]."""
+        return k * self.seq_len + np.arange(self.seq_len + 1) < self.epoch_tokens
+
     def read(self, position: int, count: int) -> tuple[np.ndarray, list[int]]:
         """`count` stream tokens from `position` (counted from the start of epoch 0) and the offsets in them
         where a document starts."""
@@ -127,13 +137,14 @@ class SequenceLoader:
     to 1; see data/mixture.py). With `reset_positions`, position ids restart at 0 at every document start
     inside a sequence (a document continued from the previous sequence starts at 0 too), matching
     document masking. Instruction stores pack their conversations with the `long_conversations` policy and
-    score their answers, or every token but the first of each conversation with `train_on_prompt`.
+    score their answers, or every token but the first of each conversation with `train_on_prompt`. With
+    `once` (validation) no token is scored twice: what a source gives past its first epoch is input only.
     """
 
     def __init__(self, sources: TokenStore | Sequence[TokenStore], seq_len: int, batch_size: int, *,
                  shares: Sequence[float] | None = None, dp_rank: int = 0, dp_size: int = 1, cp_rank: int = 0,
                  cp_size: int = 1, seed: int = 0, reset_positions: bool = False, cp_layout: str = "zigzag",
-                 long_conversations: str = "refuse", train_on_prompt: bool = False) -> None:
+                 long_conversations: str = "refuse", train_on_prompt: bool = False, once: bool = False) -> None:
         stores = [sources] if isinstance(sources, TokenStore) else list(sources)
         shares = [1.0] if shares is None and len(stores) == 1 else shares
         check_sequence_length(seq_len, cp_size)
@@ -156,7 +167,7 @@ class SequenceLoader:
                                  f"another split (the validation split is empty when --val-fraction is 0)")
         self.seq_len, self.batch_size = seq_len, batch_size
         self.dp_rank, self.dp_size, self.cp_rank, self.cp_size = dp_rank, dp_size, cp_rank, cp_size
-        self.seed, self.reset_positions, self.cp_layout = seed, reset_positions, cp_layout
+        self.seed, self.reset_positions, self.cp_layout, self.once = seed, reset_positions, cp_layout, once
         self.streams = [ConversationStream(store, seq_len, seed, i, policy=long_conversations,
                                            train_on_prompt=train_on_prompt) if store.is_conversations
                         else PackedStream(store, seq_len, seed, i) for i, store in enumerate(stores)]
@@ -166,6 +177,11 @@ class SequenceLoader:
     def sequences_by_source(self) -> list[int]:
         """How many sequences each source has given so far (to every rank together)."""
         return list(self.schedule.counts)
+
+    @property
+    def first_epoch_sequences(self) -> int:
+        """How many sequences hold every source's first epoch (every token of each, scored once)."""
+        return sum(stream.first_epoch_sequences for stream in self.streams)
 
     @property
     def padding_tokens(self) -> int:
@@ -210,6 +226,8 @@ class SequenceLoader:
                 k = self.schedule.counts[source] - 1  # the source's sequence number
                 row = index - mine.start
                 sequences[row], is_start[row], scored[row] = self.streams[source].sequence(k)
+                if self.once:
+                    scored[row] &= self.streams[source].in_first_epoch(k)
         return self._batch(sequences, is_start, scored)
 
     def _batch(self, sequences: np.ndarray, is_start: np.ndarray, scored: np.ndarray) -> Batch:

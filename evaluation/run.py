@@ -24,6 +24,7 @@ from burst.groups import group_rank_and_size
 from burst.layout import check_sequence_length
 from data import Tokenizer, TokenStore, default_store, passkey_sample
 from data.conversation_packing import check_policy
+from data.loader import IGNORE_INDEX
 from evaluation.checkpoint import EvalCheckpoint, check_tokenizer, load_for_eval
 from evaluation.distributed import context_parallel_group, use_burst_attention
 from evaluation.passkey import evaluate_passkey
@@ -32,6 +33,7 @@ from evaluation.perplexity import (
     available_sequences,
     evaluate_perplexity,
     long_documents,
+    packed_sequences,
 )
 from evaluation.qa import evaluate_qa
 from evaluation.report import tables, write_files
@@ -186,8 +188,26 @@ def open_inputs(config: EvalConfig) -> EvalInputs:
     if longest > max_seq_len:
         warnings.append(f"sequences of up to {longest:,} tokens are longer than the model's max_seq_len "
                         f"{max_seq_len:,}: positions past it were never trained, so expect worse results there")
-    return EvalInputs(checkpoint=checkpoint, store=store, tokenizer=tokenizer,
-                      sequences=min(available, config.batches), warnings=warnings)
+    sequences = min(available, config.batches)
+    if store.is_conversations:
+        check_answers_scored(config, store, sequences)
+    return EvalInputs(checkpoint=checkpoint, store=store, tokenizer=tokenizer, sequences=sequences,
+                      warnings=warnings)
+
+
+def check_answers_scored(config: EvalConfig, store: TokenStore, sequences: int) -> None:
+    """Refuse to score `sequences` of an instruction store's validation conversations that hold no answer token:
+    their loss would be 0 / 0, which says nothing of the model (reading them needs no weights)."""
+    shards = packed_sequences(store.split("val"), config.seq_len, sequences, 0, 1, config.long_conversations)
+    if any(int((shard.labels != IGNORE_INDEX).sum()) for shard in shards):
+        return
+    split = config.long_conversations == "split"
+    raise ValueError(f"the {sequences} validation sequence{'s' if sequences > 1 else ''} of {config.seq_len:,} "
+                     f"tokens of {store.directory} that --batches {config.batches} scores hold no answer token (an "
+                     f"instruction store scores only its answers"
+                     + (", and --long-conversations split cuts conversations into pieces, the first ones prompts "
+                        "only" if split else "") + "): their loss says nothing; raise --seq-len or --batches"
+                     + (", use --long-conversations truncate" if split else "") + ", or evaluate another store")
 
 
 def evaluate(config: EvalConfig, console: Console | None = None) -> EvalResult:

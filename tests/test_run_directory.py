@@ -194,14 +194,15 @@ def test_ranks_started_with_different_settings_are_refused_before_any_work(store
 
 def test_the_summary_and_metrics_report_the_validation_loss_at_the_start_and_the_end(store, tmp_path):
     out = tmp_path / "run"
-    done = burst_train(*COMMON, "--data", store, "--steps", 6, "--val-sequences", 3, "--val-every", 3,
+    done = burst_train(*COMMON, "--data", store, "--steps", 6, "--val-tokens", 3 * 256, "--val-every", 3,
                        "--out", out)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = events(out, "validation")
     assert [r["at_step"] for r in rows] == [0, 3, 6] and all(r["sequences"] == 3 for r in rows)
     assert rows[-1]["loss"] < rows[0]["loss"]
     summary = " ".join(done.stdout.split())
-    assert f"validation loss {rows[0]['loss']:.4f} (step 0) -> {rows[-1]['loss']:.4f} (step 6), 3 held-out" in summary
+    assert f"validation loss {rows[0]['loss']:.4f} (step 0) -> {rows[-1]['loss']:.4f} (step 6) over " \
+           f"{rows[-1]['held_out_tokens']:,} held-out tokens" in summary
     assert "training loss" in summary and "(mean of the last 6 steps)" in summary
     assert len(metrics(out)) == 6  # validation rows are events, not steps
 

@@ -115,7 +115,8 @@ def test_every_setting_is_a_burst_train_option_with_its_help_and_default():
         assert option.default is None  # an unset flag leaves the config file's value
         default = str(setting.default).lower() if isinstance(setting.default, bool) else str(setting.default)
         assert option.show_default == (setting.metadata["shown"] or default)
-    assert set(options) == {field.name for field in dataclasses.fields(TrainConfig)} | {"config"}
+    # and --val-sequences, hidden: refused, naming --val-tokens
+    assert set(options) == {field.name for field in dataclasses.fields(TrainConfig)} | {"config", "val_sequences"}
 
 
 def test_a_resume_that_changes_the_rope_names_the_value_the_run_used(tmp_path):

@@ -23,6 +23,12 @@ ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 DEFAULT_WARMUP = 5
 MIN_TIMEOUT, MAX_TIMEOUT = 0.1, 7 * 24 * 60.0  # minutes: --timeout becomes a timedelta and every collective's wait
 MAX_LR = 1.0  # AdamW moves each weight by about lr per step: beyond this no run trains
+# The default --val-tokens. A validation pass runs forward only, about a third of a training step's work per token
+# (backward costs about twice the forward), so two steps' tokens take about two thirds of a step's time: each pass
+# stays within one step's time, a third to spare for what forward-only does not save (the loss over the
+# vocabulary, a batch of one sequence). Below MIN_VAL_TOKENS a validation loss is mostly the noise of which
+# document it holds: steps shorter than half that validate on that many, a few of their short steps' time.
+VAL_STEPS, MIN_VAL_TOKENS = 2, 2048
 
 
 def flag(name: str) -> str:
@@ -108,9 +114,12 @@ class TrainConfig:
                                                 "truncate (cut the prompt's start away, BOS kept) or split (into "
                                                 "sequence-long pieces).")
     seed: int = setting(0, "Seed of the initial weights and the data order.")
-    val_sequences: int = setting(8, "Held-out sequences (the data's validation split) scored at the start and the end "
-                                    "of each invocation and every --val-every steps: the validation loss of "
-                                    "metrics.jsonl and the summary; 0: none.")
+    val_tokens: int | None = setting(None, "Held-out tokens (the data's validation split) scored at the start and the "
+                                           "end of each invocation and every --val-every steps, rounded up to whole "
+                                           "sequences and never more than the split holds (no token twice): the "
+                                           "validation loss of metrics.jsonl and the summary; 0: none.",
+                                     shown=f"{VAL_STEPS} steps' tokens, at least {MIN_VAL_TOKENS}: about 2/3 of a "
+                                           f"step's time")
     val_every: int = setting(0, "Steps between validation losses during the run (0: at the start and end only).")
     out: str | None = setting(None, "Run directory (must be new, unless --resume).", shown="runs/DATE-TIME")
     log_every: int = setting(1, "Steps between logged metrics.")
@@ -155,9 +164,13 @@ class TrainConfig:
         if self.warmup is None:  # the default: a short warmup that leaves short (smoke-test) runs at --lr
             object.__setattr__(self, "warmup", min(DEFAULT_WARMUP, self.steps - 1))
         for name in ("lr", "warmup", "weight_decay", "max_grad_norm", "checkpoint_every", "max_restarts",
-                     "val_sequences", "val_every"):
+                     "val_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{flag(name)} {getattr(self, name)} must not be negative")
+        if self.val_tokens is None:
+            object.__setattr__(self, "val_tokens", max(VAL_STEPS * self.tokens_per_step, MIN_VAL_TOKENS))
+        if self.val_tokens < 0:
+            raise ValueError(f"--val-tokens {self.val_tokens} must not be negative (0: no validation)")
         if not MIN_TIMEOUT <= self.timeout <= MAX_TIMEOUT:
             raise ValueError(f"--timeout {self.timeout:g} minutes must be between {MIN_TIMEOUT:g} (a collective of a "
                              f"healthy step takes longer than a few seconds) and {MAX_TIMEOUT:g} (a week); 30 suits "
@@ -244,7 +257,7 @@ INVOCATION_FIELDS = ("resume", "stop_after")
 # Sequences per step (batch_size x dp x grad_accum) must stay, so the loss and schedule do not change.
 RESUMABLE_CHANGES = ("cp", "dp", "batch_size", "grad_accum", "activation_checkpointing", "attention_backward",
                      "cp_topology", "cp_layout", "compile", "check_ranks_every", "log_every", "checkpoint_every",
-                     "keep", "async_checkpoint", "max_restarts", "timeout", "val_sequences", "val_every",
+                     "keep", "async_checkpoint", "max_restarts", "timeout", "val_tokens", "val_every",
                      *INVOCATION_FIELDS)
 
 
@@ -282,22 +295,37 @@ def _checked(values: dict[str, Any], source: str) -> dict[str, Any]:
     return values
 
 
-def _upgraded(values: dict[str, Any]) -> dict[str, Any]:
-    """Settings of an older config file in today's form: activation_checkpointing was a switch, data one store."""
+def val_sequences_replaced(where: str) -> str:
+    """Why `where` (--val-sequences, or a config file's val_sequences) is refused, and what to write instead."""
+    return (f"{where} was replaced by --val-tokens (val_tokens in a config file): validation is sized in held-out "
+            f"tokens, so that a long --seq-len no longer scores the same held-out tokens several times over; pass "
+            f"--val-tokens N (N sequences are N x --seq-len tokens), or leave it out for the default ({VAL_STEPS} "
+            f"steps' tokens, at least {MIN_VAL_TOKENS}: about 2/3 of a step's time)")
+
+
+def _upgraded(values: dict[str, Any], source: str, recorded: bool) -> dict[str, Any]:
+    """Settings of an older config file in today's form: activation_checkpointing was a switch, data one store.
+    recorded: the file is a run's own config.toml, which recorded every setting, set or not."""
     if isinstance(values.get("activation_checkpointing"), bool):
         values["activation_checkpointing"] = "selective" if values["activation_checkpointing"] else "none"
     if isinstance(values.get("data"), str):  # one store, before mixtures
         values["data"] = [values["data"]]
+    if "val_sequences" in values:  # before val_tokens: a run resumed validates by val_tokens' default
+        if not recorded:
+            raise ValueError(val_sequences_replaced(f"val_sequences in {source}"))
+        del values["val_sequences"]
     return values
 
 
-def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
-    """Defaults, replaced by the settings of the TOML file at `path`, replaced by `overrides` (flags)."""
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None, *,
+                recorded: bool = False) -> TrainConfig:
+    """Defaults, replaced by the settings of the TOML file at `path`, replaced by `overrides` (flags).
+    recorded: `path` is a run's own config.toml (--resume)."""
     values: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
         try:
-            values.update(_checked(_upgraded(tomllib.loads(path.read_text())), str(path)))
+            values.update(_checked(_upgraded(tomllib.loads(path.read_text()), str(path), recorded), str(path)))
         except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as err:
             raise ValueError(f"cannot read the config file {path}: {err}") from None
         in_file = [name for name in INVOCATION_FIELDS if name in values]
@@ -337,8 +365,8 @@ def load_run_config(out: str | Path, overrides: dict[str, Any]) -> TrainConfig:
     if not path.is_file():
         raise ValueError(f"--resume: {out} holds no run to continue ({path} does not exist); pass the --out of "
                          f"an earlier run, or start a new run without --resume")
-    saved = load_config(path, {"out": str(out)})
-    config = load_config(path, {**overrides, "out": str(out), "resume": True})
+    saved = load_config(path, {"out": str(out)}, recorded=True)
+    config = load_config(path, {**overrides, "out": str(out), "resume": True}, recorded=True)
     changed = [name for name in FIELDS if name not in RESUMABLE_CHANGES and name != "out"
                and getattr(config, name) != getattr(saved, name)]
     if changed:

@@ -3,6 +3,7 @@
     metrics = Metrics(out, total_steps)
     metrics.log(step, {"loss": 2.31, "lr": 1e-3, ...})
     metrics.event("model_ready", {"seconds": 4.2, ...}, "model ready: ...")   # a line with "event", no "step"
+    metrics.progress("validation", done, total)   # a pass that is not a step: a bar, or plain lines
     metrics.close()
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +21,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 def format_line(step: int, total_steps: int, values: dict[str, Any]) -> str:
     """One human-readable line per logged step (the same in the live display and in plain logs)."""
-    line = (f"step {step:>{len(str(total_steps))}}/{total_steps}  loss {values['loss']:.4f}  lr {values['lr']:.2e}  "
-            f"grad norm {values['grad_norm']:.3f}  {values['tokens_per_s']:,.0f} tok/s  "
+    loss, norm = ("-" if values[name] is None else f"{values[name]:{form}}" for name, form in (("loss", ".4f"),
+                                                                                                ("grad_norm", ".3f")))
+    line = (f"step {step:>{len(str(total_steps))}}/{total_steps}  loss {loss}  lr {values['lr']:.2e}  "
+            f"grad norm {norm}  {values['tokens_per_s']:,.0f} tok/s  "
             f"step {values['step_time_s']:.2f} s  mem {values['peak_mem_mib']:,.0f} MiB")
     if values.get("skipped"):
-        line += "  [skipped: non-finite loss or gradient norm]"
+        line += f"  [skipped: {values['skip_reason']}]"
     return line
 
 
@@ -44,12 +48,13 @@ class Metrics:
             pass
         self._progress = None
         if self.console.is_terminal:
-            self._progress = Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(), TextColumn("ETA"),
-                                      TimeRemainingColumn(), TextColumn("elapsed"), TimeElapsedColumn(),
-                                      console=self.console)
-            self._task = self._progress.add_task("train", total=total_steps)
+            self._progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                      TextColumn("ETA"), TimeRemainingColumn(), TextColumn("elapsed"),
+                                      TimeElapsedColumn(), console=self.console)
+            self._task = self._progress.add_task("training", total=total_steps)
             self._progress.start()
         self._step_times: list[float] = []
+        self._passes: dict[str, tuple[float, Any]] = {}  # progress(): each pass's start, and its bar on a terminal
 
     def log(self, step: int, values: dict[str, Any]) -> None:
         """Record the metrics of `step` (1-based): loss, lr, grad_norm, tokens_per_s, step_time_s, peak_mem_mib,
@@ -60,7 +65,9 @@ class Metrics:
         if self._tensorboard is not None:
             for name, value in values.items():
                 for key, number in (value.items() if isinstance(value, dict) else [("", value)]):
-                    self._tensorboard.add_scalar(f"train/{name}" + (f"/{key}" if key else ""), float(number), step)
+                    if isinstance(number, int | float):  # not a skipped step's missing loss, nor its reason
+                        self._tensorboard.add_scalar(f"train/{name}" + (f"/{key}" if key else ""), float(number),
+                                                     step)
         line = format_line(step, self.total_steps, values)
         if self._progress is not None:
             self._progress.update(self._task, completed=step)
@@ -70,6 +77,24 @@ class Metrics:
             recent = self._step_times[-20:]
             eta = datetime.timedelta(seconds=round(sum(recent) / len(recent) * (self.total_steps - step)))
             print(f"{line}  eta {eta}", flush=True)
+
+    def progress(self, label: str, done: int, total: int) -> None:
+        """How far a pass that is not a training step (validation) is: `done` of its `total` parts, called at 0
+        first and at `total` last. A bar beside training's on a terminal; otherwise a plain line at each quarter
+        (none at the end: the pass's own result follows)."""
+        if done == 0:
+            bar = self._progress.add_task(label, total=total) if self._progress is not None else None
+            self._passes[label] = (time.perf_counter(), bar)
+            return
+        started, bar = self._passes[label]
+        if bar is not None:
+            self._progress.update(bar, completed=done)
+            if done == total:
+                self._progress.remove_task(bar)
+        elif done < total and 4 * done // total > 4 * (done - 1) // total:
+            seconds = time.perf_counter() - started
+            eta = datetime.timedelta(seconds=round(seconds / done * (total - done)))
+            print(f"{label} {done}/{total}  {seconds:.1f} s  eta {eta}", flush=True)
 
     def event(self, name: str, values: dict[str, Any], text: str) -> None:
         """Record something that happened to the run, not a step's metrics (start-up, a restart), and print `text`."""

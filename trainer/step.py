@@ -25,13 +25,17 @@ from runtime.process import all_reduce
 from trainer.config import TrainConfig
 from trainer.distributed import Distributed
 
+NO_SCORED_TOKENS = "no scored token (every label of the step is a prompt, padding or a document's start)"
+NON_FINITE = "non-finite loss or gradient norm"
+
 
 @dataclass
 class StepResult:
-    loss: float  # global mean token loss
-    grad_norm: float  # global gradient norm before clipping
-    applied: bool  # False: non-finite loss or gradient norm, the optimizer step was skipped
+    loss: float | None  # global mean token loss; None when no token was scored
+    grad_norm: float | None  # global gradient norm before clipping; None when no token was scored
+    applied: bool  # False: the optimizer step was skipped, for `skip_reason`
     scored_tokens: int  # the tokens the loss is the mean over: every label of the global batch
+    skip_reason: str | None = None  # NO_SCORED_TOKENS or NON_FINITE when not applied
 
 
 def forward_backward(model: Transformer, batch: Batch, global_count: torch.Tensor, config: TrainConfig,
@@ -72,11 +76,14 @@ def _train_step(model: Transformer, optimizer: torch.optim.Optimizer, micro_batc
                 config: TrainConfig, env: Distributed) -> StepResult:
     # Known before any backward, so every micro-batch is scaled by the step's global token count.
     scored = all_reduce(torch.tensor(float(sum(b.num_tokens for b in micro_batches)), device=env.device))
-    global_count = scored.clamp(min=1.0)  # a step of conversations may score none (all prompts): loss 0
+    if scored.item() == 0:
+        # A step of conversations may score none (all prompts and padding): it has no loss, and AdamW would still
+        # move the weights (its moments' momentum, weight decay). Every rank sees the same count: all skip it.
+        return StepResult(None, None, False, 0, NO_SCORED_TOKENS)
     loss_sum = torch.zeros((), device=env.device)
     for batch in micro_batches:
-        loss_sum += forward_backward(model, batch, global_count, config, env.device)
-    loss = all_reduce(loss_sum) / global_count
+        loss_sum += forward_backward(model, batch, scored, config, env.device)
+    loss = all_reduce(loss_sum) / scored
     max_norm = config.max_grad_norm or math.inf  # 0: no clipping, but still measure the norm
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)  # over all shards
     if isinstance(grad_norm, DTensor):
@@ -86,7 +93,7 @@ def _train_step(model: Transformer, optimizer: torch.optim.Optimizer, micro_batc
     if applied:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss.item(), grad_norm.item(), applied, int(scored.item()))
+    return StepResult(loss.item(), grad_norm.item(), applied, int(scored.item()), None if applied else NON_FINITE)
 
 
 def non_finite_weights(model: Transformer, env: Distributed) -> list[str]:

@@ -14,9 +14,11 @@ with finite weights: a checkpoint is never a diverged model.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import signal
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,8 +43,8 @@ from trainer.preflight import RunPlan
 from trainer.rundir import METRICS_FILE, SOURCE_TOKENIZERS, claim_run_directory
 from trainer.saving import CheckpointSaver, Saved
 from trainer.signals import StopRequest, TrainingInterrupted
-from trainer.step import StepResult, checks_ranks, non_finite_weights, train_step
-from trainer.validation import Validator
+from trainer.step import NON_FINITE, StepResult, checks_ranks, non_finite_weights, train_step
+from trainer.validation import ValidationResult, Validator
 
 SMOOTHED_STEPS = 10  # the summary's training loss: the mean over this many last steps
 
@@ -95,8 +97,9 @@ class Trainer:
                                      env.cpu_group, self.report_saved)
         self.metrics: Metrics | None = None  # rank 0's, once the run directory is written (`record`)
         self.validator = Validator(self.sources, config, env)
-        self.val_losses: list[tuple[int, float]] = []  # (step, validation loss) of this invocation
-        self.losses: list[float] = []  # training losses of this invocation's steps
+        self.val_losses: list[tuple[int, ValidationResult]] = []  # (step, validation) of this invocation
+        self.losses: list[float] = []  # training losses of this invocation's steps that scored a token
+        self.unscored_steps = 0  # this invocation's steps skipped for scoring no token
         self.last_step = min(config.steps, config.stop_after or config.steps)
         self.conversations = [(source.spec.name, stream) for source, stream in
                               zip(self.sources, self.loader.streams, strict=True) if source.store.is_conversations]
@@ -144,6 +147,8 @@ class Trainer:
                                + (" (weights and optimizer state)" if self.config.init_optimizer else " (weights)"))
         self.report_model_ready()
         self.report_conversations()
+        if self.metrics is not None:
+            self.metrics.event("validation_plan", self.validator.plan_values(), self.validator.plan())
         if self.metrics is not None and plan.restart:
             self.metrics.event("restart", {"attempt": plan.restart, "from_step": self.state.step},
                                f"restart {plan.restart} of the workers after one died: "
@@ -222,6 +227,8 @@ class Trainer:
             with StopRequest() as stop_request:
                 while self.state.step < self.last_step and stop_reason is None and signalled is None:
                     result = self.step(checks_ranks(self.state.step + 1, first_step, self.config.check_ranks_every))
+                    if result.loss is None and self.state.step == first_step:
+                        first_step += 1  # it scored no token, so ran no attention: the next step checks the ranks
                     stop_reason = self.bad_steps_reason(result)
                     signalled = self.agreed_signal(stop_request)
                     before_end = self.state.step < self.last_step and stop_reason is None and not signalled
@@ -245,15 +252,21 @@ class Trainer:
         """The validation loss now (trainer/validation.py), logged as a `validation` event; once per step."""
         if self.val_losses and self.val_losses[-1][0] == self.state.step:
             return
-        loss = self.validator(self.model)
-        if loss is None:
+        metrics, step, validator = self.metrics, self.state.step, self.validator
+        result = validator(self.model, functools.partial(metrics.progress, "validation") if metrics else None)
+        if result is None:
             return
-        self.val_losses.append((self.state.step, loss))
-        if self.metrics is not None:
-            self.metrics.event("validation", {"at_step": self.state.step, "loss": loss,
-                                              "sequences": self.validator.sequences},
-                               f"validation loss {loss:.4f} at step {self.state.step} "
-                               f"({self.validator.sequences} held-out sequences)")
+        if result.loss is not None:
+            self.val_losses.append((step, result))
+        if metrics is not None:
+            text = f"validation loss {result.loss:.4f}" if result.loss is not None else \
+                "validation: the held-out sequences score no token (no answer among their conversations)"
+            metrics.event("validation", {"at_step": step, "loss": result.loss, "held_out_tokens": result.tokens,
+                                         "sequences": validator.sequences, "seconds": result.seconds,
+                                         "left_out": validator.skipped},
+                          f"{text} at step {step} over {result.tokens:,} held-out tokens ({validator.sequences} "
+                          f"sequence{'s' if validator.sequences > 1 else ''}, {result.seconds:.1f} s)"
+                          f"{validator.left_out()}")
 
     def step(self, check_ranks: bool) -> StepResult:
         """One optimizer step over grad_accum micro-batches, its counters, and its metrics when logged."""
@@ -262,11 +275,17 @@ class Trainer:
         lr = self.schedule.get_last_lr()[0]
         result = train_step(self.model, self.optimizer, [next(self.loader) for _ in range(config.grad_accum)],
                             config, self.env, check_ranks)
-        self.schedule.step()
-        self.losses.append(result.loss)
+        with warnings.catch_warnings():  # a skipped step still takes its step of the schedule: no surprise to warn of
+            warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler.step\(\)` before", UserWarning)
+            self.schedule.step()
+        if result.loss is not None:
+            self.losses.append(result.loss)
+        else:
+            self.unscored_steps += 1
         state.step += 1
         state.tokens += config.tokens_per_step
-        state.bad_steps = 0 if result.applied else state.bad_steps + 1
+        if result.applied or result.skip_reason == NON_FINITE:  # a step that scored no token is neither
+            state.bad_steps = 0 if result.applied else state.bad_steps + 1
         step_time = time.perf_counter() - step_started
         if state.step % config.log_every == 0 or state.step == self.last_step or not result.applied:
             peak = all_reduce(torch.tensor(peak_memory_mib(self.env.device), device=self.env.device),
@@ -275,7 +294,8 @@ class Trainer:
                 self.metrics.log(state.step, {"loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
                                               "tokens_per_s": config.tokens_per_step / step_time,
                                               "step_time_s": step_time, "peak_mem_mib": peak,
-                                              "skipped": not result.applied, "scored_tokens": result.scored_tokens,
+                                              "skipped": not result.applied, "skip_reason": result.skip_reason,
+                                              "scored_tokens": result.scored_tokens,
                                               "tokens_by_source": self.tokens_by_source(),
                                               **({"padding_tokens": self.loader.padding_tokens}
                                                  if self.conversations else {})})
@@ -360,9 +380,12 @@ class Trainer:
         text = ""
         if self.val_losses:
             (first_step, first), (last_step, last) = self.val_losses[0], self.val_losses[-1]
-            text += f"; validation loss {first:.4f} (step {first_step}) -> {last:.4f} (step {last_step}), " \
-                    f"{self.validator.sequences} held-out sequences"
+            text += f"; validation loss {first.loss:.4f} (step {first_step}) -> {last.loss:.4f} (step {last_step}) " \
+                    f"over {last.tokens:,} held-out tokens"
         recent = [loss for loss in self.losses[-SMOOTHED_STEPS:] if math.isfinite(loss)]
         if recent:
             text += f"; training loss {sum(recent) / len(recent):.4f} (mean of the last {len(recent)} steps)"
+        if self.unscored_steps:
+            text += f"; {self.unscored_steps} step{'s' if self.unscored_steps > 1 else ''} scored no token " \
+                    f"(skipped, left out of the losses)"
         return text

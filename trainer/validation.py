@@ -1,15 +1,23 @@
-"""The validation loss a run reports: the mean token loss of held-out sequences, the same ones every time.
+"""The validation loss a run reports: the mean token loss of held-out tokens, the same ones every time.
 
 Single training losses are noisy (one batch each); the validation loss at the start and the end of an
 invocation, and every --val-every steps, tells whether the run learns. Its sequences are packed from the
 sources' validation splits as training packs the training splits (the same mixture shares, --doc-mask and
 positions), with a fixed seed, so every pass scores the same tokens; the dp ranks share them out and the cp
 ranks split each one, and the loss is the mean over every scored token.
+
+A pass is sized in tokens, --val-tokens (its default: trainer/config.py), rounded up to whole sequences, as
+many for every dp rank, and no more sequences than the splits fill: a token is scored at most once per pass
+(what a sequence holds past its source's split is input only), however long the sequences.
 """
 
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -20,34 +28,86 @@ from trainer.config import TrainConfig
 from trainer.distributed import Distributed
 
 
+def steps(share: float) -> str:
+    """`share` of a training step in words: 0.33 -> "33% of a step's", 2.5 -> "2.5 steps'"."""
+    return f"{share:.0%} of a step's" if share < 1.5 else f"{share:.1f} steps'"
+
+
+@dataclass(frozen=True)
+class ValidationResult:
+    """One validation pass."""
+
+    loss: float | None  # the mean loss over the scored tokens; None when the sequences held none
+    tokens: int  # distinct held-out tokens scored, over all ranks
+    seconds: float
+
+
 class Validator:
-    """Scores `config.val_sequences` held-out sequences of `sources` (those with validation documents)."""
+    """Scores about `config.val_tokens` held-out tokens of `sources` (those with validation documents)."""
 
     def __init__(self, sources: list[Source], config: TrainConfig, env: Distributed) -> None:
         self.config, self.env = config, env
         held_out = [source for source in sources if source.val.num_documents > 0]
+        self.skipped = [source.spec.name for source in sources if source.val.num_documents == 0]
+        self.split_tokens = sum(source.val.num_tokens for source in held_out)
         total = sum(source.spec.share for source in held_out)
         self.stores = [source.val for source in held_out]
         self.shares = [source.spec.share / total for source in held_out]
-        self.per_rank = math.ceil(config.val_sequences / config.dp) if self.stores else 0
-        self.sequences = self.per_rank * config.dp  # every dp rank scores as many: at least --val-sequences
-        self.skipped = [source.spec.name for source in sources if source.val.num_documents == 0]
+        available = self._loader().first_epoch_sequences if self.stores else 0  # that hold every split whole
+        wanted = math.ceil(config.val_tokens / config.seq_len)
+        self.whole_split = 0 < available <= wanted
+        self.per_rank = math.ceil(min(wanted, available) / config.dp)
+        self.sequences = self.per_rank * config.dp  # every dp rank scores as many
+
+    def _loader(self) -> SequenceLoader:
+        """The held-out sequences from the first, each token scored once."""
+        config, env = self.config, self.env
+        return SequenceLoader(self.stores, config.seq_len, 1, shares=self.shares, dp_rank=env.dp_rank,
+                              dp_size=config.dp, cp_rank=env.cp_rank, cp_size=config.cp, seed=config.seed,
+                              reset_positions=config.doc_mask, cp_layout=config.sequence_layout,
+                              long_conversations=config.long_conversations, once=True,
+                              train_on_prompt=config.train_on_prompt and any(s.is_conversations for s in self.stores))
+
+    def plan(self) -> str:
+        """What a pass costs, said before the first: its tokens and sequences, and their share of a step's."""
+        config = self.config
+        if not self.sequences:
+            why = "--val-tokens 0" if self.stores else "no --data source has a validation split (prepare " \
+                                                       "with --val-fraction above 0)"
+            return f"validation: none ({why})"
+        held = f"the whole validation split ({self.split_tokens:,} tokens)" if self.whole_split else \
+            f"{config.val_tokens:,} held-out tokens (--val-tokens) of the validation split's {self.split_tokens:,}"
+        share = self.sequences * config.seq_len / config.tokens_per_step
+        return (f"validation: {held} per pass, {self.sequences} sequence{'s' if self.sequences > 1 else ''} of "
+                f"{config.seq_len:,} tokens forward only: {steps(share)} tokens, about {steps(share / 3)} time"
+                + self.left_out())
+
+    def plan_values(self) -> dict[str, Any]:
+        """plan() as figures, for metrics.jsonl."""
+        return {"sequences": self.sequences, "seq_len": self.config.seq_len, "val_tokens": self.config.val_tokens,
+                "forward_tokens": self.sequences * self.config.seq_len, "step_tokens": self.config.tokens_per_step,
+                "split_tokens": self.split_tokens, "whole_split": self.whole_split, "left_out": self.skipped}
+
+    def left_out(self) -> str:
+        """The sources that validation leaves out, having no validation split, as a clause of a line."""
+        return f"; left out, having no validation split: {', '.join(self.skipped)}" if self.skipped else ""
 
     @torch.no_grad()
-    def __call__(self, model: torch.nn.Module) -> float | None:
-        """The mean token loss over the held-out sequences (None when there are none)."""
+    def __call__(self, model: torch.nn.Module, progress: Callable[[int, int], None] | None = None) \
+            -> ValidationResult | None:
+        """The mean token loss over the held-out tokens (None when there are no sequences to score);
+        `progress(done, total)` hears of each sequence this rank scored."""
         if not self.sequences:
             return None
         config, env = self.config, self.env
-        loader = SequenceLoader(self.stores, config.seq_len, 1, shares=self.shares, dp_rank=env.dp_rank,
-                                dp_size=config.dp, cp_rank=env.cp_rank, cp_size=config.cp, seed=config.seed,
-                                reset_positions=config.doc_mask, cp_layout=config.sequence_layout,
-                                long_conversations=config.long_conversations,
-                                train_on_prompt=config.train_on_prompt and any(s.is_conversations for s in self.stores))
+        started = time.perf_counter()
+        loader = self._loader()
         totals = torch.zeros(2, dtype=torch.float64, device=env.device)  # summed loss, scored tokens
         was_training = model.training
         model.eval()
-        for _ in range(self.per_rank):
+        for done in range(self.per_rank):
+            if progress is not None:
+                progress(done, self.per_rank)
             batch = next(loader)
             tokens, labels, positions = (t.to(env.device) for t in (batch.tokens, batch.labels, batch.positions))
             with torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=config.precision == "bf16"):
@@ -57,4 +117,6 @@ class Validator:
             totals += torch.stack([loss_sum.double(), count.double()])
         model.train(was_training)
         loss_sum, count = all_reduce(totals).tolist()
-        return loss_sum / count if count else None
+        if progress is not None:
+            progress(self.per_rank, self.per_rank)
+        return ValidationResult(loss_sum / count if count else None, int(count), time.perf_counter() - started)
