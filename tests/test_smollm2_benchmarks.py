@@ -1,4 +1,5 @@
-"""benchmarks/smollm2_extension.py at its --quick size: every variant scored, both training stages run, cached."""
+"""benchmarks/smollm2_extension.py at its --quick size: every variant scored, both training stages run over two
+invocations, everything cached."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ import math
 from benchmarks.smollm2_extension import QUICK, main
 
 
-def test_the_extension_benchmark_scores_every_variant_and_reruns_from_its_cache(smollm2_2_layers, tmp_path):
+def test_the_extension_benchmark_scores_every_variant_resumes_its_stages_and_reruns_cached(smollm2_2_layers, tmp_path):
     out = tmp_path / "extension"
-    summary = main(["--quick", "--out", str(out)])
+    partial = main(["--quick", "--out", str(out), "--stop-after", "1"])  # the stages stop at step 1 of 2
+    assert list(partial["variants"]) == ["original", "linear", "dynamic", "yarn", "theta"]
+    assert (out / "runs" / "yarn+training" / "checkpoints" / "step-000001").is_dir()
+    summary = main(["--quick", "--out", str(out)])  # the stages continue (--resume) to their last step
     variants = summary["variants"]
     assert list(variants) == ["original", "linear", "dynamic", "yarn", "theta", "yarn+training", "theta+training"]
     for name, figures in variants.items():
