@@ -16,6 +16,18 @@ places it there (its depth in the prompt). The fine-tuning example (docs/instruc
 
     python benchmarks/stdlib_instructions.py --out stdlib-qa.jsonl
     burst prepare stdlib-qa.jsonl --chat --tokenizer runs/pretrain --out stores/stdlib-qa --val-fraction 0.1
+
+On a real instruct model, SmolLM2-135M-Instruct (scripts/smollm2.py), the conversations are rendered with its own
+ChatML template (its chat_template.jinja, default system prompt included), and modules up to its 8,192-token
+context fit (about 3.5 characters a token on this code):
+
+    SMOL=$(python scripts/smollm2.py)
+    python benchmarks/stdlib_instructions.py --out smol-qa.jsonl --max-chars 24000
+    burst prepare smol-qa.jsonl --chat --tokenizer $SMOL --out stores/smol-qa --val-fraction 0.05
+    burst eval --checkpoint $SMOL --data stores/smol-qa --seq-len 8192 --qa-samples 64 --json before.json
+    burst train --model $SMOL --data stores/smol-qa --seq-len 8192 --cp 2 --doc-mask --steps 100 --lr 3e-5 \
+        --out runs/smol-qa
+    burst eval --checkpoint runs/smol-qa --data stores/smol-qa --seq-len 8192 --qa-samples 64 --json after.json
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The sequence-parallel loader: documents packed into long sequences, cut into each rank's shard.
 
 Each source (one token store, or several mixed by share: data/mixture.py) has its own packing
-stream: every document of the source in a seeded random order, each as BOS + document + EOS; epoch
+stream: every document of the source in a seeded random order, each as BOS + document + EOS (document + EOS
+when its tokenizer puts no BOS before a text, as SmolLM2's: `TokenStore.bos_first`); epoch
 e + 1 (a new order) follows epoch e without a gap. Sequence k of a stream is
 stream[k * seq_len : k * seq_len + seq_len + 1], so consecutive sequences share one token and every
 stream token is a label exactly once. A long document simply continues into the next sequence.
@@ -40,18 +41,20 @@ class Batch:
 
     tokens: torch.Tensor  # int64 [batch, seq_len // cp_size], the rank's shard under the loader's cp_layout
     labels: torch.Tensor  # int64 [batch, seq_len // cp_size], next tokens; IGNORE_INDEX where the next is not
-    #                       scored (a document's BOS; in conversations the prompts and padding too)
+    #                       scored (a document's first token, its BOS if it has one; in conversations the prompts
+    #                       and padding too)
     positions: torch.Tensor  # int64 [batch, seq_len // cp_size], global position ids of the shard's tokens
     doc_boundaries: list[torch.Tensor]  # per sequence, int64 cumulative document starts over the FULL sequence:
-    #                                     [0, start_1, ..., seq_len]; a document starts at each BOS
+    #                                     [0, start_1, ..., seq_len]; a document starts at its BOS, or after an EOS
     num_tokens: int  # labels != IGNORE_INDEX in this shard, for normalising the loss across ranks
     rope_length: int  # max(position id) + 1 over the WHOLE sequences, the same on every cp rank: the length
     #                   a length-dependent RoPE scaling (dynamic NTK, longrope) is computed for (models/rope.py)
 
 
 class PackedStream:
-    """One source's packing stream: its documents, BOS + document + EOS each, in a new seeded order every
-    epoch. Reads copy whole slices of the memory map: the Python loop runs once per document, not per token.
+    """One source's packing stream: its documents, each framed as its tokenizer frames a text (BOS + document + EOS,
+    or document + EOS: `TokenStore.bos_first`), in a new seeded order every epoch.
+    Reads copy whole slices of the memory map: the Python loop runs once per document, not per token.
 
     `stream_id` tells sources apart in the seed; source 0 draws its orders as a single store always has.
     """
@@ -59,9 +62,10 @@ class PackedStream:
     def __init__(self, store: TokenStore, seq_len: int, seed: int, stream_id: int = 0) -> None:
         self.store, self.seq_len = store, seq_len
         self._seed = [seed] + ([stream_id] if stream_id else [])
-        self._lengths = store.document_lengths + 2  # BOS + document + EOS, as packed
+        self._prefix = store.document_prefix
+        self._lengths = store.document_lengths + len(self._prefix) + 1  # [BOS] + document + EOS
         self.epoch_tokens = int(self._lengths.sum())
-        self._bos, self._eos = store.bos_id, store.eos_id
+        self._eos = store.eos_id
         self._layouts: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     def _layout(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
@@ -77,7 +81,8 @@ class PackedStream:
 
     def sequence(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Sequence k: tokens int64 [seq_len + 1], where documents start bool [seq_len + 1], and which tokens are
-        scored bool [seq_len + 1] (all but a document's BOS)."""
+        scored bool [seq_len + 1] (all but a document's first: its BOS, or with no BOS its first token, which
+        nothing of the document comes before)."""
         tokens, starts = self.read(k * self.seq_len, self.seq_len + 1)
         is_start = np.zeros(self.seq_len + 1, bool)
         is_start[starts] = True
@@ -119,14 +124,13 @@ class PackedStream:
         return out, starts
 
     def _copy_packed(self, document: int, begin: int, out: np.ndarray) -> None:
-        """Write tokens [begin, begin + len(out)) of BOS + document + EOS into `out`."""
+        """Write tokens [begin, begin + len(out)) of [BOS] + document + EOS into `out`."""
         tokens = self.store.document(document)
-        end = begin + len(out)
-        body_begin, body_end = max(begin, 1), min(end, len(tokens) + 1)  # the part inside the document
-        if begin == 0:
-            out[0] = self._bos
-        out[body_begin - begin:body_end - begin] = tokens[body_begin - 1:body_end - 1]
-        if end == len(tokens) + 2:
+        end, prefix = begin + len(out), len(self._prefix)
+        body_begin, body_end = max(begin, prefix), min(end, len(tokens) + prefix)  # the part inside the document
+        out[:max(prefix - begin, 0)] = self._prefix[begin:prefix]
+        out[body_begin - begin:body_end - begin] = tokens[body_begin - prefix:body_end - prefix]
+        if end == len(tokens) + prefix + 1:
             out[-1] = self._eos
 
 

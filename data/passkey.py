@@ -3,7 +3,7 @@
 The sample is built in tokens, each part encoded on its own, so that it has exactly the length
 asked for and the answer's place is known exactly:
 
-    BOS  intro  filler[:a]  needle  filler[:b]  question  answer
+    [BOS]  intro  filler[:a]  needle  filler[:b]  question  answer
                 <-------- depth * filler --->
 """
 
@@ -23,7 +23,7 @@ QUESTION = "What is the pass key? The pass key is"
 
 @dataclass
 class PasskeySample:
-    tokens: list[int]  # [length]: BOS, the prompt, and the answer at the end
+    tokens: list[int]  # [length]: BOS (when its tokenizer frames text so), the prompt, and the answer at the end
     answer_ids: list[int]  # == tokens[answer_start:answer_end]
     answer_start: int  # logits at positions answer_start - 1 ... answer_end - 2 must predict the answer
     answer_end: int
@@ -41,14 +41,15 @@ def passkey_sample(tokenizer: Tokenizer, length: int, depth: float, seed: int = 
     passkey = str(random.Random(seed).randrange(10 ** (digits - 1), 10**digits))
     intro, needle = tokenizer.encode(INTRO), tokenizer.encode(NEEDLE.format(passkey=passkey))
     question, answer = tokenizer.encode(QUESTION), tokenizer.encode(passkey)
-    fixed = 1 + len(intro) + len(needle) + len(question) + len(answer)
+    prefix = [tokenizer.bos_id] if tokenizer.bos_first else []  # as documents are framed (data/tokenizer.py)
+    fixed = len(prefix) + len(intro) + len(needle) + len(question) + len(answer)
     filler_tokens = length - fixed
     if filler_tokens < 0:
         raise ValueError(f"a passkey sample needs at least {fixed} tokens with this tokenizer; asked for {length}")
     unit = tokenizer.encode(FILLER)
     filler = unit * (filler_tokens // len(unit) + 1)  # cut at a token, so the length comes out exact
     before = round(depth * filler_tokens)
-    tokens = ([tokenizer.bos_id] + intro + filler[:before] + needle + filler[:filler_tokens - before]
+    tokens = (prefix + intro + filler[:before] + needle + filler[:filler_tokens - before]
               + question + answer)
     return PasskeySample(tokens=tokens, answer_ids=answer, answer_start=length - len(answer), answer_end=length,
                          passkey=passkey, depth=depth)

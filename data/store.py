@@ -164,6 +164,8 @@ def _read_metadata(path: Path) -> dict[str, Any]:
     missing += [] if metadata.get("dtype") in ("uint16", "uint32") else ["dtype"]
     missing += [f"tokenizer.{key}" for key in TOKENIZER_KEYS
                 if not isinstance(tokenizer, dict) or not isinstance(tokenizer.get(key), TOKENIZER_KEYS[key])]
+    if not missing and not isinstance(tokenizer.get("bos_first", True), bool):
+        missing.append("tokenizer.bos_first (true or false)")
     if not missing and (not tokenizer["files"] or not set(tokenizer["files"]) <= set(TOKENIZER_FILES)):
         missing.append(f"tokenizer.files (names among {', '.join(TOKENIZER_FILES)})")
     if not missing and tokenizer["fingerprint"] != fingerprint(tokenizer["kind"], tokenizer["digest"],
@@ -394,6 +396,22 @@ class TokenStore:
     @property
     def eos_id(self) -> int:
         return self.metadata["tokenizer"]["eos_id"]
+
+    @property
+    def bos_first(self) -> bool:
+        """Whether a document is framed BOS + document + EOS (else document + EOS), as its tokenizer frames a text
+        (data/tokenizer.py); stores from before the record put BOS first, as they were trained."""
+        return self.metadata["tokenizer"].get("bos_first", True)
+
+    @property
+    def document_prefix(self) -> list[int]:
+        """What the loader puts before each document: [BOS], or nothing (`bos_first`); after each, EOS."""
+        return [self.bos_id] if self.bos_first else []
+
+    @property
+    def packed_tokens(self) -> int:
+        """The tokens of one pass over the documents as packed, each framed ([BOS] + document + EOS)."""
+        return int(self.document_lengths.sum()) + (len(self.document_prefix) + 1) * self.num_documents
 
     def __len__(self) -> int:
         return self.num_documents

@@ -4,9 +4,12 @@ Two backends implement it: a SentencePiece `.model` (data/tokenizer_spm.py: ours
 Hugging Face `tokenizer.json` read by the `tokenizers` library (data/tokenizer_hf.py: LLaMA-3's byte-level
 BPE, SentencePiece-converted ones, any other). data/tokenizer_files.py finds either on disk and loads it.
 
-encode() adds no specials: the loader packs BOS + document + EOS itself. BOS and EOS come from the
-tokenizer's own files. A tokenizer's `files` are what a token store, a run and an export keep of it,
-under their usual names; its `fingerprint` is what burst compares to tell whether data and a model
+encode() adds no specials: the loader frames each document itself, as the tokenizer frames a text
+(`bos_first`): BOS + document + EOS when the tokenizer puts BOS before a text (LLaMA-3's tokenizer.json, and
+always a SentencePiece model: burst's own convention), document + EOS when it puts none (SmolLM2's, whose
+bos_token is ChatML's <|im_start|>), so that a model sees its documents as `AutoTokenizer(text)` gives them.
+BOS and EOS come from the tokenizer's own files. A tokenizer's `files` are what a token store, a run and an
+export keep of it, under their usual names; its `fingerprint` is what burst compares to tell whether data and a model
 share a tokenizer: the backend's digest of what decides the ids, and the BOS and EOS ids.
 """
 
@@ -51,6 +54,7 @@ class Tokenizer(ABC):
     vocab_size: int  # every id is below it: the added tokens of a tokenizer.json included
     bos_id: int
     eos_id: int
+    bos_first: bool = True  # a document is framed BOS + document + EOS; False: document + EOS (see above)
     # The tokenizer's own chat template (data/chat.py renders conversations with it) and the file it came from;
     # None: it has none (a SentencePiece model never has), and conversations take burst's plain template.
     chat_template: str | None = None
@@ -84,7 +88,7 @@ class Tokenizer(ABC):
         """What a token store records of its tokenizer (metadata.json's "tokenizer")."""
         return {"kind": self.kind, "files": {name: file_sha256(path) for name, path in self.files.items()},
                 "digest": self.digest, "fingerprint": self.fingerprint, "vocab_size": self.vocab_size,
-                "bos_id": self.bos_id, "eos_id": self.eos_id}
+                "bos_id": self.bos_id, "eos_id": self.eos_id, "bos_first": self.bos_first}
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}({', '.join(map(str, self.files.values()))}, vocab_size={self.vocab_size}, "

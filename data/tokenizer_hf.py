@@ -8,7 +8,9 @@ and padding configured in the file are switched off: a store keeps whole documen
 
 BOS and EOS come from the tokenizer's own files, first found wins: `tokenizer_config.json`'s bos_token
 and eos_token, then `special_tokens_map.json`'s, then what the post-processor puts before and after
-a text. The vocabulary is every id the tokenizer can give, its added tokens included (LLaMA-3: 128,256).
+a text. Documents are framed as the post-processor frames a text (what `AutoTokenizer(text)` gives): BOS
+first when it puts BOS there, no BOS otherwise (data/tokenizer.py). The vocabulary is every id the tokenizer
+can give, its added tokens included (LLaMA-3: 128,256).
 
 A chat template is read where transformers reads it: `chat_template.jinja` beside tokenizer.json, else
 tokenizer_config.json's `chat_template` (a string, or named templates of which "default" is used).
@@ -62,6 +64,7 @@ class HFTokenizer(Tokenizer):
         self.digest = hashlib.sha256(json.dumps({**encoding, "split_special_tokens": split_special_tokens},
                                                 sort_keys=True, ensure_ascii=False).encode()).hexdigest()
         self.bos_id, self.eos_id = (self._special(role, configs) for role in ("bos", "eos"))
+        self.bos_first = self._added_around_text()[0] == [self.bos_id]
         self.special_tokens = {}
         for config in reversed(configs.values()):  # tokenizer_config.json's win
             self.special_tokens.update({name: content for name in NAMED_SPECIALS
@@ -78,18 +81,21 @@ class HFTokenizer(Tokenizer):
                     raise ValueError(f"{self.files[name]} names {role}_token {content!r}, which "
                                      f"{self.files[HF_FILE]} does not hold; the files are of different tokenizers")
                 return token_id
-        with_specials = self._tok.encode(SPECIALS_PROBE).ids
-        plain = self._tok.encode(SPECIALS_PROBE, add_special_tokens=False).ids
-        start = next((i for i in range(len(with_specials) - len(plain) + 1)
-                      if with_specials[i:i + len(plain)] == plain), None)
-        added = (with_specials[:start] if role == "bos" else with_specials[start + len(plain):]) if start is not None \
-            else []
+        added = self._added_around_text()[0 if role == "bos" else 1]
         if len(added) == 1:
             return added[0]
         raise ValueError(f"the tokenizer {self.files[HF_FILE]} names no {role.upper()} token (no {role}_token in "
                          f"{' or '.join(HF_COMPANIONS)}, and its post-processor adds none): documents are packed "
                          f"between BOS and EOS; put a tokenizer_config.json beside it naming them, e.g. "
                          f'{{"bos_token": "<s>", "eos_token": "</s>"}}')
+
+    def _added_around_text(self) -> tuple[list[int], list[int]]:
+        """The ids the post-processor puts before and after a text (LLaMA-3: [128000], []; SmolLM2: [], [])."""
+        with_specials = self._tok.encode(SPECIALS_PROBE).ids
+        plain = self._tok.encode(SPECIALS_PROBE, add_special_tokens=False).ids
+        start = next((i for i in range(len(with_specials) - len(plain) + 1)
+                      if with_specials[i:i + len(plain)] == plain), None)
+        return ([], []) if start is None else (with_specials[:start], with_specials[start + len(plain):])
 
     def _check_added_tokens(self, config: dict[str, Any]) -> None:
         """Refuse a tokenizer_config.json whose added tokens are not tokenizer.json's: AutoTokenizer would add them,

@@ -74,17 +74,17 @@ class Shard(NamedTuple):
 
 
 def available_sequences(split: TokenStore, seq_len: int, long_conversations: str = "refuse") -> int:
-    """How many whole sequences of `seq_len` the split's packing stream holds (BOS + document + EOS each), or its
+    """How many whole sequences of `seq_len` the split's packing stream holds ([BOS] + document + EOS each), or its
     conversations pack into in one pass."""
     if split.is_conversations:
         return ConversationStream(split, seq_len, 0, policy=long_conversations).sequences_in_epoch(0)
-    stream_tokens = int(split.document_lengths.sum()) + 2 * split.num_documents
-    return max(stream_tokens - 1, 0) // seq_len  # each sequence also needs the next token as its last label
+    return max(split.packed_tokens - 1, 0) // seq_len  # each sequence also needs the next token as its last label
 
 
 def long_documents(split: TokenStore, seq_len: int) -> np.ndarray:
-    """Indices, in split order, of the split's documents with at least `seq_len` tokens."""
-    return np.flatnonzero(split.document_lengths >= seq_len)
+    """Indices, in split order, of the split's documents that fill `seq_len` scored positions once framed: at
+    least `seq_len` tokens after a BOS, `seq_len` + 1 without one (the first token has nothing to predict it)."""
+    return np.flatnonzero(split.document_lengths >= seq_len + 1 - len(split.document_prefix))
 
 
 def bucket_starts(seq_len: int, buckets: int) -> list[int]:
@@ -109,13 +109,16 @@ def document_sequences(split: TokenStore, seq_len: int, count: int, cp_rank: int
                        long_conversations: str = "refuse") -> Iterator[Shard]:
     """This rank's shards of the starts of the first `count` documents of at least `seq_len` tokens.
 
-    Tokens are [BOS] + document[:seq_len - 1] and every label is a document token, so position p
-    predicts document token p from the p tokens before it.
+    The document is framed as its tokenizer frames a text, [BOS] + document (data/tokenizer.py): tokens are its
+    first `seq_len` tokens and labels the `seq_len` after the first, so position p predicts the token after it
+    from the p + 1 tokens up to it, as transformers scores `AutoTokenizer(text)`.
     """
+    prefix = split.document_prefix
     for index in long_documents(split, seq_len)[:count]:
-        document = torch.from_numpy(split.document(int(index))[:seq_len].astype(np.int64))  # [seq_len]
-        full = torch.stack([torch.cat([torch.tensor([split.bos_id]), document[:-1]]),  # tokens
-                            document,  # labels
+        document = split.document(int(index))[:seq_len + 1 - len(prefix)].astype(np.int64)
+        framed = torch.cat([torch.tensor(prefix, dtype=torch.int64), torch.from_numpy(document)])  # [seq_len + 1]
+        full = torch.stack([framed[:-1],  # tokens
+                            framed[1:],  # labels
                             torch.arange(seq_len)])  # positions; [3, seq_len]
         tokens, labels, positions = shard_for_rank(full[:, None], cp_rank, cp_size, dim=2)  # each [1, seq // cp]
         yield Shard(tokens, labels, positions, None, seq_len)

@@ -3,11 +3,11 @@
 A run keeps its data's tokenizer: tokenizer.json with tokenizer_config.json, special_tokens_map.json and
 chat_template.jinja when they came with it, or a SentencePiece tokenizer.model (data/tokenizer.py; models/ does
 not import data/, so the names are repeated here). A native export copies them. A Hugging Face export makes
-`AutoTokenizer.from_pretrained(DIR)` encode as training did, BOS first:
+`AutoTokenizer.from_pretrained(DIR)` encode as training did:
 
-- with a tokenizer.json: copied, with BOS added in front by its post-processor when it adds none itself
-  (a `tokenizers.processors.TemplateProcessing`; the ids of a text are unchanged), and a
-  tokenizer_config.json naming BOS and EOS written when there is none;
+- with a tokenizer.json: copied unchanged, for training framed documents as its post-processor frames a text
+  (BOS first for LLaMA-3's, none for SmolLM2's: data/tokenizer.py), and a tokenizer_config.json naming BOS and
+  EOS written when there is none;
 - with only a SentencePiece tokenizer.model: converted into a tokenizer.json with the `tokenizers` library's
   models (a BPE from its pieces and the merges that rebuild them, as transformers' LlamaConverter does;
   a Unigram from its pieces and scores), SentencePiece's identity normalisation as Prepend/Replace, checked
@@ -86,9 +86,6 @@ def write_hf_tokenizer(directory: Path, dst: Path, config: ModelConfig) -> None:
     copy_tokenizer_files(directory, dst)
     if (directory / HF_FILE).is_file():
         tokenizer = load_tokenizer_json(directory / HF_FILE)
-        if config.bos_token_id is not None and not _starts_with_bos(tokenizer, config.bos_token_id):
-            _add_bos(tokenizer, tokenizer.id_to_token(config.bos_token_id), config.bos_token_id)
-            tokenizer.save(str(dst / HF_FILE))
         if not (directory / CONFIG_FILE).is_file() and config.bos_token_id is not None \
                 and isinstance(config.eos_token_id, int):
             _write_configs(dst, {"bos_token": tokenizer.id_to_token(config.bos_token_id),
@@ -102,13 +99,9 @@ def write_hf_tokenizer(directory: Path, dst: Path, config: ModelConfig) -> None:
                    split_special_tokens=tokenizer.encode_special_tokens)
 
 
-def _starts_with_bos(tokenizer: Tokenizer, bos_id: int) -> bool:
-    return tokenizer.encode(PROBES[0]).ids[:1] == [bos_id]
-
-
 def _add_bos(tokenizer: Tokenizer, bos: str, bos_id: int) -> None:
-    """Put BOS in front of every encoded text with special tokens, as burst's loader does, after what the
-    tokenizer's post-processor already does (say, byte-level offset trimming)."""
+    """Put BOS in front of every encoded text with special tokens, as burst's loader does for a SentencePiece
+    model's documents, after what the tokenizer's post-processor already does (say, byte-level offset trimming)."""
     template = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
                                              special_tokens=[(bos, bos_id)])
     tokenizer.post_processor = template if tokenizer.post_processor is None else \

@@ -20,6 +20,7 @@ from typer.testing import CliRunner
 from checkpoints import read_checkpoint
 from cli import app
 from data import HFTokenizer, TokenStore, load_tokenizer, prepare
+from data.loader import PackedStream
 from data.store import METADATA_FILE
 from data.tokenizer import file_sha256, fingerprint
 from models import ModelConfig, init_model, save_model
@@ -143,15 +144,23 @@ def test_bos_and_eos_come_from_the_post_processor_or_special_tokens_map(tmp_path
         load_tokenizer(source)
 
 
-def test_an_export_adds_bos_and_a_tokenizer_config_where_the_tokenizer_has_none(tmp_path):
+def test_a_tokenizer_that_adds_no_bos_frames_documents_without_and_its_export_keeps_that(tmp_path, corpus):
     source = byte_level_bpe(tmp_path / "tokenizer")
     library = Tokenizer.from_file(str(source / "tokenizer.json"))
-    library.post_processor = None  # BOS from nowhere but the files below; AutoTokenizer would add none
+    library.post_processor = None  # BOS from nowhere but the files below; AutoTokenizer adds none (as SmolLM2's)
     library.save(str(source / "tokenizer.json"))
     (source / "tokenizer_config.json").unlink()
     (source / "special_tokens_map.json").write_text(json.dumps({"bos_token": "<|begin_of_text|>",
                                                                 "eos_token": "<|end_of_text|>"}))
     tokenizer = load_tokenizer(source)
+    assert not tokenizer.bos_first
+    prepare([corpus], tmp_path / "store", tokenizer=source, progress=False)
+    store = TokenStore(tmp_path / "store")
+    assert store.metadata["tokenizer"]["bos_first"] is False and store.document_prefix == []
+    stream = PackedStream(store, seq_len=64, seed=0)
+    order = stream._layout(0)[0]
+    packed = [t for i in order for t in [*store.document(int(i)).tolist(), tokenizer.eos_id]]
+    assert stream.read(0, len(packed))[0].tolist() == packed  # document + EOS each, no BOS
     config = ModelConfig(dim=64, n_layers=1, n_heads=4, vocab_size=tokenizer.vocab_size,
                          bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id)
     (tmp_path / "export").mkdir()
@@ -159,7 +168,7 @@ def test_an_export_adds_bos_and_a_tokenizer_config_where_the_tokenizer_has_none(
     auto = transformers.AutoTokenizer.from_pretrained(tmp_path / "export")
     assert (auto.bos_token_id, auto.eos_token_id) == (tokenizer.bos_id, tokenizer.eos_id)
     for text in corpus_texts(10):
-        assert auto(text)["input_ids"] == [tokenizer.bos_id] + tokenizer.encode(text)
+        assert auto(text)["input_ids"] == tokenizer.encode(text)  # as training framed it: no BOS added
     assert load_tokenizer(tmp_path / "export").fingerprint == tokenizer.fingerprint  # the same ids, BOS and EOS
 
 
@@ -377,6 +386,7 @@ def test_the_real_llama_3_2_tokenizer(tmp_path, corpus):
         prepare([corpus], tmp_path / "store", tokenizer=llama, progress=False)
         store = TokenStore(tmp_path / "store")
         assert store.metadata["dtype"] == "uint32" and (store.bos_id, store.eos_id) == (128000, 128001)
+        assert store.metadata["tokenizer"]["bos_first"] is True and store.document_prefix == [128000]
         auto = transformers.AutoTokenizer.from_pretrained(llama)
         library = Tokenizer.from_file(str(llama / "tokenizer.json"))
         for text, ids in documents(store, corpus):

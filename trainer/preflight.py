@@ -173,7 +173,7 @@ def check_sequence_fits(config: TrainConfig, sources: list[Source]) -> None:
         train = source.store
         if train.is_conversations:
             continue
-        stream = int(train.document_lengths.sum()) + 2 * train.num_documents  # BOS + document + EOS each
+        stream = train.packed_tokens  # [BOS] + document + EOS each
         if config.seq_len > stream:
             raise ValueError(f"--seq-len {config.seq_len:,} is longer than the training documents of --data "
                              f"{source.spec.name} ({stream:,} tokens with BOS/EOS): every sequence would repeat the "

@@ -1,0 +1,39 @@
+"""benchmarks/smollm2_extension.py at its --quick size: every variant scored, both training stages run over two
+invocations, everything cached."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from benchmarks.smollm2_extension import QUICK, main
+
+
+def test_the_extension_benchmark_scores_every_variant_resumes_its_stages_and_reruns_cached(smollm2_2_layers, tmp_path):
+    out = tmp_path / "extension"
+    partial = main(["--quick", "--out", str(out), "--stop-after", "1"])  # the stages stop at step 1 of 2
+    assert list(partial["variants"]) == ["original", "linear", "dynamic", "yarn", "theta"]
+    assert (out / "runs" / "yarn+training" / "checkpoints" / "step-000001").is_dir()
+    summary = main(["--quick", "--out", str(out)])  # the stages continue (--resume) to their last step
+    variants = summary["variants"]
+    assert list(variants) == ["original", "linear", "dynamic", "yarn", "theta", "yarn+training", "theta+training"]
+    for name, figures in variants.items():
+        assert math.isfinite(figures["loss_within"]) and math.isfinite(figures["loss_beyond"])
+        assert list(figures["passkey_by_length"]) == list(QUICK.passkey_lengths)
+        trained = name.endswith("+training")
+        assert figures["tokens"] == (QUICK.steps * QUICK.extended if trained else 0)
+        assert (figures["train_seconds"] > 0) == trained
+    configs = {name: json.loads((out / "models" / name / "config.json").read_text()) for name in ("yarn", "theta")}
+    assert configs["yarn"]["rope_parameters"]["rope_type"] == "yarn"
+    assert configs["theta"]["rope_parameters"]["rope_theta"] > 100_000
+    trained = json.loads((out / "runs" / "yarn+training" / "checkpoints" / f"step-{QUICK.steps:06d}" /
+                          "config.json").read_text())
+    assert trained["rope_scaling"]["rope_type"] == "yarn"  # the stage trains the variant it started from
+    table = (out / "smollm2-extension.md").read_text()
+    assert "| yarn+training |" in table and "tokens trained" in table
+    assert (out / "smollm2-extension.png").read_bytes()[:4] == b"\x89PNG"
+
+    evaluations = {path: path.stat().st_mtime_ns for path in out.glob("*-eval.json")}
+    assert len(evaluations) == 7
+    assert main(["--quick", "--out", str(out)]) == summary  # nothing run again: every part is cached
+    assert {path: path.stat().st_mtime_ns for path in out.glob("*-eval.json")} == evaluations
