@@ -96,6 +96,11 @@ def prepare_command(
                                                     "`completion`): render them with the tokenizer's chat template "
                                                     "(or burst's plain one) into an instruction store that marks the "
                                                     "answers. Needs --tokenizer."),
+    preference: bool = typer.Option(False, "--preference", help="The rows are preference pairs (`prompt`, `chosen`, "
+                                                                "`rejected`: TRL's format): render them with the "
+                                                                "tokenizer's chat template into a preference store "
+                                                                "for --objective dpo|ipo|simpo|orpo. Needs "
+                                                                "--tokenizer."),
 ) -> None:
     """Tokenize a corpus into a token store for training, or conversations into an instruction store (--chat).
 
@@ -106,7 +111,7 @@ def prepare_command(
 
     with _exits():
         prepare(inputs, out, tokenizer=tokenizer, vocab_size=vocab_size, text_field=text_field,
-                val_fraction=val_fraction, workers=workers, seed=seed, force=force, chat=chat)
+                val_fraction=val_fraction, workers=workers, seed=seed, force=force, chat=chat, preference=preference)
 
 
 def _number_list(text: str | None, kind: type, flag: str) -> list | None:

@@ -28,6 +28,7 @@ from models.attention import LocalAttention
 from models.config import ModelConfig
 from models.init import initial_rows
 from models.loss import chunked_cross_entropy
+from models.preference import answer_logps
 
 
 def rope_frequencies(config: ModelConfig, length: int | None = None,
@@ -192,6 +193,16 @@ class Transformer(nn.Module):
         """
         hidden = self.hidden_states(tokens, positions, doc_boundaries, rope_length=rope_length)
         return chunked_cross_entropy(hidden.flatten(0, 1), self.output_weight, labels.flatten(), chunk_size)
+
+
+    def answer_logps(self, tokens: torch.Tensor, labels: torch.Tensor, answers: torch.Tensor, num_answers: int,
+                     positions: torch.Tensor | None = None, doc_boundaries: Sequence[torch.Tensor] | None = None,
+                     chunk_size: int = 1024, **attention: object) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each answer's summed label log-probability and token count over this shard (models/preference.py):
+        answers [batch, seq] beside labels, -1 where a label is no answer's; `attention` as hidden_states takes
+        it (rope_length, and what else attention is given)."""
+        hidden = self.hidden_states(tokens, positions, doc_boundaries, **attention)
+        return answer_logps(hidden, self.output_weight, labels, answers, num_answers, chunk_size)
 
 
 def init_model(config: ModelConfig, seed: int = 0, device: torch.device | str = "cpu") -> Transformer:

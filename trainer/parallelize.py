@@ -70,6 +70,7 @@ def parallelize(model: Transformer, mesh: DeviceMesh | None, config: TrainConfig
         fully_shard(model, mesh=shard_mesh, mp_policy=policy)
         # Training calls model.loss, not forward: FSDP must gather the root's weights around it too.
         register_fsdp_forward_method(model, "loss")
+        register_fsdp_forward_method(model, "answer_logps")  # preference objectives
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 # The loss is already divided by the global token count, so each rank's gradient is its

@@ -35,6 +35,7 @@ from runtime.directories import check_writable
 from runtime.precision import Precision, resolve_precision
 from trainer.checkpoint import check_model_config, metrics_rows
 from trainer.config import TrainConfig, run_identity
+from trainer.preference import check_preferences
 from trainer.rundir import check_run_dir
 
 DEFAULT_MODEL = "tiny"
@@ -150,7 +151,7 @@ def check_sequence_fits(config: TrainConfig, sources: list[Source]) -> None:
     instruction store's sequences never do: they hold whole conversations, the rest padding)."""
     for source in sources:
         train = source.store
-        if train.is_conversations:
+        if train.is_conversations or train.is_preferences:
             continue
         stream = int(train.document_lengths.sum()) + 2 * train.num_documents  # BOS + document + EOS each
         if config.seq_len > stream:
@@ -169,11 +170,11 @@ def check_conversations(config: TrainConfig, sources: list[Source]) -> None:
                          f"several conversations to a sequence, which must not attend to each other nor to the "
                          f"padding; add --doc-mask")
     loader = dict(seq_len=config.seq_len, batch_size=config.batch_size, dp_size=config.dp, cp_size=config.cp,
-                  long_conversations=config.long_conversations)
+                  long_conversations=config.long_conversations, prefix_sharing=config.prefix_sharing)
     SequenceLoader([source.store for source in sources], shares=[source.spec.share for source in sources],
                    train_on_prompt=config.train_on_prompt, **loader)
     for source in sources:
-        if source.store.is_conversations and source.val.num_documents:
+        if (source.store.is_conversations or source.store.is_preferences) and source.val.num_documents:
             SequenceLoader(source.val, train_on_prompt=config.train_on_prompt, **loader)
 
 
@@ -267,6 +268,7 @@ def plan_run(config: TrainConfig, world_size: int, restart: int = 0) -> RunPlan:
         model_config, checkpoint = model_and_store(config, store)
     # The loader checks batch, sequence and conversation settings against the data; building one reads no tokens
     # (but an over-long conversation's, to truncate it).
+    check_preferences(config, sources)
     check_conversations(config, sources)
     check_sequence_fits(config, sources)
     check_memory(config, model_config, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
