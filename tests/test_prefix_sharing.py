@@ -1,0 +1,209 @@
+"""Prefix sharing: documents that also see an earlier document whole (`doc_sees`), as a preference pair
+[prompt][chosen][rejected] packs with both answers seeing the prompt. burst_attn against the float64
+dense-mask reference on 1-4 gloo ranks, the plan's rows (nothing of the chosen answer travels to a rank
+whose queries are rejected ones), the balanced layout's counts, bad input, and the model at cp 1 against
+each answer run after its prompt alone."""
+
+import dataclasses
+import itertools
+
+import pytest
+import torch
+
+import burst
+from burst import balance
+from burst.balance import chunk_work, plan_work
+from burst.cost import plan_bytes
+from burst.layout import balanced_layout, row_layouts, zigzag_layout
+from burst.plan import AttentionPlan, Rows
+from models import LocalAttention, ModelConfig, init_model
+from tests.distributed import run_on_ranks
+from tests.test_balance import SMALL_TILES
+from tests.test_burst_attn import make_inputs
+from tests.test_doc_mask import reference
+
+OUT_TOLERANCE, GRAD_TOLERANCE = 1e-5, 1e-4  # float32 inputs against the float64 reference
+
+
+def pair_rows(seq: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(boundaries, sees) of two batch rows of `seq` tokens: one pair (prompt minus its last token, chosen,
+    rejected) and a plain document; a plain document and two pairs."""
+    def at(*fractions):
+        return [0, *(round(f * seq) for f in fractions), seq]
+    return ([at(5 / 8, 6 / 8, 29 / 32), at(1 / 32, 10 / 32, 13 / 32, 15 / 32, 23 / 32, 27 / 32)],
+            [[-1, 0, 0, -1], [-1, -1, 1, 1, -1, 4, 4]])
+
+
+def check_shared(world_size, boundaries, sees, mode, layout="zigzag", topology="flat", node_size=None,
+                 heads=(4, 2), causal=True):
+    seq = boundaries[0][-1]
+    q, k, v, dout = make_inputs(seq, *heads, torch.float32, seed=world_size, head_dim=8)
+    expected = reference(q, k, v, dout, boundaries, causal, sees)
+    cut = {"layout": layout, "doc_boundaries": [torch.tensor(b) for b in boundaries],
+           "doc_sees": [torch.tensor(s) for s in sees]}
+    lq, lk, lv = (burst.shard_sequence(t, **cut).requires_grad_() for t in (q, k, v))
+    out, lse = burst.burst_attn(lq, lk, lv, causal=causal, backward=mode, topology=topology, node_size=node_size,
+                                return_lse=True, **cut)
+    out.backward(burst.shard_sequence(dout, **cut))
+    got = [burst.gather_sequence(out.detach(), **cut), burst.gather_sequence(lse, dim=2, **cut)]
+    got += [burst.gather_sequence(t.grad, **cut) for t in (lq, lk, lv)]
+    for name, g, e in zip(("out", "lse", "dq", "dk", "dv"), got, expected, strict=True):
+        err = (g.double() - e).abs().max().item()
+        limit = OUT_TOLERANCE if name in ("out", "lse") else GRAD_TOLERANCE
+        assert err <= limit, f"{name}: {err:.2e} (world {world_size}, {mode}, {layout}, {topology}, {heads=})"
+
+
+def test_one_process_matches_the_reference():
+    boundaries, sees = pair_rows(48)
+    for mode, causal in itertools.product(("burst", "ring"), (True, False)):
+        check_shared(1, boundaries, sees, mode, causal=causal)
+
+
+def _cases(rank, world_size):
+    balance.OPTIONS = SMALL_TILES  # chunks of 8 tokens and more: real permutations on short sequences
+    boundaries, sees = pair_rows(2 * world_size * 24)
+    chosen = row_layouts("balanced", boundaries, boundaries[0][-1], world_size, 2, sees)
+    assert any(lay != zigzag_layout(boundaries[0][-1], world_size) for lay in chosen)
+    cases = {2: [("burst", "zigzag"), ("ring", "zigzag"), ("burst", "balanced"), ("ring", "balanced")],
+             3: [("ring", "zigzag"), ("burst", "balanced")],
+             4: [("burst", "zigzag"), ("ring", "balanced")]}[world_size]
+    for mode, layout in cases:
+        check_shared(world_size, boundaries, sees, mode, layout)
+    if world_size == 2:
+        check_bytes_follow_the_plan(rank)
+    if world_size == 4:  # the other topologies, on 2 simulated nodes of 2
+        check_shared(4, boundaries, sees, "ring", "zigzag", "two-level", 2)
+        check_shared(4, boundaries, sees, "burst", "balanced", "ulysses", 2)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_ranks_match_the_reference(world_size):
+    """Both backward modes, zigzag and balanced, at 2-4 ranks; two-level and Ulysses on 2 x 2."""
+    run_on_ranks(_cases, world_size, timeout_s=300)
+
+
+def rejected_on_rank_0() -> tuple[list[int], list[int]]:
+    """At 2 ranks of 12-token zigzag chunks, rank 0 holds chunks 0 and 3 (the prompt's first 12 tokens and the
+    rejected answer), rank 1 chunks 1 and 2 (the rest of the prompt and the chosen answer)."""
+    return [0, 30, 36, 48], [-1, 0, 0]
+
+
+def test_a_rank_of_rejected_queries_gets_no_chosen_keys():
+    boundaries, sees = rejected_on_rank_0()
+    plan = AttentionPlan(row_layouts("zigzag", None, 48, 2, 1), True, [boundaries], [sees])
+    # rank 1's shard: the prompt's positions 12..29 at rows 0..17, the chosen answer's 30..35 at rows 18..23
+    assert plan.key_rows(0, 1) == Rows(((0, 18),), 24)  # the prompt's rows only
+    assert plan.query_rows(0, 1) == Rows(((12, 24),), 24)  # only the rejected queries (rows 12..23) see them
+    assert plan.key_rows(1, 0) == Rows(((0, 12),), 24)  # rank 1's prompt and chosen queries: the prompt's start
+    plain = AttentionPlan(row_layouts("zigzag", None, 48, 2, 1), True, [boundaries])
+    assert plain.key_rows(0, 1) is None  # without sharing the rejected answer sees nothing of rank 1
+
+
+def check_bytes_follow_the_plan(rank):
+    boundaries, sees = rejected_on_rank_0()
+    plan = AttentionPlan(row_layouts("zigzag", None, 48, 2, 1), True, [boundaries], [sees])
+    for mode in ("burst", "ring"):
+        q = burst.shard_sequence(torch.randn(1, 48, 2, 8)).requires_grad_()
+        burst.burst_attn(q, q, q, doc_boundaries=[torch.tensor(boundaries)], doc_sees=[torch.tensor(sees)],
+                         backward=mode, check_ranks=False).sum().backward()
+        planned = plan_bytes(plan, "flat", q, q, mode, 2, rank)
+        assert (burst.SENT.last_forward, burst.SENT.last_backward) == (planned[0], planned[2]), mode
+
+
+def test_every_visible_pair_is_computed_once_and_sharing_adds_only_the_seen_rectangles():
+    seq, world = 192, 3
+    boundaries, sees = pair_rows(seq)
+    for layout in (zigzag_layout(seq, world), balanced_layout(tuple(boundaries[1]), seq, world, SMALL_TILES,
+                                                              tuple(sees[1]))):
+        shared = plan_work(AttentionPlan([layout], True, boundaries[1:], sees[1:]), tile=4)
+        plain = plan_work(AttentionPlan([layout], True, boundaries[1:]), tile=4)
+        offsets, seen = boundaries[1], sees[1]
+        lengths = [b - a for a, b in itertools.pairwise(offsets)]
+        assert plain.visible_pairs == sum(n * (n + 1) // 2 for n in lengths)
+        assert shared.visible_pairs == plain.visible_pairs + sum(lengths[i] * lengths[j] for i, j in enumerate(seen)
+                                                                 if j >= 0)
+
+
+def test_the_balanced_layout_counts_the_seen_rectangles():
+    """A long prompt's keys are seen by both answers: the chunk model counts them, so that a layout chosen
+    with them balances the backward's key-side work better than one chosen without."""
+    seq, world = 8192, 2
+    boundaries, sees = [0, 3000, 3300, 3600, 8192], [-1, 0, 0, -1]
+    work = chunk_work(boundaries, seq, 8, 128, sees)
+    plain = chunk_work(boundaries, seq, 8, 128)
+    prompt_chunks = range(0, 3)  # chunks of 1024 tokens: the prompt fills chunks 0-1 and most of 2
+    assert all(work.backward[c] > plain.backward[c] for c in prompt_chunks)
+    assert work.forward[3] > plain.forward[3]  # the answers' queries (chunk 3) see the prompt's keys
+    assert sum(work.forward) == sum(work.backward)
+    aware = balanced_layout(tuple(boundaries), seq, world, sees=tuple(sees))
+    blind = balanced_layout(tuple(boundaries), seq, world)
+    plan_aware = plan_work(AttentionPlan([aware], True, [boundaries], [sees]))
+    plan_blind = plan_work(AttentionPlan([blind], True, [boundaries], [sees]))
+    assert max(plan_aware.backward) + max(plan_aware.forward) <= max(plan_blind.backward) + max(plan_blind.forward)
+
+
+def test_documents_that_see_none_are_plain_document_masking():
+    boundaries, _ = pair_rows(48)
+    q, k, v, _ = make_inputs(48, 4, 2, torch.float32, head_dim=8)
+    docs = [torch.tensor(b) for b in boundaries]
+    none = [torch.full((len(b) - 1,), -1) for b in boundaries]
+    plain = burst.burst_attn(q, k, v, doc_boundaries=docs, return_lse=True)
+    same = burst.burst_attn(q, k, v, doc_boundaries=docs, doc_sees=none, return_lse=True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, same, strict=True))
+    assert torch.equal(LocalAttention()(q, k, v, docs), LocalAttention()(q, k, v, docs, none))
+    layout = zigzag_layout(48, 3)
+    with_none = AttentionPlan([layout] * 2, True, boundaries, [[-1] * (len(b) - 1) for b in boundaries])
+    without = AttentionPlan([layout] * 2, True, boundaries)
+    assert all(with_none(a, b) == without(a, b) for a in range(3) for b in range(3))
+
+
+@pytest.mark.parametrize("sees, message, local_message", [
+    ([[-1, 1, 0]], "document 1 sees 1, but a document may only see an earlier one", None),
+    ([[-1, 0, 2]], "document 2 sees 2", None),
+    ([[-2, 0, 0]], "document 0 sees -2", None),
+    ([[-1, 0]], "doc_sees row 0 has 2 entries but doc_boundaries row 0 has 3 documents",
+     r"doc_sees row 0 must be a 1-D integer tensor with one entry per document \(3\)"),
+    ([[-1, 0, 0], [-1, 0, 0]], "doc_sees has 2 rows but doc_boundaries has 1", "doc_sees has 2 rows but the batch"),
+])
+def test_bad_doc_sees_are_refused(sees, message, local_message):
+    q = torch.randn(1, 48, 2, 8)
+    docs, sees = [torch.tensor([0, 30, 36, 48])], [torch.tensor(s) for s in sees]
+    with pytest.raises(ValueError, match=message):
+        burst.burst_attn(q, q, q, doc_boundaries=docs, doc_sees=sees)
+    with pytest.raises(ValueError, match=local_message or message):
+        LocalAttention()(q, q, q, docs, sees)
+
+
+def test_doc_sees_needs_doc_boundaries():
+    q = torch.randn(1, 48, 2, 8)
+    for attention in (lambda: burst.burst_attn(q, q, q, doc_sees=[torch.tensor([-1])]),
+                      lambda: LocalAttention()(q, q, q, None, [torch.tensor([-1])])):
+        with pytest.raises(ValueError, match="pass doc_boundaries too"):
+            attention()
+
+
+def test_a_packed_pair_gives_each_answer_the_logits_of_its_prompt_alone():
+    """[prompt minus its last token][prompt's last token + chosen][prompt's last token + rejected]: each answer
+    document, with positions continued from the prompt's end, gets the logits of prompt + answer unpacked,
+    through LocalAttention and through burst_attn at cp 1."""
+    config = dataclasses.replace(ModelConfig.from_name("debug"), n_layers=2)
+    model = init_model(config, seed=3)
+    g = torch.Generator().manual_seed(0)
+    prompt, chosen, rejected = (torch.randint(config.vocab_size, (n,), generator=g) for n in (13, 5, 7))
+    p = len(prompt)
+    tokens = torch.cat([prompt, chosen, prompt[-1:], rejected])[None]
+    positions = torch.cat([torch.arange(p + len(chosen)), torch.arange(p - 1, p + len(rejected))])[None]
+    boundaries = [torch.tensor([0, p - 1, p + len(chosen), tokens.shape[1]])]
+    sees = [torch.tensor([-1, 0, 0])]
+    alone = {name: model(torch.cat([prompt, answer])[None])[0] for name, answer in
+             (("chosen", chosen), ("rejected", rejected))}
+    for core in (LocalAttention(), burst.BurstAttention()):
+        for layer in model.layers:
+            layer.attention.core_attention = core
+        with torch.no_grad():
+            packed = model(tokens, positions, boundaries, sees)[0]
+        torch.testing.assert_close(packed[:p - 1], alone["chosen"][:p - 1], rtol=0, atol=1e-5)  # the prompt
+        torch.testing.assert_close(packed[p - 1:p + len(chosen)], alone["chosen"][p - 1:], rtol=0, atol=1e-5)
+        torch.testing.assert_close(packed[p + len(chosen):], alone["rejected"][p - 1:], rtol=0, atol=1e-5)
+        loss_sum, count = model.loss(tokens, tokens, positions, boundaries, sees)
+        assert count == tokens.shape[1] and torch.isfinite(loss_sum)
