@@ -234,10 +234,12 @@ class SequenceLoader:
         return self._batch(*(np.stack(arrays) for arrays in zip(*sequences, strict=True)))
 
     def _batch(self, sequences: np.ndarray, is_start: np.ndarray, scored: np.ndarray,
-               positions: np.ndarray | None = None, answers: np.ndarray | None = None) -> Batch:
+               positions: np.ndarray | None = None, answers: np.ndarray | None = None,
+               doc_sees: list[torch.Tensor] | None = None) -> Batch:
         """This rank's shard of the rows `sequences` [rows, seq_len + 1] (the last token is only a label),
         with `is_start` marking where documents begin and `scored` the tokens that are labels; the positions
-        [rows, seq_len + 1] and the answers [rows, seq_len + 1] of each token where the stream gives them."""
+        [rows, seq_len + 1], the answers [rows, seq_len + 1] of each token and the documents each document also
+        sees where the stream gives them."""
         rows, seq_len = sequences.shape[0], self.seq_len
         boundaries = [np.unique(np.concatenate([[0], np.flatnonzero(row[:-1]), [seq_len]])) for row in is_start]
         full = np.empty((3 if answers is None else 4, rows, seq_len), np.int64)  # sharded in one call
@@ -250,25 +252,26 @@ class SequenceLoader:
         if answers is not None:
             full[3] = np.where(scored[:, 1:], answers[:, 1:], -1)
         sharded = shard_for_rank(torch.from_numpy(full), self.cp_rank, self.cp_size, dim=2, layout=self.cp_layout,
-                                 doc_boundaries=boundaries, batch_dim=1)
+                                 doc_boundaries=boundaries, batch_dim=1, doc_sees=doc_sees)
         tokens, labels, positions_ = sharded[:3]
         return Batch(tokens=tokens, labels=labels, positions=positions_,  # each [rows, seq_len // cp_size]
                      doc_boundaries=[torch.from_numpy(b.astype(np.int64)) for b in boundaries],
                      num_tokens=int((labels != IGNORE_INDEX).sum()), rope_length=int(full[2].max()) + 1,
-                     answers=sharded[3] if answers is not None else None)
+                     answers=sharded[3] if answers is not None else None, doc_sees=doc_sees)
 
     def _pair_batch(self, sequences: list[PairSequence]) -> Batch:
         """The batch of packed pairs: answers numbered over the rows, and which documents see a shared prompt."""
         pairs_before = np.cumsum([0] + [len(s.documents) for s in sequences])
         answers = np.stack([np.where(s.answer >= 0, s.answer + 2 * before, -1)
                             for s, before in zip(sequences, pairs_before, strict=False)])
-        batch = self._batch(np.stack([s.tokens for s in sequences]), np.stack([s.is_start for s in sequences]),
-                            np.stack([s.scored for s in sequences]), np.stack([s.positions for s in sequences]),
-                            answers)
-        batch.pair_documents = torch.from_numpy(np.concatenate([s.documents for s in sequences]))
+        doc_sees = None
         if self.streams[0].prefix_sharing:
-            batch.doc_sees = []
+            doc_sees = []
             for s in sequences:
                 back = s.sees_back[np.flatnonzero(s.is_start[:-1])]  # per document (the first starts at 0)
-                batch.doc_sees.append(torch.from_numpy(np.where(back > 0, np.arange(len(back)) - back, -1)))
+                doc_sees.append(torch.from_numpy(np.where(back > 0, np.arange(len(back)) - back, -1)))
+        batch = self._batch(np.stack([s.tokens for s in sequences]), np.stack([s.is_start for s in sequences]),
+                            np.stack([s.scored for s in sequences]), np.stack([s.positions for s in sequences]),
+                            answers, doc_sees)
+        batch.pair_documents = torch.from_numpy(np.concatenate([s.documents for s in sequences]))
         return batch

@@ -102,7 +102,7 @@ class PreferenceStream(ConversationStream):
                                             "even with their prompts cut to one token their answers do not fit: "
                                             "raise --seq-len"))
         self._keeps_first[over] = keeps
-        self._prompt_begin[over] = pairs[over, 0] - prompts
+        self._prompt_begin[over] = pairs[over, 0] - prompts + keeps
         self.long.truncated_tokens = int((self._prompt_begin[over] - keeps).sum())
 
     def sequence(self, k: int) -> PairSequence:  # type: ignore[override]

@@ -205,11 +205,12 @@ class Transformer(nn.Module):
 
     def answer_logps(self, tokens: torch.Tensor, labels: torch.Tensor, answers: torch.Tensor, num_answers: int,
                      positions: torch.Tensor | None = None, doc_boundaries: Sequence[torch.Tensor] | None = None,
-                     chunk_size: int = 1024, **attention: object) -> tuple[torch.Tensor, torch.Tensor]:
+                     doc_sees: Sequence[torch.Tensor] | None = None, chunk_size: int = 1024, *,
+                     rope_length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Each answer's summed label log-probability and token count over this shard (models/preference.py):
-        answers [batch, seq] beside labels, -1 where a label is no answer's; `attention` as hidden_states takes
-        it (rope_length, and what else attention is given)."""
-        hidden = self.hidden_states(tokens, positions, doc_boundaries, **attention)
+        answers [batch, seq] beside labels, -1 where a label is no answer's; the rest as hidden_states takes it.
+        Returns (logps float32 [num_answers], counts float32 [num_answers]); the caller sums both across ranks."""
+        hidden = self.hidden_states(tokens, positions, doc_boundaries, doc_sees, rope_length=rope_length)
         return answer_logps(hidden, self.output_weight, labels, answers, num_answers, chunk_size)
 
 

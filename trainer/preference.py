@@ -80,12 +80,9 @@ def batch_logps(model: Transformer, batch: Batch, config: TrainConfig, env: Dist
     [2 x pairs] each: chosen, rejected of pair 0, then of pair 1, ..."""
     tokens, labels, positions, answers = (t.to(env.device, non_blocking=True) for t in (
         batch.tokens, batch.labels, batch.positions, batch.answers))
-    attention: dict = {"rope_length": batch.rope_length}
-    if batch.doc_sees is not None:  # a shared prompt: each answer sees it
-        attention["doc_sees"] = batch.doc_sees
     with torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=config.precision == "bf16"):
         logps, counts = model.answer_logps(tokens, labels, answers, 2 * batch.num_pairs, positions,
-                                           batch.doc_boundaries, **attention)
+                                           batch.doc_boundaries, batch.doc_sees, rope_length=batch.rope_length)
     group = cp_group(env)
     return summed_over(logps, group), all_reduce(counts, group)
 
