@@ -13,11 +13,13 @@ logp(y) / tokens(y). The per-pair losses are TRL's:
 and the implicit rewards TRL logs: beta times the log-ratio (dpo; ipo: the length-averaged one), beta times the
 averaged log-probability (simpo, orpo). The model knows nothing of ranks: under sequence parallelism each rank
 holds part of an answer's tokens, so `answer_logps` gives this rank's partial sums and counts, and the caller
-sums them over the cp group (before any nonlinearity) and then calls `pair_losses`.
+sums them over the cp group (before any nonlinearity: `summed`, given the group's all-reduce) and then calls
+`pair_losses`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +56,13 @@ def answer_logps(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tenso
     counts = torch.zeros(num_answers, dtype=torch.float32, device=hidden.device).index_add(
         0, index[mine], torch.ones_like(token_logps[mine]))
     return logps, counts
+
+
+def summed(local: torch.Tensor, reduce: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The sum of `local` over the ranks `reduce` (an in-place all-reduce) spans, its gradient flowing back to this
+    rank's own part: what a nonlinearity of whole answers needs under sequence parallelism."""
+    total = reduce(local.detach().clone())
+    return local + (total - local.detach())
 
 
 def pair_losses(objective: str, logps: torch.Tensor, counts: torch.Tensor, reference: torch.Tensor | None, *,

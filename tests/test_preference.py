@@ -4,7 +4,10 @@ cp 2 and dp 2 with gradient accumulation; `burst train --objective dpo` from its
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +25,7 @@ from tests.test_instruction_training import hf_model, model_config
 from tests.test_train import burst_train, metrics
 from trainer.config import TrainConfig
 from trainer.distributed import Distributed
-from trainer.parallelize import build_model
+from trainer.parallelize import build_model, end_forward_only
 from trainer.preference import Reference, batch_logps
 from trainer.step import train_step
 
@@ -145,6 +148,7 @@ def _check_on_ranks(rank, world_size, store_dir, cp, dp, grad_accum, expected):
                                                   strict=True):
                             # a sum of ~-150 in float32: 1e-5, or 2 ulps of the sum
                             assert pair == pytest.approx(expected[sharing]["logps"][document], abs=1e-5, rel=2e-7)
+                end_forward_only(model)
             result = train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), batches, config, env)
             loss, grad_norm = expected[sharing][objective]
             assert abs(result.loss - loss) <= 1e-5, (objective, sharing, result.loss, loss, cp, dp)
@@ -175,3 +179,18 @@ def test_dpo_from_its_own_reference_starts_at_ln2(pair_store, tmp_path):
         set(rows[0])
     assert (out / "reference_logps.npz").is_file()
     assert "reward accuracy" in " ".join(done.stdout.split())
+    evaluated = [burst_eval("--checkpoint", out, "--data", pair_store, "--seq-len", SEQ_LEN, "--cp", cp,
+                            "--reference", out, "--json", tmp_path / f"cp{cp}.json") for cp in (1, 2)]
+    for done in evaluated:
+        assert done.returncode == 0, done.stderr[-3000:]
+    one, two = (json.loads((tmp_path / f"cp{cp}.json").read_text()) for cp in (1, 2))
+    assert one["pairs"] == TokenStore(pair_store).split("val").num_documents > 0
+    for key in ("logps/chosen", "logps/rejected", "accuracy", "margin"):
+        assert two[key] == pytest.approx(one[key], abs=1e-5)  # the pairs summed over the ranks
+    assert one["rewards/margins"] == 0 and one["rewards/accuracies"] == 0  # the model is its own reference
+    assert "rewards/accuracies" in " ".join(evaluated[0].stdout.split())
+
+
+def burst_eval(*args: object) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cli", "eval", "--passkey-trials", "0", *map(str, args)],
+                          capture_output=True, text=True, timeout=600, cwd=Path(__file__).parents[1])

@@ -29,10 +29,11 @@ import torch
 from data import Batch, SequenceLoader, TokenStore
 from data.mixture import Source
 from models import Transformer
-from models.preference import NEEDS_REFERENCE, OBJECTIVES, pair_losses
+from models.preference import NEEDS_REFERENCE, OBJECTIVES, pair_losses, summed
 from runtime.process import all_reduce
 from trainer.config import TrainConfig
 from trainer.distributed import Distributed
+from trainer.parallelize import end_forward_only
 
 REFERENCE_FILE = "reference_logps.npz"
 # The step's metrics, TRL's names: means over the pairs of the global batch.
@@ -64,12 +65,6 @@ def check_preferences(config: TrainConfig, sources: list[Source]) -> None:
                          "only: drop --train-on-prompt")
 
 
-def summed_over(local: torch.Tensor, group: torch.distributed.ProcessGroup | None) -> torch.Tensor:
-    """The sum of `local` over the ranks of `group`, its gradient flowing to this rank's own part."""
-    total = all_reduce(local.detach().clone(), group)
-    return local + (total - local.detach())
-
-
 def cp_group(env: Distributed) -> torch.distributed.ProcessGroup | None:
     return env.mesh["cp"].get_group() if env.mesh is not None else None
 
@@ -84,7 +79,7 @@ def batch_logps(model: Transformer, batch: Batch, config: TrainConfig, env: Dist
         logps, counts = model.answer_logps(tokens, labels, answers, 2 * batch.num_pairs, positions,
                                            batch.doc_boundaries, batch.doc_sees, rope_length=batch.rope_length)
     group = cp_group(env)
-    return summed_over(logps, group), all_reduce(counts, group)
+    return summed(logps, lambda t: all_reduce(t, group)), all_reduce(counts, group)
 
 
 def preference_backward(model: Transformer, micro_batches: list[Batch], config: TrainConfig, env: Distributed
@@ -160,6 +155,7 @@ def compute_reference(model: Transformer, store: TokenStore, config: TrainConfig
         sums.index_add_(0, documents, logps.detach().double().view(-1, 2))
         seen.index_add_(0, documents, torch.ones(len(documents), 1, dtype=torch.float64, device=env.device))
     model.train(was_training)
+    end_forward_only(model)
     sums, seen = all_reduce(sums), all_reduce(seen)  # each pair once per cp rank (and twice where repeated)
     return (sums / seen).cpu().numpy()
 
