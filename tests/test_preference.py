@@ -166,19 +166,27 @@ def test_each_objective_is_trl_on_each_pair_unpacked(pair_store, expected, cp, d
                      timeout_s=300)
 
 
-def test_dpo_from_its_own_reference_starts_at_ln2(pair_store, tmp_path):
+def test_dpo_from_its_own_reference_starts_at_ln2_and_resumes_with_it(pair_store, tmp_path):
     out = tmp_path / "run"
-    done = burst_train("--model", "debug", "--data", pair_store, "--seq-len", SEQ_LEN, "--batch-size", 2,
-                       "--steps", 2, "--lr", 0.01, "--warmup", 1, "--precision", "fp32", "--doc-mask",
-                       "--objective", "dpo", "--no-prefix-sharing", "--out", out)
+    common = ("--model", "debug", "--data", pair_store, "--seq-len", SEQ_LEN, "--batch-size", 2, "--steps", 3,
+              "--lr", 0.01, "--warmup", 1, "--precision", "fp32", "--doc-mask", "--objective", "dpo", "--out", out)
+    done = burst_train(*common, "--stop-after", 1)
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = metrics(out)
-    assert abs(rows[0]["loss"] - math.log(2)) < 1e-6
-    assert rows[0]["rewards/margins"] == pytest.approx(0, abs=1e-6) and rows[0]["pairs"] > 2
+    [first] = metrics(out)
+    assert abs(first["loss"] - math.log(2)) < 1e-6  # with prefix sharing (the default)
+    assert first["rewards/margins"] == pytest.approx(0, abs=1e-6) and first["pairs"] > 2
     assert {"rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen", "logps/rejected"} <= \
-        set(rows[0])
-    assert (out / "reference_logps.npz").is_file()
+        set(first)
     assert "reward accuracy" in " ".join(done.stdout.split())
+    saved = (out / "reference_logps.npz").read_bytes()
+    done = burst_train("--resume", "--out", out, "--stop-after", 2)  # the reference is read back, not recomputed
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [row["step"] for row in metrics(out)] == [1, 2] and (out / "reference_logps.npz").read_bytes() == saved
+    assert "reference log-probabilities: one pass" not in done.stdout
+    (out / "reference_logps.npz").unlink()
+    done = burst_train("--resume", "--out", out)
+    assert done.returncode != 0 and "reference_logps.npz is missing" in " ".join(done.stderr.split())
+    (out / "reference_logps.npz").write_bytes(saved)  # the eval below scores the run's step-2 checkpoint
     evaluated = [burst_eval("--checkpoint", out, "--data", pair_store, "--seq-len", SEQ_LEN, "--cp", cp,
                             "--reference", out, "--json", tmp_path / f"cp{cp}.json") for cp in (1, 2)]
     for done in evaluated:

@@ -135,6 +135,17 @@ def identity(store: TokenStore, config: TrainConfig) -> dict:
             "prefix_sharing": config.prefix_sharing, "long_conversations": config.long_conversations}
 
 
+def check_reference_kept(config: TrainConfig, run: Path) -> None:
+    """Refuse to resume a dpo or ipo run whose saved reference is gone: its weights have trained since."""
+    if needs_reference(config) and not (run / REFERENCE_FILE).is_file():
+        raise ValueError(missing_reference(run / REFERENCE_FILE))
+
+
+def missing_reference(path: Path) -> str:
+    return (f"{path} is missing: the reference log-probabilities of the starting weights are gone and the weights "
+            f"have trained since; start a new run (--init-from {path.parent} to keep its weights)")
+
+
 @torch.no_grad()
 def compute_reference(model: Transformer, store: TokenStore, config: TrainConfig, env: Distributed) -> np.ndarray:
     """float64 [pairs, 2]: `model`'s logps of every pair of `store` (a split view), packed as training packs them;
@@ -173,8 +184,7 @@ def load_or_compute_reference(run: Path, model: Transformer, store: TokenStore, 
             raise ValueError(f"{path} holds the reference log-probabilities of other pairs or another packing than "
                              f"this run's ({json.loads(str(saved['identity']))} against {wanted}); start a new run")
     elif resumed:
-        raise ValueError(f"{path} is missing: the reference log-probabilities of the starting weights are gone and "
-                         f"the weights have trained since; start a new run (--init-from this one to keep its weights)")
+        raise ValueError(missing_reference(path))
     log(f"reference log-probabilities: one pass over {store.num_documents:,} training pairs with the starting weights")
     logps = compute_reference(model, store, config, env)
     if env.is_main:

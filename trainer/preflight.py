@@ -35,7 +35,7 @@ from runtime.directories import check_writable
 from runtime.precision import Precision, resolve_precision
 from trainer.checkpoint import check_model_config, metrics_rows
 from trainer.config import TrainConfig, run_identity
-from trainer.preference import check_preferences
+from trainer.preference import check_preferences, check_reference_kept
 from trainer.rundir import check_run_dir
 
 DEFAULT_MODEL = "tiny"
@@ -273,6 +273,8 @@ def plan_run(config: TrainConfig, world_size: int, restart: int = 0) -> RunPlan:
     check_sequence_fits(config, sources)
     check_memory(config, model_config, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     resume_from = check_resume(config, Path(out), model_config, store) if config.resume else None
+    if resume_from is not None:
+        check_reference_kept(config, Path(out))
     precision = resolve_precision(config.precision, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     model = config.model or (None if config.init_from else DEFAULT_MODEL)
     return RunPlan(dataclasses.replace(config, data=data, out=out, model=model), model_config, checkpoint, precision,
