@@ -18,6 +18,7 @@ from data.mixture import Source
 from runtime.process import all_reduce
 from trainer.config import TrainConfig
 from trainer.distributed import Distributed
+from trainer.parallelize import end_forward_only
 
 
 class Validator:
@@ -56,5 +57,6 @@ class Validator:
                                              rope_length=batch.rope_length)
             totals += torch.stack([loss_sum.double(), count.double()])
         model.train(was_training)
+        end_forward_only(model)  # else FSDP2's leftover state corrupts the gradients of the steps after
         loss_sum, count = all_reduce(totals).tolist()
         return loss_sum / count if count else None
