@@ -11,6 +11,8 @@ import pytest
 import torch
 
 import burst
+from bench.attention import AttentionBenchConfig
+from bench.documents import DocumentsBenchConfig, plan_sequences, sequence_plan
 from burst import balance
 from burst.balance import chunk_work, plan_work
 from burst.cost import plan_bytes
@@ -71,6 +73,7 @@ def _cases(rank, world_size):
         check_shared(world_size, boundaries, sees, mode, layout)
     if world_size == 2:
         check_bytes_follow_the_plan(rank)
+        check_ranks_that_disagree_are_refused(rank)
     if world_size == 4:  # the other topologies, on 2 simulated nodes of 2
         check_shared(4, boundaries, sees, "ring", "zigzag", "two-level", 2)
         check_shared(4, boundaries, sees, "burst", "balanced", "ulysses", 2)
@@ -108,6 +111,14 @@ def check_bytes_follow_the_plan(rank):
                          backward=mode, check_ranks=False).sum().backward()
         planned = plan_bytes(plan, "flat", q, q, mode, 2, rank)
         assert (burst.SENT.last_forward, burst.SENT.last_backward) == (planned[0], planned[2]), mode
+
+
+def check_ranks_that_disagree_are_refused(rank):
+    boundaries, sees = rejected_on_rank_0()
+    q = burst.shard_sequence(torch.randn(1, 48, 2, 8))
+    mine = [torch.tensor(sees if rank == 0 else [-1, 0, -1])]
+    with pytest.raises(ValueError, match="doc_sees: rank 0 fingerprint .*, rank 1 fingerprint"):
+        burst.burst_attn(q, q, q, doc_boundaries=[torch.tensor(boundaries)], doc_sees=mine)
 
 
 def test_every_visible_pair_is_computed_once_and_sharing_adds_only_the_seen_rectangles():
@@ -207,3 +218,24 @@ def test_a_packed_pair_gives_each_answer_the_logits_of_its_prompt_alone():
         torch.testing.assert_close(packed[p + len(chosen):], alone["rejected"][p - 1:], rtol=0, atol=1e-5)
         loss_sum, count = model.loss(tokens, tokens, positions, boundaries, sees)
         assert count == tokens.shape[1] and torch.isfinite(loss_sum)
+
+
+def test_the_documents_bench_counts_a_shared_pair_against_two_unshared_sequences():
+    """An 8K-token prompt with two 256-token answers at cp 2, counted by `burst bench attention --docs`'s planner:
+    packed once with sharing, the attention computes at least 1.6x fewer tiles than prompt+chosen and
+    prompt+rejected packed as two documents."""
+    prompt, answer = 8192, 256
+    plain = DocumentsBenchConfig(AttentionBenchConfig(seq_len=2 * (prompt + answer), heads=32, kv_heads=8,
+                                                      head_dim=128, dtype="bf16"),
+                                 [[0, prompt + answer, 2 * (prompt + answer)]], plan_only=True)
+    end = prompt + 2 * answer + 1  # the prompt's last token once more, before the rejected answer
+    shared = DocumentsBenchConfig(dataclasses.replace(plain.attention, seq_len=end + 3),
+                                  [[0, prompt - 1, prompt + answer, end, end + 3]], plan_only=True,
+                                  sees=[[-1, 0, 0, -1]])
+    (plain_zigzag, _), (shared_zigzag, shared_balanced) = plan_sequences(plain), plan_sequences(shared)
+    assert plain_zigzag.tiles / shared_zigzag.tiles >= 1.6
+    assert shared_balanced.tiles <= shared_zigzag.tiles * 1.05
+    counted = plan_work(sequence_plan(shared.sequences[0], shared.sees[0], "zigzag", shared.attention))
+    assert shared_zigzag.tiles == sum(counted.forward)
+    with pytest.raises(ValueError, match="2 rows of seen documents for 1 sequences"):
+        dataclasses.replace(shared, sees=[[-1, 0, 0, -1]] * 2)
