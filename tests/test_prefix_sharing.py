@@ -159,15 +159,20 @@ def test_the_balanced_layout_counts_the_seen_rectangles():
     assert all(work.backward[c] > plain.backward[c] for c in range(3))  # the prompt fills chunks 0-2
     assert work.forward[3] > plain.forward[3]  # the answers' queries (chunk 3) see the prompt's keys
     assert sum(work.forward) == sum(work.backward)
-    seq, world = 16384, 4
-    boundaries, sees = packed_pairs(seq, 1)
-    aware = balanced_layout(tuple(boundaries), seq, world, sees=tuple(sees))
-    blind = balanced_layout(tuple(boundaries), seq, world)
-    worst = {}
-    for name, layout in (("aware", aware), ("blind", blind)):
-        counted = plan_work(AttentionPlan([layout], True, [boundaries], [sees]))
-        worst[name] = max(max(counted.forward), max(counted.backward)) / (sum(counted.forward) / world)
-    assert worst["aware"] <= 1.08 and worst["blind"] >= 1.3, worst
+    seq, worst = 16384, []
+    for world, seed in itertools.product((2, 4), range(4)):
+        boundaries, sees = packed_pairs(seq, seed)
+        layouts = {"aware": balanced_layout(tuple(boundaries), seq, world, sees=tuple(sees)),
+                   "blind": balanced_layout(tuple(boundaries), seq, world), "zigzag": zigzag_layout(seq, world)}
+        slowest = {}
+        for name, layout in layouts.items():
+            counted = plan_work(AttentionPlan([layout], True, [boundaries], [sees]))
+            slowest[name] = max(max(counted.forward), max(counted.backward)) / (sum(counted.forward) / world)
+        assert slowest["aware"] <= slowest["zigzag"] + 1e-9, (world, seed, slowest)
+        if (world, seed) == (4, 1):
+            assert slowest["blind"] >= 1.3, slowest  # the seen rectangles matter: without them the layout is off
+        worst.append(slowest["aware"])
+    assert max(worst) <= 1.1 and sum(worst) / len(worst) <= 1.07, worst
 
 
 def test_documents_that_see_none_are_plain_document_masking():
