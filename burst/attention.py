@@ -14,7 +14,7 @@ from burst.cost import choose_backward, choose_topology
 from burst.groups import group_rank_and_size
 from burst.kernels import KERNEL_NAMES, default_scale, select_kernel
 from burst.layout import LAYOUTS, Layout, check_layout, row_layouts
-from burst.plan import AttentionPlan, normalize_boundaries, normalize_sees
+from burst.plan import AttentionPlan, normalize_boundaries, normalize_sees, sees_by_row
 from burst.ring import burst_backward, ring_backward, ring_forward
 from burst.topology import (
     TOPOLOGIES,
@@ -226,17 +226,16 @@ def sees_tensor(doc_sees) -> torch.Tensor | None:
 
 
 def sees_rows(doc_sees: torch.Tensor | None, boundaries: list[list[int]] | None) -> list[list[int]] | None:
-    """Inverse of `sees_tensor`, checked against the rows' offsets (`normalize_sees`)."""
-    if doc_sees is None:
-        return None
-    if boundaries is None:
-        return normalize_sees(doc_sees, None)  # raises
+    """Inverse of `sees_tensor`, checked against the rows' offsets (`normalize_sees`); None where no
+    document sees another."""
+    if doc_sees is None or boundaries is None:
+        return normalize_sees(doc_sees, boundaries)  # None, or the error of sees without boundaries
     values, rows, start = doc_sees.tolist(), [], 0
-    for offsets in boundaries[:-1]:
+    for offsets in boundaries:
         rows.append(values[start:start + len(offsets) - 1])
         start += len(offsets) - 1
-    if boundaries:
-        rows.append(values[start:])
+    if start != len(values):
+        raise ValueError(f"doc_sees holds {len(values)} entries for {start} documents; give one entry per document")
     return normalize_sees(rows, boundaries)
 
 
@@ -391,7 +390,9 @@ def burst_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
                          "of cumulative offsets per batch row), or use layout 'zigzag'")
     topology = choose_topology(topology, q, k, backward, node_size, world_size)
     boundaries = boundaries_tensor(doc_boundaries)  # checked by the operator
-    sees = sees_tensor(sequence_sees(doc_boundaries, doc_sees, q.shape[0], q.shape[1] * world_size))
+    if doc_sees is not None:  # its shapes now; its values where the boundaries' are checked, in the operator
+        sees_by_row(doc_sees, None if doc_boundaries is None else [len(row) - 1 for row in doc_boundaries])
+    sees = sees_tensor(doc_sees)
     scale = default_scale(q.shape[-1]) if softmax_scale is None else softmax_scale
     if topology == "ulysses":
         return ulysses_attn(q, k, v, group, node_size, causal, boundaries, sees, scale, backward, kernel, layout,
@@ -399,16 +400,6 @@ def burst_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
     out, lse = torch.ops.burst.attention(q, k, v, boundaries, sees, causal, scale, group_name(group), topology,
                                          node_size, backward, kernel, layout)
     return (out, lse) if return_lse else out
-
-
-def sequence_sees(doc_boundaries, doc_sees, batch: int, seq_len: int) -> list[list[int]] | None:
-    """doc_sees checked against doc_boundaries (ValueError, before any traffic), as lists of ints; None when
-    no document sees another, so that such a call is plain document masking, plan and all."""
-    if doc_sees is None:
-        return None
-    rows = None if doc_boundaries is None else normalize_boundaries(boundary_rows(boundaries_tensor(doc_boundaries)),
-                                                                    batch, seq_len)
-    return normalize_sees(doc_sees, rows)
 
 
 def ulysses_attn(q, k, v, group, node_size: int, causal: bool, boundaries, sees, scale: float, backward: str,

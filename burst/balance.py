@@ -236,6 +236,10 @@ def choose_chunks(boundaries: Sequence[int], seq_len: int, world_size: int, zigz
         candidates = [zigzag] if best_cost is None else []  # k = 2 comes first: zigzag is costed on its chunks
         links = chunk_links(boundaries, seq_len, k * world_size, sees)
         candidates.append(assign_chunks(forward, backward, world_size, links))
+        if sees is not None:  # the greedy is a heuristic: the documents' own assignment is sometimes the better
+            own = chunk_work(boundaries, seq_len, k * world_size, options.tile)
+            candidates.append(assign_chunks(*own.costs(options.call_tiles), world_size,
+                                            chunk_links(boundaries, seq_len, k * world_size)))
         for chunks in candidates:
             cost = layout_cost(chunks, work, options.call_tiles)
             if best_cost is None or cost < best_cost * (1 - options.min_gain):

@@ -265,32 +265,40 @@ def normalize_boundaries(doc_boundaries, batch: int, seq_len: int) -> list[list[
     return result
 
 
-def normalize_sees(doc_sees, boundaries: list[list[int]] | None) -> list[list[int]] | None:
-    """Check `doc_sees` against the rows' document offsets (already checked) and return it as lists of
-    ints, one per batch row; None when no document sees another (every value -1), which is plain
-    document masking. Raises ValueError.
+def sees_by_row(doc_sees, documents: list[int] | None) -> list:
+    """doc_sees' rows, checked against each row's document count (`documents`, None: no doc_boundaries)
+    by their shapes alone (no values read: a compiled graph keeps it); ValueError otherwise.
 
     doc_sees: per batch row a 1-D integer tensor or sequence [n_docs] (a 2-D tensor [batch, n_docs]
     where every row has as many documents): doc_sees[row][i] = j, 0 <= j < i, lets document i's
     queries also see all of document j; -1: only their own document.
     """
-    if doc_sees is None:
-        return None
-    if boundaries is None:
+    if documents is None:
         raise ValueError("doc_sees names documents by their index in doc_boundaries: pass doc_boundaries too")
     rows = list(doc_sees.unbind(0)) if isinstance(doc_sees, torch.Tensor) and doc_sees.dim() == 2 else list(doc_sees)
-    if len(rows) != len(boundaries):
-        raise ValueError(f"doc_sees has {len(rows)} rows but doc_boundaries has {len(boundaries)}; give one 1-D "
+    if len(rows) != len(documents):
+        raise ValueError(f"doc_sees has {len(rows)} rows but doc_boundaries has {len(documents)}; give one 1-D "
                          "tensor per batch row, with one entry per document")
-    result = []
-    for b, (row, offsets) in enumerate(zip(rows, boundaries, strict=True)):
+    for b, (row, count) in enumerate(zip(rows, documents, strict=True)):
         if isinstance(row, torch.Tensor) and (row.dim() != 1 or row.is_floating_point()):
             raise ValueError(f"doc_sees row {b} must be a 1-D integer tensor, got {row.dtype} of shape "
                              f"{tuple(row.shape)}")
+        if len(row) != count:
+            raise ValueError(f"doc_sees row {b} has {len(row)} entries but doc_boundaries row {b} has "
+                             f"{count} documents; give one entry per document (-1: sees only itself)")
+    return rows
+
+
+def normalize_sees(doc_sees, boundaries: list[list[int]] | None) -> list[list[int]] | None:
+    """Check `doc_sees` (see `sees_by_row`) against the rows' document offsets (already checked) and return
+    it as lists of ints, one per batch row; None when no document sees another (every value -1), which is
+    plain document masking. Raises ValueError."""
+    if doc_sees is None:
+        return None
+    rows = sees_by_row(doc_sees, None if boundaries is None else [len(offsets) - 1 for offsets in boundaries])
+    result = []
+    for b, row in enumerate(rows):
         sees = row.tolist() if isinstance(row, torch.Tensor) else [int(x) for x in row]
-        if len(sees) != len(offsets) - 1:
-            raise ValueError(f"doc_sees row {b} has {len(sees)} entries but doc_boundaries row {b} has "
-                             f"{len(offsets) - 1} documents; give one entry per document (-1: sees only itself)")
         bad = [(i, j) for i, j in enumerate(sees) if not -1 <= j < i]
         if bad:
             i, j = bad[0]

@@ -42,8 +42,9 @@ def check_doc_sees(sees, documents: int, row: int) -> torch.Tensor:
     if sees.dim() != 1 or sees.is_floating_point() or len(sees) != documents:
         raise ValueError(f"doc_sees row {row} must be a 1-D integer tensor with one entry per document ({documents}), "
                          f"got {sees.dtype} of shape {tuple(sees.shape)}")
-    earlier = torch.arange(documents)
-    bad = ((sees < -1) | (sees >= earlier.to(sees.device))).nonzero()
+    if torch.compiler.is_compiling():
+        return sees.long()  # its values are checked where the graph is not compiled (reading them would break it)
+    bad = ((sees < -1) | (sees >= torch.arange(documents, device=sees.device))).nonzero()
     if len(bad):
         i = int(bad[0, 0])
         raise ValueError(f"doc_sees row {row}: document {i} sees {int(sees[i])}, but a document may only see an "
