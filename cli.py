@@ -96,6 +96,11 @@ def prepare_command(
                                                     "`completion`): render them with the tokenizer's chat template "
                                                     "(or burst's plain one) into an instruction store that marks the "
                                                     "answers. Needs --tokenizer."),
+    preference: bool = typer.Option(False, "--preference", help="The rows are preference pairs (`prompt`, `chosen`, "
+                                                                "`rejected`: TRL's format): render them with the "
+                                                                "tokenizer's chat template into a preference store "
+                                                                "for --objective dpo|ipo|simpo|orpo. Needs "
+                                                                "--tokenizer."),
 ) -> None:
     """Tokenize a corpus into a token store for training, or conversations into an instruction store (--chat).
 
@@ -106,7 +111,7 @@ def prepare_command(
 
     with _exits():
         prepare(inputs, out, tokenizer=tokenizer, vocab_size=vocab_size, text_field=text_field,
-                val_fraction=val_fraction, workers=workers, seed=seed, force=force, chat=chat)
+                val_fraction=val_fraction, workers=workers, seed=seed, force=force, chat=chat, preference=preference)
 
 
 def _number_list(text: str | None, kind: type, flag: str) -> list | None:
@@ -148,9 +153,15 @@ def eval_command(
     json_path: Path | None = typer.Option(None, "--json", help="Write the results to this .json file, and a PNG plot "
                                                                 "beside it (same name, .png)."),
     force: bool = typer.Option(False, "--force", help="Replace the --json file (and its PNG) if they exist."),
+    reference: Path | None = typer.Option(None, "--reference", help="A preference store's reference model (a run, "
+                                                                    "checkpoint or model directory): report DPO's "
+                                                                    "implicit rewards against it."),
+    beta: float | None = typer.Option(None, "--beta", help="The implicit rewards' beta, with --reference (0.1)."),
 ) -> None:
     """Perplexity, loss by position and passkey retrieval of a model checkpoint: results on stdout. On an
-    instruction store (`burst prepare --chat`): the answers' loss, and question answering by depth.
+    instruction store (`burst prepare --chat`): the answers' loss, and question answering by depth. On a preference
+    store (`burst prepare --preference`): the policy's log-probabilities of the chosen and rejected answers of the
+    validation pairs, how often it prefers the chosen one, and with --reference DPO's reward accuracy and margin.
 
     With --cp N it starts N local ranks; on several machines start them with torchrun instead.
     Exits 2 on bad input, 1 when the model's loss is not finite (a diverged or damaged model).
@@ -162,7 +173,7 @@ def eval_command(
                  passkey_trials=passkey_trials, qa_samples=qa_samples, long_conversations=long_conversations,
                  passkey_lengths=_number_list(passkey_lengths, int, "--passkey-lengths"),
                  passkey_depths=_number_list(passkey_depths, float, "--passkey-depths"),
-                 cp=cp, precision=precision, json_path=json_path)
+                 cp=cp, precision=precision, json_path=json_path, reference=reference, beta=beta)
     with _exits(failed=(EvaluationFailed,)):
         evaluate(EvalConfig(checkpoint=checkpoint, force=force,
                             **{name: v for name, v in flags.items() if v is not None}))

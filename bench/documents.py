@@ -17,6 +17,10 @@ ranks, every layout and backward mode in alternation (A B A B ...), with random 
 (the slowest rank), each rank's CPU seconds, and bytes sent. With --replay, each rank's kernel
 calls run one rank after another in this process instead, timed in thread CPU seconds: each
 rank's compute without ranks competing for cores, so cp 4 and 8 on a 2-core machine.
+
+Sequences whose documents see earlier ones (prefix sharing: `DocumentsBenchConfig.sees`, burst_attn's
+doc_sees) are counted and timed with those rectangles; the tiles computed over every rank are counted
+for each, so that a sequence packed with and without sharing compares directly.
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ class DocumentsBenchConfig:
     plan_only: bool = False
     replay: bool = False  # time each rank's kernel calls in this process instead of running ranks
     quantiles: list[float] = field(default_factory=lambda: [0.9, 0.0])  # of zigzag's imbalance: sequences to time
+    # per sequence, the earlier document each document also sees whole, or -1 (burst_attn's doc_sees); None: none
+    sees: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if not self.sequences:
@@ -65,6 +71,13 @@ class DocumentsBenchConfig:
         if self.attention.node_size not in (None, self.attention.nproc) or self.attention.topology not in (
                 "auto", "flat"):
             raise ValueError("--docs runs the ranks as one node (flat): leave out --node-size and --topology")
+        if self.sees is not None and len(self.sees) != len(self.sequences):
+            raise ValueError(f"{len(self.sees)} rows of seen documents for {len(self.sequences)} sequences: give one "
+                             "per sequence")
+
+    def sees_of(self, index: int) -> list[int] | None:
+        """Sequence `index`'s seen documents, or None."""
+        return None if self.sees is None else self.sees[index]
 
 
 @dataclass
@@ -81,6 +94,7 @@ class SequencePlan:
     sent_mib_mean: float  # forward + backward, per rank
     sent_mib_max: float
     planning_ms: float
+    tiles: int = 0  # 128 x 128 tiles computed in one forward, summed over the ranks
 
     @property
     def imbalance(self) -> float:
@@ -96,13 +110,22 @@ def _meta(config: AttentionBenchConfig) -> tuple[torch.Tensor, torch.Tensor]:
             torch.empty(config.batch, shard, config.kv_heads, config.head_dim, dtype=dtype, device="meta"))
 
 
-def plan_sequence(index: int, boundaries: list[int], layout: str, config: AttentionBenchConfig) -> SequencePlan:
+def sequence_plan(boundaries: list[int], sees: list[int] | None, layout: str,
+                  config: AttentionBenchConfig) -> AttentionPlan:
+    """The plan of one sequence, repeated over the batch rows, as burst_attn makes it."""
+    (chosen,) = row_layouts(layout, [boundaries], config.seq_len, config.nproc, 1, None if sees is None else [sees])
+    return AttentionPlan([chosen] * config.batch, True, [boundaries] * config.batch,
+                         None if sees is None else [sees] * config.batch)
+
+
+def plan_sequence(index: int, boundaries: list[int], layout: str, config: AttentionBenchConfig,
+                  sees: list[int] | None = None) -> SequencePlan:
     world, seq_len = config.nproc, config.seq_len
     started = time.perf_counter()
     if layout == "balanced":  # timed without the memo: what a new sequence costs
-        choose_chunks(boundaries, seq_len, world, zigzag_layout(seq_len, world).chunks, OPTIONS)
-    (chosen,) = row_layouts(layout, [boundaries], seq_len, world, 1)
-    plan = AttentionPlan([chosen] * config.batch, True, [boundaries] * config.batch)
+        choose_chunks(boundaries, seq_len, world, zigzag_layout(seq_len, world).chunks, OPTIONS, sees)
+    plan = sequence_plan(boundaries, sees, layout, config)
+    chosen = plan.layouts[0]
     for q_owner in range(world):  # every rank pair's calls and rows: more than any one rank works out
         for kv_owner in range(world):
             plan.key_rows(q_owner, kv_owner)
@@ -118,11 +141,11 @@ def plan_sequence(index: int, boundaries: list[int], layout: str, config: Attent
 
     return SequencePlan(index, layout, len(chosen.chunks[0]), ratio(work.forward), ratio(work.backward),
                         work.masked_share, work.idle_pairs / max(world * (world - 1), 1), statistics.mean(sent),
-                        max(sent), planning_ms)
+                        max(sent), planning_ms, sum(work.forward))
 
 
 def plan_sequences(config: DocumentsBenchConfig) -> list[SequencePlan]:
-    return [plan_sequence(i, boundaries, layout, config.attention)
+    return [plan_sequence(i, boundaries, layout, config.attention, config.sees_of(i))
             for i, boundaries in enumerate(config.sequences) for layout in config.layouts]
 
 
@@ -139,7 +162,7 @@ def summarize(plans: list[SequencePlan], layouts: list[str]) -> dict[str, dict[s
         for name in ("imbalance", "forward_imbalance", "backward_imbalance"):
             values = [getattr(p, name) for p in mine]
             row[name], row[f"{name}_p90"] = statistics.mean(values), p90(values)
-        for name in ("masked_share", "idle_steps", "sent_mib_mean", "sent_mib_max", "chunks_per_rank"):
+        for name in ("masked_share", "idle_steps", "sent_mib_mean", "sent_mib_max", "chunks_per_rank", "tiles"):
             row[name] = statistics.mean(getattr(p, name) for p in mine)
         row["planning_ms"] = statistics.mean(p.planning_ms for p in mine)
         row["planning_ms_max"] = max(p.planning_ms for p in mine)
@@ -166,7 +189,8 @@ def _time_worker(config: DocumentsBenchConfig, picks: list[int]) -> dict[str, di
         full = global_inputs(attention, device)
         for index in picks:
             boundaries = [torch.tensor(config.sequences[index])] * attention.batch
-            inputs = {layout: [shard_sequence(t, layout=layout, doc_boundaries=boundaries) for t in full]
+            sees = None if config.sees is None else [torch.tensor(config.sees[index])] * attention.batch
+            inputs = {layout: [shard_sequence(t, layout=layout, doc_boundaries=boundaries, doc_sees=sees) for t in full]
                       for layout in config.layouts}
             variants = [(layout, mode) for layout in config.layouts for mode in attention.modes]
             runs: dict[tuple[str, str], list[tuple[float, float, float, float]]] = {v: [] for v in variants}
@@ -175,7 +199,8 @@ def _time_worker(config: DocumentsBenchConfig, picks: list[int]) -> dict[str, di
                 for layout, mode in variants:
                     # the ranks agree by construction (check_ranks off): only the ring's bytes are counted
                     measured = time_call(*inputs[layout], device, causal=True, backward=mode, layout=layout,
-                                         doc_boundaries=boundaries, topology="flat", check_ranks=False)
+                                         doc_boundaries=boundaries, doc_sees=sees, topology="flat",
+                                         check_ranks=False)
                     sent[layout, mode] = (SENT.last_forward + SENT.last_backward) / MIB
                     if i:
                         runs[layout, mode].append(measured)
@@ -231,7 +256,8 @@ def replay_sequences(config: DocumentsBenchConfig, picks: list[int]) -> list[Tim
     The variants take turns (A B A B ...) for --iters rounds; each rank's fastest round counts."""
     attention = config.attention
     variants = [(index, layout, mode) for index in picks for layout in config.layouts for mode in attention.modes]
-    rounds = [[_replay_once(config.sequences[i], layout, mode, attention) for i, layout, mode in variants]
+    rounds = [[_replay_once(config.sequences[i], config.sees_of(i), layout, mode, attention)
+               for i, layout, mode in variants]
               for _ in range(attention.iters)]
     runs = []
     for v, (index, layout, mode) in enumerate(variants):
@@ -242,12 +268,11 @@ def replay_sequences(config: DocumentsBenchConfig, picks: list[int]) -> list[Tim
     return runs
 
 
-def _replay_once(boundaries: list[int], layout: str, mode: str,
+def _replay_once(boundaries: list[int], sees: list[int] | None, layout: str, mode: str,
                  config: AttentionBenchConfig) -> tuple[list[float], list[float]]:
     """(forward, backward) thread CPU seconds of each rank's calls."""
     world, shard, scale = config.nproc, config.seq_len // config.nproc, default_scale(config.head_dim)
-    (chosen,) = row_layouts(layout, [boundaries], config.seq_len, world, 1)
-    plan = AttentionPlan([chosen] * config.batch, True, [boundaries] * config.batch)
+    plan = sequence_plan(boundaries, sees, layout, config)
     # random inputs: any cut into shards serves; heads-first memory, as burst_attn hands the CPU kernels
     q, k, v, dout = ([heads_first(x) for x in t.chunk(world, dim=1)] for t in global_inputs(config, "cpu"))
     kernel = select_kernel(torch.device("cpu"), q[0].dtype, "auto", head_dim=config.head_dim)
@@ -312,6 +337,7 @@ def print_documents(config: DocumentsBenchConfig, plans: list[SequencePlan], tim
         "masked share of computed tiles": lambda r: f"{100 * r['masked_share']:.1f}%",
         "pairs of ranks with no call": lambda r: f"{100 * r['idle_steps']:.0f}%",
         "chunks per rank": lambda r: f"{r['chunks_per_rank']:.1f}",
+        "tiles computed, all ranks": lambda r: f"{r['tiles']:,.0f}",
         f"MiB sent per rank (bwd {attention.modes[0]})":
             lambda r: f"{r['sent_mib_mean']:.1f} [{r['sent_mib_max']:.1f}]",
         "plan ms": lambda r: f"{r['planning_ms']:.1f} [{r['planning_ms_max']:.1f}]",

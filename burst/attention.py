@@ -14,7 +14,7 @@ from burst.cost import choose_backward, choose_topology
 from burst.groups import group_rank_and_size
 from burst.kernels import KERNEL_NAMES, default_scale, select_kernel
 from burst.layout import LAYOUTS, Layout, check_layout, row_layouts
-from burst.plan import AttentionPlan, normalize_boundaries
+from burst.plan import AttentionPlan, normalize_boundaries, normalize_sees, sees_by_row
 from burst.ring import burst_backward, ring_backward, ring_forward
 from burst.topology import (
     TOPOLOGIES,
@@ -90,6 +90,7 @@ _SIGNATURE_FIELDS = (
     ("backward", 1, lambda x: BACKWARD_MODES[x[0]] if x[0] >= 0 else "unknown"),
     ("kernel", 1, lambda x: KERNEL_NAMES[x[0]] if x[0] >= 0 else "unknown"),
     ("doc_boundaries", 1, lambda x: "none" if x[0] == 0 else f"fingerprint {x[0] & 0xFFFFFF:06x}"),
+    ("doc_sees", 1, lambda x: "none" if x[0] == 0 else f"fingerprint {x[0] & 0xFFFFFF:06x}"),
     ("topology", 1, lambda x: TOPOLOGIES[x[0]] if x[0] >= 0 else "unknown"),
     ("node_size", 1, lambda x: str(x[0])),
     ("layout", 1, lambda x: LAYOUTS[x[0]] if x[0] >= 0 else "unknown"),
@@ -104,7 +105,7 @@ def _digest(value) -> int:
 
 def input_signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, backward: str, kernel: str,
                     doc_boundaries, topology: str = "flat", node_size=1, layout: str = "zigzag",
-                    world_size: int = 1) -> list[int]:
+                    world_size: int = 1, doc_sees=None) -> list[int]:
     """What every rank of the group must agree on, as ints (see `_SIGNATURE_FIELDS`).
 
     Ranks that disagree would post ring messages of different sizes (a gloo error or an NCCL
@@ -113,18 +114,22 @@ def input_signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     layouts each rank chose are compared too: shards of the same size cut differently would give
     wrong results silently.
     """
-    rows, chosen = None, 0
+    rows, sees, chosen = None, None, 0
+    if doc_sees is not None:
+        sees = doc_sees.tolist() if isinstance(doc_sees, torch.Tensor) else \
+            [r.tolist() if isinstance(r, torch.Tensor) else list(r) for r in doc_sees]
     if doc_boundaries is not None:
         rows = doc_boundaries.tolist() if isinstance(doc_boundaries, torch.Tensor) else \
             [r.tolist() if isinstance(r, torch.Tensor) else list(r) for r in doc_boundaries]
         if layout == "balanced":
             try:
                 chosen = _digest([(lay.chunk, lay.chunks) for lay in
-                                  row_layouts(layout, rows, q.shape[1] * world_size, world_size, len(rows))])
+                                  row_layouts(layout, rows, q.shape[1] * world_size, world_size, len(rows), sees)])
             except (ValueError, TypeError, IndexError):
                 chosen = -1  # invalid inputs: validation says what is wrong, on every rank, once they agree
     return [*_shape(q), *_shape(k), *_shape(v), *(_code(_DTYPE_CODES, t.dtype) for t in (q, k, v)), int(causal),
             _code(BACKWARD_MODES, backward), _code(KERNEL_NAMES, kernel), 0 if rows is None else _digest(rows),
+            0 if sees is None else _digest(sees),
             _code(TOPOLOGIES, topology), node_size if isinstance(node_size, int) else -1, _code(LAYOUTS, layout),
             chosen]
 
@@ -144,7 +149,7 @@ def check_ranks_agree(group: dist.ProcessGroup | None, signature: list[int], dev
         start += width
     raise ValueError(f"burst_attn got different inputs on the ranks of its group ({'; '.join(differences)}). "
                      "Every rank must pass its shard of the same global sequence (see burst.shard_sequence) with "
-                     "the same shapes, dtypes, causal flag, backward mode, kernel, doc_boundaries, topology, "
+                     "the same shapes, dtypes, causal flag, backward mode, kernel, doc_boundaries, doc_sees, topology, "
                      "node_size and layout")
 
 
@@ -169,8 +174,8 @@ def kernel_layout(x: torch.Tensor) -> torch.Tensor:
 # another: activation-checkpointing policies can save its output by name (the ring forward then
 # never runs twice), and torch.compile traces a block around it as one opaque call, with no graph
 # break. Operator arguments are tensors and plain values only: the process group travels by its
-# name, the document boundaries as one int64 tensor (`boundaries_tensor`); another setting is one
-# more plain argument of both operators.
+# name, the document boundaries as one int64 tensor (`boundaries_tensor`), the seen documents as
+# another (`sees_tensor`); another setting is one more plain argument of both operators.
 
 
 def group_name(group: dist.ProcessGroup | None) -> str:
@@ -211,16 +216,42 @@ def boundary_rows(boundaries: torch.Tensor) -> list[list[int]]:
     return rows
 
 
+def sees_tensor(doc_sees) -> torch.Tensor | None:
+    """doc_sees (a list of 1-D tensors per batch row, or a 2-D tensor) as one flat int64 tensor, the rows
+    one after another: each row has one entry per document, so `sees_rows` cuts them by the boundaries."""
+    if doc_sees is None:
+        return None
+    rows = [torch.as_tensor(row, dtype=torch.int64) for row in doc_sees]
+    return torch.cat(rows) if rows else torch.empty(0, dtype=torch.int64)
+
+
+def sees_rows(doc_sees: torch.Tensor | None, boundaries: list[list[int]] | None) -> list[list[int]] | None:
+    """Inverse of `sees_tensor`, checked against the rows' offsets (`normalize_sees`); None where no
+    document sees another."""
+    if doc_sees is None or boundaries is None:
+        return normalize_sees(doc_sees, boundaries)  # None, or the error of sees without boundaries
+    values, rows, start = doc_sees.tolist(), [], 0
+    for offsets in boundaries:
+        rows.append(values[start:start + len(offsets) - 1])
+        start += len(offsets) - 1
+    if start != len(values):
+        raise ValueError(f"doc_sees holds {len(values)} entries for {start} documents; give one entry per document")
+    return normalize_sees(rows, boundaries)
+
+
 def sequence_layouts(doc_boundaries: torch.Tensor | None, batch: int, seq_len: int, world_size: int,
-                     layout: str) -> tuple[list[list[int]] | None, list[Layout]]:
-    """(document offsets per batch row or None, the layout of each row) for one call; boundaries as
-    `boundaries_tensor` encodes them, checked (ValueError)."""
+                     layout: str, doc_sees: torch.Tensor | None = None
+                     ) -> tuple[list[list[int]] | None, list[list[int]] | None, list[Layout]]:
+    """(document offsets per batch row or None, seen documents per row or None, the layout of each row) for
+    one call; boundaries and sees as `boundaries_tensor` and `sees_tensor` encode them, checked (ValueError)."""
     rows = None if doc_boundaries is None else normalize_boundaries(boundary_rows(doc_boundaries), batch, seq_len)
-    return rows, row_layouts(layout, rows, seq_len, world_size, batch)
+    sees = sees_rows(doc_sees, rows)
+    return rows, sees, row_layouts(layout, rows, seq_len, world_size, batch, sees)
 
 
-def ring_and_plan(q: torch.Tensor, doc_boundaries: torch.Tensor | None, causal: bool, group: str, topology: str,
-                  node_size: int, layout: str, traffic: Traffic) -> tuple[Schedule, AttentionPlan]:
+def ring_and_plan(q: torch.Tensor, doc_boundaries: torch.Tensor | None, doc_sees: torch.Tensor | None, causal: bool,
+                  group: str, topology: str, node_size: int, layout: str,
+                  traffic: Traffic) -> tuple[Schedule, AttentionPlan]:
     """The schedule and plan of one call of the operators: "flat" or "two-level" over the group, or
     "ulysses" for the ring across nodes that ulysses_attn runs on node-sized blocks (the layout
     grouped by node)."""
@@ -228,27 +259,29 @@ def ring_and_plan(q: torch.Tensor, doc_boundaries: torch.Tensor | None, causal: 
     schedule = node_ring_schedule(group_, node_size, traffic) if topology == "ulysses" else \
         make_schedule(topology, group_, node_size, traffic)
     _, world_size = group_rank_and_size(group_)
-    rows, layouts = sequence_layouts(doc_boundaries, q.shape[0], q.shape[1] * schedule.world_size, world_size,
-                                     layout)
+    rows, sees, layouts = sequence_layouts(doc_boundaries, q.shape[0], q.shape[1] * schedule.world_size, world_size,
+                                           layout, doc_sees)
     if topology == "ulysses":
         layouts = [lay.grouped(node_size) for lay in layouts]
-    return schedule, shared_plan(tuple(layouts), causal, None if rows is None else tuple(map(tuple, rows)))
+    return schedule, shared_plan(tuple(layouts), causal, None if rows is None else tuple(map(tuple, rows)),
+                                 None if sees is None else tuple(map(tuple, sees)))
 
 
 @functools.lru_cache(maxsize=16)
-def shared_plan(layouts: tuple[Layout, ...], causal: bool,
-                boundaries: tuple[tuple[int, ...], ...] | None) -> AttentionPlan:
+def shared_plan(layouts: tuple[Layout, ...], causal: bool, boundaries: tuple[tuple[int, ...], ...] | None,
+                sees: tuple[tuple[int, ...], ...] | None = None) -> AttentionPlan:
     """One plan for every call on the same sequences: a model's layers, forward and backward, reuse the
     segments and rows it has worked out (they cost milliseconds per call at 128K tokens)."""
-    return AttentionPlan(list(layouts), causal, None if boundaries is None else [list(b) for b in boundaries])
+    return AttentionPlan(list(layouts), causal, None if boundaries is None else [list(b) for b in boundaries],
+                         None if sees is None else [list(s) for s in sees])
 
 
 @torch.library.custom_op("burst::attention", mutates_args=())
 def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_boundaries: torch.Tensor | None,
-                 causal: bool, scale: float, group: str, topology: str, node_size: int, backward: str,
-                 kernel: str, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+                 doc_sees: torch.Tensor | None, causal: bool, scale: float, group: str, topology: str, node_size: int,
+                 backward: str, kernel: str, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of the ring; see `burst_attn`, which checks the arguments (group: a `group_name`)."""
-    schedule, plan = ring_and_plan(q, doc_boundaries, causal, group, topology, node_size, layout,
+    schedule, plan = ring_and_plan(q, doc_boundaries, doc_sees, causal, group, topology, node_size, layout,
                                    Traffic(fresh=False))
     q, k, v = kernel_layout(q), kernel_layout(k), kernel_layout(v)
     kernel_ = select_kernel(q.device, q.dtype, kernel, head_dim=q.shape[-1])
@@ -257,20 +290,21 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_boundari
 
 
 @attention_op.register_fake
-def _(q, k, v, doc_boundaries, causal, scale, group, topology, node_size, backward, kernel, layout):
+def _(q, k, v, doc_boundaries, doc_sees, causal, scale, group, topology, node_size, backward, kernel, layout):
     batch, shard_len, heads, _ = q.shape
     return q.new_empty(q.shape), q.new_empty(batch, heads, shard_len, dtype=torch.float32)  # contiguous, as made
 
 
 @torch.library.custom_op("burst::attention_backward", mutates_args=())
 def attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                          lse: torch.Tensor, doc_boundaries: torch.Tensor | None, causal: bool, scale: float,
+                          lse: torch.Tensor, doc_boundaries: torch.Tensor | None, doc_sees: torch.Tensor | None,
+                          causal: bool, scale: float,
                           group: str, topology: str, node_size: int, backward: str,
                           kernel: str, layout: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of `torch.ops.burst.attention`."""
     traffic = Traffic(fresh=False)
     traffic.enter_backward(fresh=topology != "ulysses")  # ulysses' exchange back from the node came first
-    schedule, plan = ring_and_plan(q, doc_boundaries, causal, group, topology, node_size, layout, traffic)
+    schedule, plan = ring_and_plan(q, doc_boundaries, doc_sees, causal, group, topology, node_size, layout, traffic)
     # the layout the forward computed in (on CPU a copy: the saved inputs are the caller's)
     q, k, v, dout = kernel_layout(q), kernel_layout(k), kernel_layout(v), kernel_layout(dout)
     kernel_ = select_kernel(q.device, q.dtype, kernel, head_dim=q.shape[-1])
@@ -280,20 +314,22 @@ def attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
 
 
 @attention_backward_op.register_fake
-def _(dout, q, k, v, out, lse, doc_boundaries, causal, scale, group, topology, node_size, backward, kernel, layout):
+def _(dout, q, k, v, out, lse, doc_boundaries, doc_sees, causal, scale, group, topology, node_size, backward, kernel,
+      layout):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous, as made
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, doc_boundaries, *ctx.settings = inputs
-    ctx.save_for_backward(q, k, v, *output, doc_boundaries)
+    q, k, v, doc_boundaries, doc_sees, *ctx.settings = inputs
+    ctx.save_for_backward(q, k, v, *output, doc_boundaries, doc_sees)
     ctx.mark_non_differentiable(output[1])
 
 
 def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse, doc_boundaries = ctx.saved_tensors
-    dq, dk, dv = torch.ops.burst.attention_backward(dout, q, k, v, out, lse, doc_boundaries, *ctx.settings)
-    return dq, dk, dv, *[None] * (len(ctx.settings) + 1)
+    q, k, v, out, lse, doc_boundaries, doc_sees = ctx.saved_tensors
+    dq, dk, dv = torch.ops.burst.attention_backward(dout, q, k, v, out, lse, doc_boundaries, doc_sees,
+                                                    *ctx.settings)
+    return dq, dk, dv, *[None] * (len(ctx.settings) + 2)
 
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -303,7 +339,8 @@ def burst_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
                group: dist.ProcessGroup | None = None, softmax_scale: float | None = None,
                backward: str = "auto", kernel: str = "auto", doc_boundaries=None,
                return_lse: bool = False, topology: str = "auto", node_size: int | None = None,
-               check_ranks: bool = True, layout: str = "zigzag") -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+               check_ranks: bool = True, layout: str = "zigzag",
+               doc_sees=None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact softmax attention of this rank's queries against the whole sharded sequence.
 
     q [batch, local_seq, q_heads, head_dim]; k, v [batch, local_seq, kv_heads, head_dim], each
@@ -319,6 +356,10 @@ def burst_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
     over the global sequence (a list of 1-D tensors, e.g. [0, 100, 350, seq_len], as the
     loader returns them; or a 2-D tensor). A query then sees only keys of its own document
     (causally when `causal`), and fully masked blocks are skipped, not computed nor sent.
+    doc_sees: with doc_boundaries, per batch row an int64 tensor [n_docs]: doc_sees[row][i] = j
+    (0 <= j < i) lets document i's queries also see every key of document j (prefix sharing:
+    two answers that see their prompt), -1 only their own document; None: -1 everywhere. Seen
+    documents are computed as full rectangles; only the rows that a rank's calls touch travel.
     layout: how the sequence is cut into the ranks' shards (burst/layout.py): "zigzag", or
     "balanced", chosen per batch row from its doc_boundaries (required) so that every rank does the
     same work; the offsets stay over the global sequence in its original order.
@@ -339,7 +380,8 @@ def burst_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
     traffic = Traffic()
     if check_ranks:
         check_ranks_agree(group, input_signature(q, k, v, causal, backward, kernel, doc_boundaries, topology,
-                                                 node_size, layout, world_size), q.device, traffic, node_size)
+                                                 node_size, layout, world_size, doc_sees), q.device, traffic,
+                          node_size)
     validate_inputs(q, k, v, world_size, backward, kernel)  # the same verdict on every rank now
     validate_topology(topology, node_size, world_size)
     check_layout(layout)
@@ -348,29 +390,32 @@ def burst_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
                          "of cumulative offsets per batch row), or use layout 'zigzag'")
     topology = choose_topology(topology, q, k, backward, node_size, world_size)
     boundaries = boundaries_tensor(doc_boundaries)  # checked by the operator
+    if doc_sees is not None:  # its shapes now; its values where the boundaries' are checked, in the operator
+        sees_by_row(doc_sees, None if doc_boundaries is None else [len(row) - 1 for row in doc_boundaries])
+    sees = sees_tensor(doc_sees)
     scale = default_scale(q.shape[-1]) if softmax_scale is None else softmax_scale
     if topology == "ulysses":
-        return ulysses_attn(q, k, v, group, node_size, causal, boundaries, scale, backward, kernel, layout, traffic,
-                            return_lse)
-    out, lse = torch.ops.burst.attention(q, k, v, boundaries, causal, scale, group_name(group), topology, node_size,
-                                         backward, kernel, layout)
+        return ulysses_attn(q, k, v, group, node_size, causal, boundaries, sees, scale, backward, kernel, layout,
+                            traffic, return_lse)
+    out, lse = torch.ops.burst.attention(q, k, v, boundaries, sees, causal, scale, group_name(group), topology,
+                                         node_size, backward, kernel, layout)
     return (out, lse) if return_lse else out
 
 
-def ulysses_attn(q, k, v, group, node_size: int, causal: bool, boundaries, scale: float, backward: str, kernel: str,
-                 layout: str, traffic: Traffic, return_lse: bool):
+def ulysses_attn(q, k, v, group, node_size: int, causal: bool, boundaries, sees, scale: float, backward: str,
+                 kernel: str, layout: str, traffic: Traffic, return_lse: bool):
     """burst_attn's "ulysses" topology: heads exchanged inside the node (burst/ulysses.py), the
     ring over the I nodes on node-sized blocks [b, L x C, heads / L, d], and back."""
     q_heads, kv_heads = heads_per_rank(q.shape[2], k.shape[2], node_size)  # raises before any traffic
     rank, world_size = group_rank_and_size(group)
-    _, layouts = sequence_layouts(boundaries, q.shape[0], q.shape[1] * world_size, world_size, layout)
+    _, _, layouts = sequence_layouts(boundaries, q.shape[0], q.shape[1] * world_size, world_size, layout, sees)
     orders = [lay.group_order(node_size, rank // node_size) for lay in
               (layouts[:1] if all(lay == layouts[0] for lay in layouts) else layouts)]
     order = torch.stack(orders).to(q.device)  # [b or 1, L x C]
     heads_group = node_group(group, node_size) if node_size > 1 else None
     node_q = to_node(q, q_heads, heads_group, traffic, order)
     node_k, node_v = (to_node(x, kv_heads, heads_group, traffic, order) for x in (k, v))
-    out, lse = torch.ops.burst.attention(node_q, node_k, node_v, boundaries, causal, scale, group_name(group),
+    out, lse = torch.ops.burst.attention(node_q, node_k, node_v, boundaries, sees, causal, scale, group_name(group),
                                          "ulysses", node_size, backward, kernel, layout)
     out = from_node(out, node_size, heads_group, traffic, order)
     if not return_lse:

@@ -8,7 +8,8 @@ masked pairs outside the calls cost nothing (burst/plan.py). With packed documen
 query chunk is the sum over its documents of the keys before it in the same document; the work
 against a key chunk (where the backward of "burst" computes it) the queries after it. Both must
 balance: the forward's ring steps wait for the rank with the most query work, the backward's for
-the one with the most key work.
+the one with the most key work. A document that sees an earlier one whole (prefix sharing, `sees`)
+adds the full rectangles of its queries against that document's keys to both counts.
 
 The layout cuts the sequence into K chunks per rank and assigns them (`assign_chunks`): the chunks
 in decreasing order of work, each to the rank it leaves least loaded (longest-processing-time
@@ -82,19 +83,35 @@ class ChunkWork:
                 [t + call_tiles * c for t, c in zip(self.backward, self.backward_calls, strict=True)])
 
 
-def chunk_work(boundaries: Sequence[int], seq_len: int, chunks: int, tile: int) -> ChunkWork:
-    """The causal work of each of `chunks` equal chunks of a sequence with documents at `boundaries`.
+def _pieces(start: int, end: int, size: int, tile: int) -> tuple[int, list[int]]:
+    """(first chunk, tiles along each piece) of the document [start, end) cut into chunks of `size`."""
+    first = start // size
+    return first, [-(-(min(end, (c + 1) * size) - max(start, c * size)) // tile)
+                   for c in range(first, (end - 1) // size + 1)]
+
+
+def chunk_work(boundaries: Sequence[int], seq_len: int, chunks: int, tile: int,
+               sees: Sequence[int] | None = None) -> ChunkWork:
+    """The causal work of each of `chunks` equal chunks of a sequence with documents at `boundaries`,
+    each document also seeing document sees[i] whole where that is not -1 (None: none).
 
     A document's piece in chunk i meets its piece in chunk j <= i in one kernel call (a causal square
-    when j = i), whichever ranks hold the two chunks. O(chunks spanned) per document.
+    when j = i), whichever ranks hold the two chunks, and each piece of the document it sees in a full
+    rectangle. O(chunks spanned) per document, and per pair of pieces of a document and the one it sees.
     """
     size = seq_len // chunks
     forward, backward = [0] * chunks, [0] * chunks
     forward_calls, backward_calls = [0] * chunks, [0] * chunks
-    for start, end in pairwise(boundaries):
-        first = start // size
-        pieces = [-(-(min(end, (c + 1) * size) - max(start, c * size)) // tile)
-                  for c in range(first, (end - 1) // size + 1)]  # tiles along each piece of the document
+    for doc, (start, end) in enumerate(pairwise(boundaries)):
+        first, pieces = _pieces(start, end, size, tile)
+        if sees is not None and sees[doc] >= 0:
+            seen_first, seen = _pieces(boundaries[sees[doc]], boundaries[sees[doc] + 1], size, tile)
+            for k, t in enumerate(pieces):  # queries of piece k see every piece of the seen document
+                forward[first + k] += t * sum(seen)
+                forward_calls[first + k] += len(seen)
+            for k, t in enumerate(seen):  # keys of a seen piece are seen by every piece of the document
+                backward[seen_first + k] += t * sum(pieces)
+                backward_calls[seen_first + k] += len(pieces)
         before = 0
         for k, t in enumerate(pieces):  # queries of piece k see every earlier piece, and themselves causally
             forward[first + k] += t * before + t * (t + 1) // 2
@@ -109,12 +126,24 @@ def chunk_work(boundaries: Sequence[int], seq_len: int, chunks: int, tile: int) 
     return ChunkWork(tuple(forward), tuple(backward), tuple(forward_calls), tuple(backward_calls))
 
 
-def chunk_links(boundaries: Sequence[int], seq_len: int, chunks: int) -> np.ndarray:
-    """[chunks, chunks]: rows of chunk j that share a document with chunk i (i != j): what would travel
-    between the two if different ranks held them."""
+def chunk_links(boundaries: Sequence[int], seq_len: int, chunks: int,
+                sees: Sequence[int] | None = None) -> np.ndarray:
+    """[chunks, chunks]: rows of chunk j that share a document with chunk i (i != j), or that hold a
+    document seen by one in chunk i or seeing one there: what would travel between the two if different
+    ranks held them."""
     size = seq_len // chunks
     links = np.zeros((chunks, chunks))
-    for start, end in pairwise(boundaries):
+
+    def rows_by_chunk(start: int, end: int) -> np.ndarray:
+        """[chunks]: rows of [start, end) in each chunk."""
+        return np.array([max(0, min(end, (c + 1) * size) - max(start, c * size)) for c in range(chunks)], float)
+
+    for doc, (start, end) in enumerate(pairwise(boundaries)):
+        if sees is not None and sees[doc] >= 0:
+            mine, seen = rows_by_chunk(start, end), rows_by_chunk(boundaries[sees[doc]], boundaries[sees[doc] + 1])
+            cross = (mine > 0)[:, None] * seen[None, :] + (seen > 0)[:, None] * mine[None, :]
+            np.fill_diagonal(cross, 0)
+            links += cross
         first, last = start // size, (end - 1) // size
         if first == last:
             continue
@@ -196,16 +225,21 @@ def chunks_per_rank_candidates(seq_len: int, world_size: int, options: BalanceOp
 
 
 def choose_chunks(boundaries: Sequence[int], seq_len: int, world_size: int, zigzag: Chunks,
-                  options: BalanceOptions = DEFAULT_OPTIONS) -> tuple[int, Chunks]:
+                  options: BalanceOptions = DEFAULT_OPTIONS, sees: Sequence[int] | None = None) -> tuple[int, Chunks]:
     """(chunk length, chunks per rank): the cheapest of `zigzag` (2 chunks per rank) and the balanced
-    assignments of K chunks per rank (see the module docstring). seq_len splits into 2 x world_size."""
+    assignments of K chunks per rank (see the module docstring), for documents at `boundaries` that see
+    `sees` (None: none). seq_len splits into 2 x world_size."""
     best, best_cost = (seq_len // (2 * world_size), zigzag), None
     for k in chunks_per_rank_candidates(seq_len, world_size, options) if world_size > 1 else []:
-        work = chunk_work(boundaries, seq_len, k * world_size, options.tile)
+        work = chunk_work(boundaries, seq_len, k * world_size, options.tile, sees)
         forward, backward = work.costs(options.call_tiles)
         candidates = [zigzag] if best_cost is None else []  # k = 2 comes first: zigzag is costed on its chunks
-        links = chunk_links(boundaries, seq_len, k * world_size)
+        links = chunk_links(boundaries, seq_len, k * world_size, sees)
         candidates.append(assign_chunks(forward, backward, world_size, links))
+        if sees is not None:  # the greedy is a heuristic: the documents' own assignment is sometimes the better
+            own = chunk_work(boundaries, seq_len, k * world_size, options.tile)
+            candidates.append(assign_chunks(*own.costs(options.call_tiles), world_size,
+                                            chunk_links(boundaries, seq_len, k * world_size)))
         for chunks in candidates:
             cost = layout_cost(chunks, work, options.call_tiles)
             if best_cost is None or cost < best_cost * (1 - options.min_gain):

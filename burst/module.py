@@ -31,10 +31,11 @@ class BurstAttention(nn.Module):
         # checks (`set_rank_checks`), choosing them from a step count every rank shares.
         self.check_ranks = True
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_boundaries=None) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_boundaries=None,
+                doc_sees=None) -> torch.Tensor:
         return burst_attn(q, k, v, causal=True, group=self.group, backward=self.backward, kernel=self.kernel,
                           doc_boundaries=doc_boundaries, topology=self.topology, node_size=self.node_size,
-                          check_ranks=self.check_ranks, layout=self.layout)
+                          check_ranks=self.check_ranks, layout=self.layout, doc_sees=doc_sees)
 
     def extra_repr(self) -> str:
         return (f"backward={self.backward!r}, kernel={self.kernel!r}, topology={self.topology!r}, "

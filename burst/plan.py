@@ -16,6 +16,12 @@ rectangles where the key run lies before the query run. Every other position pai
 masked work is never computed: a key/value shard that holds none of a query shard's documents
 costs no kernel call, and the ring sends it nothing; of one it needs, only the rows its calls
 touch travel (`Rows`, burst/ring.py).
+
+A document may also see one earlier document whole (`sees`, per row one index per document, -1 for
+none: prefix sharing, where both answers of a preference pair see their prompt). Its queries then
+meet the seen document's keys in full rectangles as well (the seen document lies wholly before them,
+so no causal mask cuts them); consecutive documents that see the same one share a call. Nothing else
+changes: a shard that holds only documents no query of another shard sees still gets nothing.
 """
 
 from __future__ import annotations
@@ -65,32 +71,45 @@ def block_segments(layout: Layout, query_owner: int, kv_owner: int, causal: bool
 
 
 def document_segments(layout: Layout, query_owner: int, kv_owner: int, causal: bool, offsets: Sequence[int],
-                      row: int) -> list[Segment]:
+                      row: int, sees: Sequence[int] | None = None) -> list[Segment]:
     """The unmasked rectangles of batch row `row` between two shards when queries see only their own
-    document. offsets: the row's cumulative document offsets over the global sequence, [0, ..., seq_len].
-    Within a document attention is causal when `causal`, else full."""
+    document, and the one it sees (if any). offsets: the row's cumulative document offsets over the
+    global sequence, [0, ..., seq_len]; sees: per document, the index of the earlier document its queries
+    also see whole, or -1 (None: -1 for all). Within a document attention is causal when `causal`, else
+    full; a seen document is seen in full."""
     batch = slice(row, row + 1)
     segments = []
     for q, k, diagonal in run_pairs(layout.runs(query_owner), layout.runs(kv_owner), causal):
-        for doc_start, doc_end in _documents_overlapping(offsets, q.start, q.start + q.length):
+        q_shift, k_shift = q.local - q.start, k.local - k.start
+        seen: list[list[int]] = []  # [q_lo, q_hi, k_lo, k_hi] of the seen documents' rectangles, merged
+        for doc, (doc_start, doc_end) in _documents_overlapping(offsets, q.start, q.start + q.length):
             q_lo, q_hi = max(doc_start, q.start), min(doc_end, q.start + q.length)
             k_lo, k_hi = max(doc_start, k.start), min(doc_end, k.start + k.length)
-            if q_lo >= q_hi or k_lo >= k_hi:
-                continue  # the document is not in both runs
-            q_shift, k_shift = q.local - q.start, k.local - k.start
-            segments.append(Segment(batch, slice(q_lo + q_shift, q_hi + q_shift),
-                                    slice(k_lo + k_shift, k_hi + k_shift), diagonal))
+            if k_lo < k_hi:  # the document is in both runs
+                segments.append(Segment(batch, slice(q_lo + q_shift, q_hi + q_shift),
+                                        slice(k_lo + k_shift, k_hi + k_shift), diagonal))
+            if sees is None or sees[doc] < 0:
+                continue
+            k_lo, k_hi = max(offsets[sees[doc]], k.start), min(offsets[sees[doc] + 1], k.start + k.length)
+            if k_lo >= k_hi:
+                continue  # the seen document is not in the key run
+            if seen and seen[-1][1] == q_lo and seen[-1][2:] == [k_lo, k_hi]:
+                seen[-1][1] = q_hi  # the previous document sees the same keys: one call for both
+            else:
+                seen.append([q_lo, q_hi, k_lo, k_hi])
+        segments += [Segment(batch, slice(q_lo + q_shift, q_hi + q_shift), slice(k_lo + k_shift, k_hi + k_shift),
+                             False) for q_lo, q_hi, k_lo, k_hi in seen]
     return segments
 
 
-def _documents_overlapping(offsets: Sequence[int], start: int, end: int) -> list[tuple[int, int]]:
-    """(doc_start, doc_end) of the documents that intersect [start, end)."""
+def _documents_overlapping(offsets: Sequence[int], start: int, end: int) -> list[tuple[int, tuple[int, int]]]:
+    """(index, (doc_start, doc_end)) of the documents that intersect [start, end)."""
     first = bisect_right(offsets, start) - 1
     docs = []
     for i in range(max(first, 0), len(offsets) - 1):
         if offsets[i] >= end:
             break
-        docs.append((offsets[i], offsets[i + 1]))
+        docs.append((i, (offsets[i], offsets[i + 1])))
     return docs
 
 
@@ -177,11 +196,14 @@ class AttentionPlan:
     """segments(query_owner, kv_owner) for one call, computed once and reused by backward.
 
     layouts: the layout of each batch row (one shared by all rows without document masking);
-    boundaries: each row's document offsets, or None.
+    boundaries: each row's document offsets, or None; sees: each row's seen document per document
+    (`document_segments`), or None (no document sees another).
     """
 
-    def __init__(self, layouts: list[Layout], causal: bool, boundaries: list[list[int]] | None):
+    def __init__(self, layouts: list[Layout], causal: bool, boundaries: list[list[int]] | None,
+                 sees: list[list[int]] | None = None):
         self.layouts, self.causal, self.boundaries = layouts, causal, boundaries
+        self.sees = sees
         self.world_size, self.shard_len = layouts[0].world_size, layouts[0].shard_len
         self._cache: dict[tuple[int, int], list[Segment]] = {}
         self._rows_cache: dict[tuple[int, int, str], Rows | None] = {}
@@ -192,10 +214,11 @@ class AttentionPlan:
             if self.boundaries is None:
                 self._cache[key] = block_segments(self.layouts[0], query_owner, kv_owner, self.causal)
             else:
-                self._cache[key] = [segment for row, (layout, offsets) in enumerate(zip(self.layouts, self.boundaries,
-                                                                                         strict=True))
+                sees = self.sees if self.sees is not None else [None] * len(self.layouts)
+                self._cache[key] = [segment for row, (layout, offsets, seen) in
+                                    enumerate(zip(self.layouts, self.boundaries, sees, strict=True))
                                     for segment in document_segments(layout, query_owner, kv_owner, self.causal,
-                                                                     offsets, row)]
+                                                                     offsets, row, seen)]
         return self._cache[key]
 
     def has_work(self, query_owner: int, kv_owner: int) -> bool:
@@ -240,3 +263,46 @@ def normalize_boundaries(doc_boundaries, batch: int, seq_len: int) -> list[list[
                              f"got {offsets[:8]}{' ...' if len(offsets) > 8 else ''}")
         result.append(offsets)
     return result
+
+
+def sees_by_row(doc_sees, documents: list[int] | None) -> list:
+    """doc_sees' rows, checked against each row's document count (`documents`, None: no doc_boundaries)
+    by their shapes alone (no values read: a compiled graph keeps it); ValueError otherwise.
+
+    doc_sees: per batch row a 1-D integer tensor or sequence [n_docs] (a 2-D tensor [batch, n_docs]
+    where every row has as many documents): doc_sees[row][i] = j, 0 <= j < i, lets document i's
+    queries also see all of document j; -1: only their own document.
+    """
+    if documents is None:
+        raise ValueError("doc_sees names documents by their index in doc_boundaries: pass doc_boundaries too")
+    rows = list(doc_sees.unbind(0)) if isinstance(doc_sees, torch.Tensor) and doc_sees.dim() == 2 else list(doc_sees)
+    if len(rows) != len(documents):
+        raise ValueError(f"doc_sees has {len(rows)} rows but doc_boundaries has {len(documents)}; give one 1-D "
+                         "tensor per batch row, with one entry per document")
+    for b, (row, count) in enumerate(zip(rows, documents, strict=True)):
+        if isinstance(row, torch.Tensor) and (row.dim() != 1 or row.is_floating_point()):
+            raise ValueError(f"doc_sees row {b} must be a 1-D integer tensor, got {row.dtype} of shape "
+                             f"{tuple(row.shape)}")
+        if len(row) != count:
+            raise ValueError(f"doc_sees row {b} has {len(row)} entries but doc_boundaries row {b} has "
+                             f"{count} documents; give one entry per document (-1: sees only itself)")
+    return rows
+
+
+def normalize_sees(doc_sees, boundaries: list[list[int]] | None) -> list[list[int]] | None:
+    """Check `doc_sees` (see `sees_by_row`) against the rows' document offsets (already checked) and return
+    it as lists of ints, one per batch row; None when no document sees another (every value -1), which is
+    plain document masking. Raises ValueError."""
+    if doc_sees is None:
+        return None
+    rows = sees_by_row(doc_sees, None if boundaries is None else [len(offsets) - 1 for offsets in boundaries])
+    result = []
+    for b, row in enumerate(rows):
+        sees = row.tolist() if isinstance(row, torch.Tensor) else [int(x) for x in row]
+        bad = [(i, j) for i, j in enumerate(sees) if not -1 <= j < i]
+        if bad:
+            i, j = bad[0]
+            raise ValueError(f"doc_sees row {b}: document {i} sees {j}, but a document may only see an earlier one "
+                             f"(0 <= j < {i}) or none (-1)")
+        result.append(sees)
+    return result if any(j >= 0 for sees in result for j in sees) else None

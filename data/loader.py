@@ -7,7 +7,9 @@ e + 1 (a new order) follows epoch e without a gap. Sequence k of a stream is
 stream[k * seq_len : k * seq_len + seq_len + 1], so consecutive sequences share one token and every
 stream token is a label exactly once. A long document simply continues into the next sequence.
 An instruction store's conversations are packed whole instead, never cut across two sequences, the rest
-of a sequence padding, and only their answers scored (data/conversation_packing.py).
+of a sequence padding, and only their answers scored (data/conversation_packing.py). A preference store's pairs
+are packed whole too, with or without a shared prompt, each answer's tokens tagged with its pair and side
+(data/preference_packing.py); a preference store mixes only with other preference stores.
 
 Every sequence comes from one source, chosen by the mixture's schedule (the source furthest below
 its share). At each step the next batch_size x dp_size sequences go to the data-parallel ranks,
@@ -30,6 +32,7 @@ import torch
 from burst.layout import check_layout, check_sequence_length, shard_for_rank
 from data.conversation_packing import ConversationStream, check_policy
 from data.mixture import MixtureSchedule
+from data.preference_packing import PairSequence, PreferenceStream
 from data.store import TokenStore
 
 IGNORE_INDEX = -100  # label of a position whose next token is not scored: a document's start, a prompt, padding
@@ -49,6 +52,19 @@ class Batch:
     num_tokens: int  # labels != IGNORE_INDEX in this shard, for normalising the loss across ranks
     rope_length: int  # max(position id) + 1 over the WHOLE sequences, the same on every cp rank: the length
     #                   a length-dependent RoPE scaling (dynamic NTK, longrope) is computed for (models/rope.py)
+    # Preference pairs only (None otherwise); the same on every cp rank of a dp rank:
+    answers: torch.Tensor | None = None  # int64 [batch, seq_len // cp_size], beside labels: the answer each label
+    #                                      belongs to, 2 x pair + side (0 chosen, 1 rejected), pairs numbered over
+    #                                      the batch's rows; -1 where the label is not an answer's
+    pair_documents: torch.Tensor | None = None  # int64 [pairs]: each pair's index in its store split
+    doc_sees: list[torch.Tensor] | None = None  # per sequence, int64 [documents]: the earlier document each one
+    #                                             also sees whole (a shared prompt), -1 none; None without sharing
+    reference_logps: torch.Tensor | None = None  # float64 [pairs, 2], set by the trainer: the reference model's
+    #                                              log-probabilities of each pair's chosen and rejected answer
+
+    @property
+    def num_pairs(self) -> int:
+        return 0 if self.pair_documents is None else len(self.pair_documents)
 
 
 class PackedStream:
@@ -148,7 +164,8 @@ class SequenceLoader:
     def __init__(self, sources: TokenStore | Sequence[TokenStore], seq_len: int, batch_size: int, *,
                  shares: Sequence[float] | None = None, dp_rank: int = 0, dp_size: int = 1, cp_rank: int = 0,
                  cp_size: int = 1, seed: int = 0, reset_positions: bool = False, cp_layout: str = "zigzag",
-                 long_conversations: str = "refuse", train_on_prompt: bool = False, once: bool = False) -> None:
+                 long_conversations: str = "refuse", train_on_prompt: bool = False, once: bool = False,
+                 prefix_sharing: bool = True) -> None:
         stores = [sources] if isinstance(sources, TokenStore) else list(sources)
         shares = [1.0] if shares is None and len(stores) == 1 else shares
         check_sequence_length(seq_len, cp_size)
@@ -165,6 +182,9 @@ class SequenceLoader:
         for name, rank, size in (("dp_rank", dp_rank, dp_size), ("cp_rank", cp_rank, cp_size)):
             if not 0 <= rank < size:
                 raise ValueError(f"{name} {rank} is out of range for {name[:2]}_size {size}: use 0..{size - 1}")
+        if len({store.is_preferences for store in stores}) > 1:
+            raise ValueError("preference stores (`burst prepare --preference`) mix only with other preference stores: "
+                             "a pair's loss is not a token's; train on documents or conversations in another run")
         for store in stores:
             if store.num_documents == 0:
                 raise ValueError(f"{store!r} has no documents to load; prepare a store with documents, or use "
@@ -172,8 +192,11 @@ class SequenceLoader:
         self.seq_len, self.batch_size = seq_len, batch_size
         self.dp_rank, self.dp_size, self.cp_rank, self.cp_size = dp_rank, dp_size, cp_rank, cp_size
         self.seed, self.reset_positions, self.cp_layout, self.once = seed, reset_positions, cp_layout, once
-        self.streams = [ConversationStream(store, seq_len, seed, i, policy=long_conversations,
-                                           train_on_prompt=train_on_prompt) if store.is_conversations
+        self.preferences = stores[0].is_preferences
+        self.streams = [PreferenceStream(store, seq_len, seed, i, policy=long_conversations,
+                                         prefix_sharing=prefix_sharing) if store.is_preferences
+                        else ConversationStream(store, seq_len, seed, i, policy=long_conversations,
+                                                train_on_prompt=train_on_prompt) if store.is_conversations
                         else PackedStream(store, seq_len, seed, i) for i, store in enumerate(stores)]
         self.schedule = MixtureSchedule(list(shares))
 
@@ -219,35 +242,64 @@ class SequenceLoader:
         return self
 
     def __next__(self) -> Batch:
-        seq_len, rows = self.seq_len, self.batch_size
-        sequences = np.empty((rows, seq_len + 1), np.int64)
-        is_start = np.zeros((rows, seq_len + 1), bool)
-        scored = np.zeros((rows, seq_len + 1), bool)
+        rows = self.batch_size
+        sequences = []
         mine = range(self.dp_rank * rows, (self.dp_rank + 1) * rows)
         for index in range(rows * self.dp_size):  # every dp rank's sequences are drawn, only this one's are read
             source = self.schedule.next()
             if index in mine:
                 k = self.schedule.counts[source] - 1  # the source's sequence number
-                row = index - mine.start
-                sequences[row], is_start[row], scored[row] = self.streams[source].sequence(k)
-                if self.once:
-                    scored[row] &= self.streams[source].in_first_epoch(k)
-        return self._batch(sequences, is_start, scored)
+                sequence = self.streams[source].sequence(k)
+                if self.once:  # what a source gives past its first epoch is input only
+                    first = self.streams[source].in_first_epoch(k)
+                    if isinstance(sequence, PairSequence):
+                        sequence.scored &= first
+                    else:
+                        sequence = (*sequence[:2], sequence[2] & first)
+                sequences.append(sequence)
+        if self.preferences:
+            return self._pair_batch(sequences)
+        return self._batch(*(np.stack(arrays) for arrays in zip(*sequences, strict=True)))
 
-    def _batch(self, sequences: np.ndarray, is_start: np.ndarray, scored: np.ndarray) -> Batch:
+    def _batch(self, sequences: np.ndarray, is_start: np.ndarray, scored: np.ndarray,
+               positions: np.ndarray | None = None, answers: np.ndarray | None = None,
+               doc_sees: list[torch.Tensor] | None = None) -> Batch:
         """This rank's shard of the rows `sequences` [rows, seq_len + 1] (the last token is only a label),
-        with `is_start` marking where documents begin and `scored` the tokens that are labels."""
+        with `is_start` marking where documents begin and `scored` the tokens that are labels; the positions
+        [rows, seq_len + 1], the answers [rows, seq_len + 1] of each token and the documents each document also
+        sees where the stream gives them."""
         rows, seq_len = sequences.shape[0], self.seq_len
         boundaries = [np.unique(np.concatenate([[0], np.flatnonzero(row[:-1]), [seq_len]])) for row in is_start]
-        full = np.empty((3, rows, seq_len), np.int64)  # tokens, labels, positions: sharded in one call
+        full = np.empty((3 if answers is None else 4, rows, seq_len), np.int64)  # sharded in one call
         full[0] = sequences[:, :-1]
         full[1] = np.where(scored[:, 1:], sequences[:, 1:], IGNORE_INDEX)
-        full[2] = np.arange(seq_len)
-        if self.reset_positions:
+        full[2] = np.arange(seq_len) if positions is None else positions[:, :-1]
+        if self.reset_positions and positions is None:
             for row, b in enumerate(boundaries):
                 full[2, row] -= np.repeat(b[:-1], np.diff(b))  # the start of each position's document
-        tokens, labels, positions = shard_for_rank(torch.from_numpy(full), self.cp_rank, self.cp_size, dim=2,
-                                                   layout=self.cp_layout, doc_boundaries=boundaries, batch_dim=1)
-        return Batch(tokens=tokens, labels=labels, positions=positions,  # each [rows, seq_len // cp_size]
+        if answers is not None:
+            full[3] = np.where(scored[:, 1:], answers[:, 1:], -1)
+        sharded = shard_for_rank(torch.from_numpy(full), self.cp_rank, self.cp_size, dim=2, layout=self.cp_layout,
+                                 doc_boundaries=boundaries, batch_dim=1, doc_sees=doc_sees)
+        tokens, labels, positions_ = sharded[:3]
+        return Batch(tokens=tokens, labels=labels, positions=positions_,  # each [rows, seq_len // cp_size]
                      doc_boundaries=[torch.from_numpy(b.astype(np.int64)) for b in boundaries],
-                     num_tokens=int((labels != IGNORE_INDEX).sum()), rope_length=int(full[2].max()) + 1)
+                     num_tokens=int((labels != IGNORE_INDEX).sum()), rope_length=int(full[2].max()) + 1,
+                     answers=sharded[3] if answers is not None else None, doc_sees=doc_sees)
+
+    def _pair_batch(self, sequences: list[PairSequence]) -> Batch:
+        """The batch of packed pairs: answers numbered over the rows, and which documents see a shared prompt."""
+        pairs_before = np.cumsum([0] + [len(s.documents) for s in sequences])
+        answers = np.stack([np.where(s.answer >= 0, s.answer + 2 * before, -1)
+                            for s, before in zip(sequences, pairs_before, strict=False)])
+        doc_sees = None
+        if self.streams[0].prefix_sharing:
+            doc_sees = []
+            for s in sequences:
+                back = s.sees_back[np.flatnonzero(s.is_start[:-1])]  # per document (the first starts at 0)
+                doc_sees.append(torch.from_numpy(np.where(back > 0, np.arange(len(back)) - back, -1)))
+        batch = self._batch(np.stack([s.tokens for s in sequences]), np.stack([s.is_start for s in sequences]),
+                            np.stack([s.scored for s in sequences]), np.stack([s.positions for s in sequences]),
+                            answers, doc_sees)
+        batch.pair_documents = torch.from_numpy(np.concatenate([s.documents for s in sequences]))
+        return batch

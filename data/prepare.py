@@ -9,7 +9,8 @@ disk chunk by chunk, so memory stays flat for any corpus size and any document l
 
 With `chat`, the inputs are conversations (data/conversations.py), rendered with the tokenizer's chat template
 or burst's plain one (data/chat.py), and the store is an instruction store: each conversation whole, with its
-answers marked (data/store.py).
+answers marked (data/store.py). With `preference`, the rows are preference pairs (data/preference.py), rendered
+the same way, and the store a preference store: each pair's prompt, chosen and rejected ids.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from rich.text import Text
 from data.chat import ChatFormat
 from data.conversations import ConversationReader, ConversationRow
 from data.pieces import DocumentCutter, Piece
+from data.preference import PairRow, PreferenceReader, PreferenceReport, encode_pairs
 from data.sources import DocumentReader, InputReport, find_input_files
 from data.store import StoreWriter, TokenStore, token_dtype
 from data.tokenizer import SPM_FILE, Tokenizer
@@ -42,6 +44,9 @@ DEFAULT_VOCAB_SIZE = 32_000
 DEFAULT_TEXT_FIELD = "text"
 MAX_VOCAB_SIZE = 2**20  # well past any LLaMA-family vocabulary (128,256); more is a typo, not a plan
 LONG_DOCUMENT_TOKENS = (8_192, 16_384, 32_768, 65_536, 131_072)  # common sequence lengths
+PREFERENCE_HINT = ("give each row `prompt`, `chosen` and `rejected` (TRL's format: strings, or lists of messages); "
+                   "split prompts are rows whose prompt's ids are not the start of prompt + answer's ids as the "
+                   "tokenizer encodes the chat template's text (a token merges across the prompt's end)")
 CHUNK_CHARS = 4_000_000  # text per encode call: enough work for every core, little memory
 
 
@@ -68,14 +73,15 @@ class PrepareSummary:
 def prepare(inputs: Sequence[str | Path], out_dir: str | Path, *, tokenizer: str | Path | None = None,
             vocab_size: int | None = None, text_field: str | None = None, val_fraction: float = 0.01,
             workers: int | None = None, seed: int = 0, force: bool = False, progress: bool = True,
-            chat: bool = False) -> PrepareSummary:
+            chat: bool = False, preference: bool = False) -> PrepareSummary:
     """Tokenize `inputs` (files or directories) into a token store at `out_dir`.
 
     With `tokenizer` (a Hugging Face tokenizer.json, a SentencePiece .model, or a model directory holding
     one) its ids are used; otherwise a SentencePiece tokenizer of `vocab_size` (default 32,000) is trained
     on the corpus. `text_field` names a row's text (default "text"). With `chat`, the rows are conversations
     and the store an instruction store (`tokenizer` required: conversations are rendered for a model that
-    exists). `val_fraction` of the documents, chosen with `seed`, form the validation split. Prints a
+    exists); with `preference`, the rows are preference pairs and the store a preference store (`tokenizer`
+    required too). `val_fraction` of the documents, chosen with `seed`, form the validation split. Prints a
     progress bar and a summary table unless `progress` is False. An existing `out_dir` is replaced only with
     `force`, and only when it is a token store; while another process writes `out_dir` this one is refused
     (DirectoryBusy). A write that fails during the work (disk full) raises WriteFailed; `out_dir` is then as
@@ -83,27 +89,34 @@ def prepare(inputs: Sequence[str | Path], out_dir: str | Path, *, tokenizer: str
     """
     started = time.perf_counter()
     out_dir = Path(out_dir)
-    _check_arguments(inputs, out_dir, tokenizer, vocab_size, val_fraction, seed, force, chat, text_field, workers)
+    if preference and (chat or tokenizer is None):
+        raise ValueError("--preference renders preference pairs for the model they will tune: pass its tokenizer "
+                         "with --tokenizer" if tokenizer is None else "pass either --chat (conversations) or "
+                         "--preference (preference pairs), not both")
+    _check_arguments(inputs, out_dir, tokenizer, vocab_size, val_fraction, seed, force, chat or preference,
+                     text_field, workers)
     text_field = text_field or DEFAULT_TEXT_FIELD
     console = Console(quiet=not progress)
     with exclusive_writer(out_dir, "store") as directory:
         directory.check_replaceable(force, older=_is_token_store)  # before the inputs are even listed
-        report = InputReport(conversations=chat)
+        report = PreferenceReport() if preference else InputReport(conversations=chat)
         files = find_input_files(inputs, report)
         if not files:
             raise ValueError(no_documents_message(inputs, report))
         kept = f"; {out_dir} is as it was before" if out_dir.exists() else f"; {out_dir} was not created"
         source = load_tokenizer(tokenizer) if tokenizer is not None else None  # refused here if not a tokenizer
         # A template that cannot work is refused here, naming the user's file, before anything is written.
-        chat_format = ChatFormat(source) if chat else None
+        chat_format = ChatFormat(source) if chat or preference else None
         with directory.staging() as work_dir, writing(out_dir, kept):
             with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeElapsedColumn(),
                           TimeRemainingColumn(), console=console) as bar:
                 tok = _tokenizer_for(files, work_dir, source, vocab_size, text_field, seed, bar)
-                writer = StoreWriter(work_dir, token_dtype(tok.vocab_size), conversations=chat)
+                writer = StoreWriter(work_dir, token_dtype(tok.vocab_size), conversations=chat, preferences=preference)
                 hard_cuts = 0  # a conversation is never cut
                 try:
-                    if chat_format is not None:
+                    if preference:
+                        _tokenize_pairs(PreferenceReader(files, report, chat_format), chat_format, writer, bar)
+                    elif chat_format is not None:
                         bar.console.print("conversations rendered with " + (
                             "burst's plain template (the tokenizer has no chat template)" if chat_format.is_plain
                             else f"the chat template in {chat_format.where}"))
@@ -116,8 +129,8 @@ def prepare(inputs: Sequence[str | Path], out_dir: str | Path, *, tokenizer: str
             if writer.num_documents == 0:
                 raise ValueError(no_documents_message(inputs, report))
             val_documents = _choose_val_documents(writer.num_documents, val_fraction, seed)
-            conversations = {"conversation_files": [str(f) for f in files], "chat": chat_format.metadata()} \
-                if chat_format is not None else {"text_field": text_field}
+            conversations = {"preference_files" if preference else "conversation_files": [str(f) for f in files],
+                             "chat": chat_format.metadata()} if chat_format is not None else {"text_field": text_field}
             writer.finish(val_documents, {
                 "tokenizer": tok.metadata(),
                 "split": {"val_fraction": val_fraction, "seed": seed},
@@ -146,7 +159,8 @@ def no_documents_message(inputs: Sequence[str | Path], report: InputReport) -> s
     problems = {name: count for name, count in report.problems().items() if count}
     found = ", ".join(f"{count} {name.replace('_', ' ')} (e.g. {report.examples[name][0]})"
                       for name, count in problems.items())
-    hint = "choose the field that holds the text with --text-field" if report.missing_text_field else \
+    hint = PREFERENCE_HINT if isinstance(report, PreferenceReport) else \
+        "choose the field that holds the text with --text-field" if report.missing_text_field else \
         "give each row `messages` ([{role, content}, ...] with an assistant turn), or `prompt` and `completion`" \
         if report.conversations and report.files else \
         "pass .jsonl(.gz) or .parquet files of conversations, or directories holding them" if report.conversations \
@@ -269,6 +283,21 @@ def _tokenize_conversations(reader: ConversationReader, chat: ChatFormat, writer
         flush()
 
 
+def _tokenize_pairs(reader: PreferenceReader, chat: ChatFormat, writer: StoreWriter, bar: Progress) -> None:
+    """Encode the pairs CHUNK_CHARS of text at a time and append the good ones whole to the store."""
+    task = bar.add_task("tokenizing", total=sum(p.stat().st_size for p in reader.files))
+    batch: list[PairRow] = []
+    chars = 0
+    for row in reader.pairs():
+        batch.append(row)
+        chars += len(row.chosen.text) + len(row.rejected.text)
+        if chars >= CHUNK_CHARS:
+            encode_pairs(batch, chat, reader.report, writer)
+            batch, chars = [], 0
+            bar.update(task, completed=reader.bytes_read, description=f"tokenizing: {writer.num_documents:,} pairs")
+    encode_pairs(batch, chat, reader.report, writer)
+
+
 def _choose_val_documents(num_documents: int, val_fraction: float, seed: int) -> np.ndarray:
     """Sorted ids of the validation documents: at least one when asked for any, never all of them."""
     if val_fraction == 0 or num_documents < 2:
@@ -297,7 +326,8 @@ def summary_table(summary: PrepareSummary) -> Group:
     table = Table(title=f"token store {summary.out_dir}", show_header=False, title_justify="left")
     table.add_column(style="bold", no_wrap=True)
     table.add_column(overflow="fold")
-    what = "documents" if summary.num_scored_tokens is None else "conversations"
+    what = "pairs" if isinstance(summary.report, PreferenceReport) else \
+        "documents" if summary.num_scored_tokens is None else "conversations"
     table.add_row(what, f"{summary.num_documents:,} ({summary.num_train_documents:,} train, "
                         f"{summary.num_val_documents:,} val)")
     table.add_row("tokens", f"{summary.num_tokens:,} (vocabulary {summary.vocab_size:,})")

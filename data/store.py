@@ -21,6 +21,14 @@ included), and beside them:
     rows.bin           int64 [num_documents, 2]: the input file (an index into metadata's
                        "conversation_files") and row each conversation was read from, to name it
 
+A preference store (`burst prepare --preference`, format version 4, metadata "content": "preferences") holds
+one pair per document: its prompt's ids, then the chosen answer's, then the rejected answer's (each answer as
+the chat template renders it after the prompt: the answer and its end-of-turn token), and beside them:
+
+    pairs.bin          int64 [num_documents, 2]: the prompt's and the chosen answer's token counts (the rest of
+                       the document is the rejected answer)
+    rows.bin           as an instruction store's, the files named in metadata's "preference_files"
+
 Stores of format version 1 (a SentencePiece tokenizer.model, before tokenizer.json was read) open as they are.
 Plain stores are still written as version 2.
 
@@ -44,10 +52,13 @@ from data.tokenizer_files import tokenizer_beside
 
 FORMAT_VERSION = 2
 CONVERSATIONS_VERSION = 3  # an instruction store: older burst refuses it rather than train on every token
-READABLE_VERSIONS = (1, 2, 3)  # 1: before tokenizer.json, its tokenizer one SentencePiece file
+PREFERENCES_VERSION = 4  # a preference store: older burst refuses it rather than train on the pairs as text
+READABLE_VERSIONS = (1, 2, 3, 4)  # 1: before tokenizer.json, its tokenizer one SentencePiece file
 TOKENS_FILE, OFFSETS_FILE, VAL_FILE = "tokens.bin", "offsets.bin", "val_documents.bin"
-SCORED_FILE, ROWS_FILE = "scored.bin", "rows.bin"
+SCORED_FILE, ROWS_FILE, PAIRS_FILE = "scored.bin", "rows.bin", "pairs.bin"
 CONVERSATIONS = "conversations"  # metadata "content" of an instruction store
+PREFERENCES = "preferences"  # metadata "content" of a preference store
+INPUT_FILES = {CONVERSATIONS: "conversation_files", PREFERENCES: "preference_files"}  # the files rows.bin names
 METADATA_FILE = "metadata.json"
 CONTENT_DIGEST = "content_sha256"  # metadata: what training reads, hashed as `burst prepare` wrote it
 SPLITS = ("train", "val")
@@ -63,29 +74,40 @@ def token_dtype(vocab_size: int) -> np.dtype:
 class StoreWriter:
     """Appends documents' tokens to a store directory, keeping only the current chunk in memory; a long document
     may come in pieces (`append(pieces, ends)`). With `conversations`, an instruction store: each conversation
-    comes whole with its scored mask and the row it was read from."""
+    comes whole with its scored mask and the row it was read from. With `preferences`, a preference store: each
+    pair comes as prompt + chosen + rejected ids with its (prompt, chosen) token counts and its row."""
 
-    def __init__(self, directory: Path, dtype: np.dtype, conversations: bool = False) -> None:
+    def __init__(self, directory: Path, dtype: np.dtype, conversations: bool = False,
+                 preferences: bool = False) -> None:
         self.directory, self.dtype, self.conversations = directory, dtype, conversations
+        self.preferences = preferences
         self.num_documents = self.num_tokens = self.num_scored_tokens = 0
         self.max_token_id = -1
-        self._files = [open(directory / name, "wb") for name in
-                       (TOKENS_FILE, OFFSETS_FILE, *((SCORED_FILE, ROWS_FILE) if conversations else ()))]
+        extra = (SCORED_FILE, ROWS_FILE) if conversations else (PAIRS_FILE, ROWS_FILE) if preferences else ()
+        self._files = [open(directory / name, "wb") for name in (TOKENS_FILE, OFFSETS_FILE, *extra)]
         self._tokens, self._offsets = self._files[:2]
         # what training reads, hashed as it is written (where each row came from is not content)
-        self._content = {name: hashlib.sha256() for name in (TOKENS_FILE, OFFSETS_FILE, VAL_FILE, SCORED_FILE)}
+        self._content = {name: hashlib.sha256() for name in (TOKENS_FILE, OFFSETS_FILE, VAL_FILE, SCORED_FILE,
+                                                             PAIRS_FILE)}
         _write_array(self._offsets, np.zeros(1, np.int64), self._content)
 
     def append(self, documents: list[list[int]] | list[np.ndarray], ends: list[bool] | None = None,
-               scored: list[np.ndarray] | None = None, rows: list[tuple[int, int]] | None = None) -> None:
+               scored: list[np.ndarray] | None = None, rows: list[tuple[int, int]] | None = None,
+               pairs: list[tuple[int, int]] | None = None) -> None:
         """Append each list of tokens as a whole document or, with `ends`, as a piece of one that continues the
         piece before it and ends its document only where ends[i]; a conversation with its `scored` mask (bool,
-        one per token) and its row (input file index, row number)."""
-        if (scored is not None and rows is not None) != self.conversations or ends is not None and self.conversations:
-            raise ValueError("a store of conversations takes whole conversations with their masks and rows; a store "
-                             "of documents takes neither")
+        one per token) and its row (input file index, row number); a pair with its (prompt, chosen) token counts
+        and its row."""
+        whole = self.conversations or self.preferences
+        if (scored is not None) != self.conversations or (pairs is not None) != self.preferences \
+                or (rows is not None) != whole or ends is not None and whole:
+            raise ValueError("a store of conversations takes whole conversations with their masks and rows, one of "
+                             "preferences whole pairs with their counts and rows; a store of documents takes none")
         if not documents:
             return
+        if self.preferences:
+            _write_array(self._files[2], np.asarray(pairs, np.int64).reshape(-1, 2), self._content)
+            _write_array(self._files[3], np.asarray(rows, np.int64).reshape(-1, 2))
         if self.conversations:
             mask = np.concatenate(scored).astype(np.uint8)
             _write_array(self._files[2], mask, self._content)
@@ -103,14 +125,17 @@ class StoreWriter:
 
     def finish(self, val_documents: np.ndarray, metadata: dict[str, Any]) -> None:
         """Close the arrays, write the split, then metadata.json: from here on it is a complete store. An instruction
-        store's metadata names its "conversation_files" and "chat" template."""
+        store's metadata names its "conversation_files" and "chat" template, a preference store's its
+        "preference_files" and "chat" template."""
         self.close()
         with open(self.directory / VAL_FILE, "wb") as f:
             _write_array(f, np.asarray(val_documents, np.int64), self._content)
         conversations = {"content": CONVERSATIONS, "num_scored_tokens": self.num_scored_tokens} \
-            if self.conversations else {}
+            if self.conversations else {"content": PREFERENCES} if self.preferences else {}
         digest = hashlib.sha256(b"".join(h.digest() for h in self._content.values())).hexdigest()
-        metadata = {"format_version": CONVERSATIONS_VERSION if self.conversations else FORMAT_VERSION,
+        version = CONVERSATIONS_VERSION if self.conversations else PREFERENCES_VERSION if self.preferences \
+            else FORMAT_VERSION
+        metadata = {"format_version": version,
                     "dtype": self.dtype.name, "num_documents": self.num_documents, "num_tokens": self.num_tokens,
                     "num_val_documents": len(val_documents), "max_token_id": self.max_token_id, **conversations,
                     CONTENT_DIGEST: digest, **metadata}
@@ -171,12 +196,13 @@ def _read_metadata(path: Path) -> dict[str, Any]:
     if not missing and tokenizer["fingerprint"] != fingerprint(tokenizer["kind"], tokenizer["digest"],
                                                                tokenizer["bos_id"], tokenizer["eos_id"]):
         missing.append("tokenizer.fingerprint (it does not match the tokenizer's digest, BOS and EOS)")
-    if version == CONVERSATIONS_VERSION:
-        files = metadata.get("conversation_files")
-        if metadata.get("content") != CONVERSATIONS:
-            missing.append(f"content ({CONVERSATIONS!r}: version {version} is an instruction store)")
+    if version in (CONVERSATIONS_VERSION, PREFERENCES_VERSION):
+        content = CONVERSATIONS if version == CONVERSATIONS_VERSION else PREFERENCES
+        files = metadata.get(INPUT_FILES[content])
+        if metadata.get("content") != content:
+            missing.append(f"content ({content!r}: version {version} is a store of {content})")
         if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
-            missing.append("conversation_files")
+            missing.append(INPUT_FILES[content])
         if not isinstance(metadata.get("chat"), dict):
             missing.append("chat")
     if missing:
@@ -204,10 +230,14 @@ def _check_contents(store: TokenStore) -> None:
     if len(val) and (val[0] < 0 or val[-1] >= meta["num_documents"] or np.any(np.diff(val) <= 0)):
         raise _damaged(store.directory, f"{VAL_FILE} holds document ids that are not sorted, unique and below "
                                         f"num_documents {meta['num_documents']}")
-    if store.is_conversations and len(store._rows) and not (
-            0 <= store._rows[:, 0].min() and store._rows[:, 0].max() < len(meta["conversation_files"])):
-        raise _damaged(store.directory, f"{ROWS_FILE} names input files that {METADATA_FILE}'s conversation_files "
-                                        f"does not list")
+    files_key = INPUT_FILES.get(meta.get("content"))
+    if files_key and len(store._rows) and not (
+            0 <= store._rows[:, 0].min() and store._rows[:, 0].max() < len(meta[files_key])):
+        raise _damaged(store.directory, f"{ROWS_FILE} names input files that {METADATA_FILE}'s {files_key} does "
+                                        f"not list")
+    if store.is_preferences and len(store._pairs) and (
+            store._pairs.min() < 1 or np.any(store._pairs.sum(1) >= np.diff(offsets))):
+        raise _damaged(store.directory, f"{PAIRS_FILE} holds token counts that do not fit its pairs")
     max_id = store.largest_id
     if max_id >= tokenizer["vocab_size"]:
         raise _damaged(store.directory, f"it holds token id {max_id} but {METADATA_FILE} gives a vocabulary of "
@@ -239,6 +269,11 @@ class TokenStore:
                                 self.directory)
             self._rows = _map(self.directory / ROWS_FILE, np.dtype(np.int64), 2 * self.metadata["num_documents"],
                               self.directory).reshape(-1, 2)
+        if self.is_preferences:  # each pair's prompt and chosen token counts, and where it came from
+            self._pairs = _map(self.directory / PAIRS_FILE, np.dtype(np.int64), 2 * self.metadata["num_documents"],
+                               self.directory).reshape(-1, 2)
+            self._rows = _map(self.directory / ROWS_FILE, np.dtype(np.int64), 2 * self.metadata["num_documents"],
+                              self.directory).reshape(-1, 2)
         self._largest_id: int | None = None  # of the whole store (its views share it)
         _check_contents(self)
         self._documents: np.ndarray | None = None  # global document ids of a split view; None: all of them
@@ -248,6 +283,26 @@ class TokenStore:
     def is_conversations(self) -> bool:
         """Whether this is an instruction store: a conversation per document, with its answers marked."""
         return self.metadata.get("content") == CONVERSATIONS
+
+    @property
+    def is_preferences(self) -> bool:
+        """Whether this is a preference store: a (prompt, chosen, rejected) pair per document."""
+        return self.metadata.get("content") == PREFERENCES
+
+    @property
+    def pair_lengths(self) -> np.ndarray:
+        """int64 [num_documents, 3] of a preference store: each pair's prompt, chosen and rejected token counts."""
+        if not self.is_preferences:
+            raise ValueError(f"{self.directory} is not a preference store (`burst prepare --preference`)")
+        pairs = np.asarray(self._pairs if self._documents is None else self._pairs[self._documents])
+        lengths = np.diff(self._offsets) if self._documents is None else np.diff(self._offsets)[self._documents]
+        return np.column_stack([pairs, lengths - pairs.sum(1)])
+
+    def pair_lengths_of(self, i: int) -> tuple[int, int, int]:
+        """Pair i's prompt, chosen and rejected token counts (a preference store)."""
+        index = self._index(i)
+        prompt, chosen = (int(n) for n in self._pairs[index])
+        return prompt, chosen, int(self._offsets[index + 1] - self._offsets[index]) - prompt - chosen
 
     @property
     def num_documents(self) -> int:
@@ -284,7 +339,7 @@ class TokenStore:
     def place(self, i: int) -> str:
         """Where conversation i was read from: the input file and its line (JSON Lines) or row (Parquet)."""
         file, row = self._rows[self._index(i)]
-        return row_place(self.metadata["conversation_files"][int(file)], int(row))
+        return row_place(self.metadata[INPUT_FILES[self.metadata["content"]]][int(file)], int(row))
 
     def split(self, name: str) -> TokenStore:
         """A view over the "train" or "val" documents, chosen by `burst prepare --val-fraction`."""
@@ -316,7 +371,7 @@ class TokenStore:
 
     @property
     def content_digest(self) -> str | None:
-        """The SHA-256 of what training reads from the whole store (tokens, offsets, split, scored marks), as
+        """The SHA-256 of what training reads from the whole store (tokens, offsets, split, scored marks, pairs), as
         `burst prepare` recorded it; None for a store prepared before it did."""
         digest = self.metadata.get(CONTENT_DIGEST)
         return digest if isinstance(digest, str) else None

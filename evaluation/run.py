@@ -1,5 +1,6 @@
 """`burst eval`: perplexity, loss by position and passkey retrieval of a model checkpoint; on an instruction store,
-the answers' loss and question answering on its validation conversations (evaluation/qa.py).
+the answers' loss and question answering on its validation conversations (evaluation/qa.py); on a preference
+store, how the model ranks the chosen answers of its validation pairs (evaluation/preference.py).
 
     result = evaluate(EvalConfig(checkpoint=Path("out/model"), seq_len=4096, cp=2))
 
@@ -10,6 +11,7 @@ local ranks itself, unless torchrun started them already; rank 0 prints and writ
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -35,11 +37,13 @@ from evaluation.perplexity import (
     long_documents,
     packed_sequences,
 )
+from evaluation.preference import PreferenceResult, pair_logps, preference_table, summarize
+from evaluation.preference import to_json as preference_json
 from evaluation.qa import evaluate_qa
 from evaluation.report import tables, write_files
 from evaluation.result import EvalResult
-from runtime.directories import check_writable
-from runtime.failure import WriteFailed
+from runtime.directories import check_writable, write_atomically
+from runtime.failure import WriteFailed, writing
 from runtime.launch import first_failure, run_local, under_torchrun
 from runtime.precision import resolve_precision
 
@@ -74,6 +78,8 @@ class EvalConfig:
     long_conversations: str = "refuse"  # conversations longer than seq_len (data/conversation_packing.py)
     qa_samples: int = 32  # an instruction store's validation conversations answered; 0 skips question answering
     precision_reason: str = ""  # why `precision` is what it is (set on construction)
+    reference: Path | None = None  # a preference store's reference model, for DPO's implicit rewards
+    beta: float = 0.1  # the rewards' beta
 
     def __post_init__(self) -> None:
         """Refuse values that cannot work, naming the flag; the checks that need files come later."""
@@ -103,6 +109,8 @@ class EvalConfig:
         chosen = resolve_precision(self.precision, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
         self.precision, self.precision_reason = chosen.name, chosen.reason
         check_policy(self.long_conversations)
+        if not (math.isfinite(self.beta) and self.beta > 0):
+            raise ValueError(f"--beta {self.beta} must be a finite number above 0 (0.1 is TRL's default)")
         if self.qa_samples < 0:
             raise ValueError(f"--qa-samples {self.qa_samples} must be >= 0 (0 skips question answering)")
         if self.passkey_trials < 0:
@@ -141,6 +149,15 @@ def available_val_sequences(config: EvalConfig, store: TokenStore) -> int:
     Refuses a split that offers none, saying how to get one.
     """
     val = store.split("val")
+    if config.reference is not None and not store.is_preferences:
+        raise ValueError(f"--reference scores preference pairs against a reference model, but {store.directory} is "
+                         f"not a preference store (`burst prepare --preference`); drop --reference")
+    if store.is_preferences:
+        if config.positions == "document" or val.num_documents == 0:
+            raise ValueError(f"{store.directory} is a preference store: its validation pairs are scored whole, "
+                             + ("packed as training packs them; drop --positions document" if val.num_documents else
+                                "but it holds none; prepare it with --val-fraction above 0"))
+        return val.num_documents
     if config.positions == "document" and store.is_conversations:
         raise ValueError(f"--positions document scores the starts of long documents, but {store.directory} is an "
                          f"instruction store, scored on its answers: use --positions packed (its conversations packed "
@@ -170,6 +187,8 @@ def open_inputs(config: EvalConfig) -> EvalInputs:
     checkpoint = load_for_eval(config.checkpoint)
     store = TokenStore(config.data if config.data is not None else default_store())
     check_tokenizer(checkpoint, store)
+    if config.reference is not None:
+        check_tokenizer(load_for_eval(config.reference), store)
     available = available_val_sequences(config, store)
     tokenizer = store.tokenizer()
     if config.passkey_trials:
@@ -210,7 +229,36 @@ def check_answers_scored(config: EvalConfig, store: TokenStore, sequences: int) 
                      + (", use --long-conversations truncate" if split else "") + ", or evaluate another store")
 
 
-def evaluate(config: EvalConfig, console: Console | None = None) -> EvalResult:
+def evaluate_pairs(config: EvalConfig, inputs: EvalInputs, model: torch.nn.Module, group: dist.ProcessGroup | None,
+                   device: torch.device, say, console: Console | None, started: float) -> PreferenceResult:
+    """A preference store's validation pairs: the policy's log-probabilities, its ranking, and with --reference
+    DPO's implicit rewards; printed (rank 0, `console`) and written with --json."""
+    val = inputs.store.split("val")
+    say(f"preference pairs: {val.num_documents:,} validation pairs of {inputs.store.directory}, packed into "
+        f"{config.seq_len:,}-token sequences")
+    logps, counts = pair_logps(model, val, config.seq_len, group, config.long_conversations)
+    reference = None
+    if config.reference is not None:
+        say(f"reference: {config.reference}")
+        reference_model = load_for_eval(config.reference).model(device, PRECISIONS[config.precision])
+        use_burst_attention(reference_model, group)
+        reference, _ = pair_logps(reference_model, val, config.seq_len, group, config.long_conversations)
+    try:
+        result = summarize(logps, counts, reference, config.beta)
+    except ValueError as err:
+        raise EvaluationFailed(f"{config.checkpoint}: {err}") from None
+    seconds = time.perf_counter() - started
+    if console is not None:
+        console.print(preference_table(result, config.checkpoint, inputs.store.directory, seconds))
+        if config.json_path is not None:
+            with writing(config.json_path, kept="; the results are the table printed above"):
+                write_atomically(config.json_path, json.dumps(preference_json(
+                    result, config.checkpoint, inputs.store.directory, config.reference, seconds), indent=2) + "\n")
+            say(f"wrote {config.json_path}")
+    return result
+
+
+def evaluate(config: EvalConfig, console: Console | None = None) -> EvalResult | PreferenceResult:
     """Evaluate `config.checkpoint`; print tables on rank 0 and, with `json_path`, write the JSON and PNG there."""
     if config.cp > 1 and not dist.is_initialized() and not under_torchrun():
         open_inputs(config)  # bad input is refused here, once, rather than as a crash of every rank
@@ -237,6 +285,8 @@ def evaluate(config: EvalConfig, console: Console | None = None) -> EvalResult:
         model = inputs.checkpoint.model(device, PRECISIONS[config.precision])
         use_burst_attention(model, group)
         say(f"weights in {config.precision} ({config.precision_reason})")
+        if inputs.store.is_preferences:
+            return evaluate_pairs(config, inputs, model, group, device, say, console if is_main else None, started)
         conversations = inputs.store.is_conversations
         say(f"perplexity: {inputs.sequences} x {config.seq_len:,} tokens of {inputs.store.directory} (val), "
             f"positions {config.positions}" + (", answers scored" if conversations else ""))

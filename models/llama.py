@@ -28,6 +28,7 @@ from models.attention import LocalAttention
 from models.config import ModelConfig
 from models.init import initial_rows
 from models.loss import chunked_cross_entropy
+from models.preference import answer_logps
 
 
 def rope_frequencies(config: ModelConfig, length: int | None = None,
@@ -80,13 +81,16 @@ class Attention(nn.Module):
         self.core_attention = LocalAttention()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                doc_boundaries: Sequence[torch.Tensor] | None) -> torch.Tensor:
+                doc_boundaries: Sequence[torch.Tensor] | None,
+                doc_sees: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
         batch, seq_len, _ = x.shape
         q = self.wq(x).view(batch, seq_len, self.n_heads, self.head_dim)
         k = self.wk(x).view(batch, seq_len, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(batch, seq_len, self.n_kv_heads, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = self.core_attention(q, k, v, doc_boundaries)  # [batch, seq, n_heads, head_dim]
+        # doc_sees only when given: a core attention without prefix sharing keeps its four-argument call
+        sees = {} if doc_sees is None else {"doc_sees": doc_sees}
+        out = self.core_attention(q, k, v, doc_boundaries, **sees)  # [batch, seq, n_heads, head_dim]
         return self.wo(out.reshape(batch, seq_len, -1))
 
 
@@ -114,8 +118,9 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(config)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                doc_boundaries: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin, doc_boundaries)
+                doc_boundaries: Sequence[torch.Tensor] | None = None,
+                doc_sees: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, doc_boundaries, doc_sees)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -154,12 +159,15 @@ class Transformer(nn.Module):
             param.copy_(initial_rows(self.config, name, tuple(param.shape), seed, range(param.shape[0])))
 
     def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                      doc_boundaries: Sequence[torch.Tensor] | None = None, *,
+                      doc_boundaries: Sequence[torch.Tensor] | None = None,
+                      doc_sees: Sequence[torch.Tensor] | None = None, *,
                       rope_length: int | None = None) -> torch.Tensor:
         """tokens [batch, seq] -> final-normed hidden states [batch, seq, dim].
 
         positions: global position ids [seq] or [batch, seq] (default 0..seq-1).
         doc_boundaries: one 1-D tensor of document offsets per batch row, or None.
+        doc_sees: with doc_boundaries, per batch row an int64 tensor [n_docs]: the earlier document each
+        document's queries also see whole (prefix sharing), or -1; None: none.
         rope_length: the sequence length a length-dependent RoPE scaling (dynamic, longrope) is computed for,
         transformers' max(position_ids) + 1; default that of `positions`, which under sequence parallelism is
         only this rank's shard: pass the whole sequence's (`Batch.rope_length`).
@@ -172,26 +180,38 @@ class Transformer(nn.Module):
         cos, sin = rotary_cos_sin(positions, *rope_frequencies(self.config, rope_length, tokens.device))
         h = self.tok_embeddings(tokens)  # [batch, seq, dim]
         for layer in self.layers:
-            h = layer(h, cos, sin, doc_boundaries)
+            h = layer(h, cos, sin, doc_boundaries, doc_sees)
         return self.norm(h)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                doc_boundaries: Sequence[torch.Tensor] | None = None, *,
+                doc_boundaries: Sequence[torch.Tensor] | None = None,
+                doc_sees: Sequence[torch.Tensor] | None = None, *,
                 rope_length: int | None = None) -> torch.Tensor:
         """tokens [batch, seq] -> logits [batch, seq, vocab]."""
-        return F.linear(self.hidden_states(tokens, positions, doc_boundaries, rope_length=rope_length),
+        return F.linear(self.hidden_states(tokens, positions, doc_boundaries, doc_sees, rope_length=rope_length),
                         self.output_weight)
 
     def loss(self, tokens: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None = None,
-             doc_boundaries: Sequence[torch.Tensor] | None = None,
+             doc_boundaries: Sequence[torch.Tensor] | None = None, doc_sees: Sequence[torch.Tensor] | None = None,
              chunk_size: int = 1024, *, rope_length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Summed cross-entropy over labels [batch, seq] (-100 = ignored) and the count of scored tokens.
 
         Returns (loss_sum float32 scalar, num_tokens int64 scalar); the caller divides, after
         reducing both across ranks. Logits are formed chunk_size rows at a time, never in full.
         """
-        hidden = self.hidden_states(tokens, positions, doc_boundaries, rope_length=rope_length)
+        hidden = self.hidden_states(tokens, positions, doc_boundaries, doc_sees, rope_length=rope_length)
         return chunked_cross_entropy(hidden.flatten(0, 1), self.output_weight, labels.flatten(), chunk_size)
+
+
+    def answer_logps(self, tokens: torch.Tensor, labels: torch.Tensor, answers: torch.Tensor, num_answers: int,
+                     positions: torch.Tensor | None = None, doc_boundaries: Sequence[torch.Tensor] | None = None,
+                     doc_sees: Sequence[torch.Tensor] | None = None, chunk_size: int = 1024, *,
+                     rope_length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each answer's summed label log-probability and token count over this shard (models/preference.py):
+        answers [batch, seq] beside labels, -1 where a label is no answer's; the rest as hidden_states takes it.
+        Returns (logps float32 [num_answers], counts float32 [num_answers]); the caller sums both across ranks."""
+        hidden = self.hidden_states(tokens, positions, doc_boundaries, doc_sees, rope_length=rope_length)
+        return answer_logps(hidden, self.output_weight, labels, answers, num_answers, chunk_size)
 
 
 def init_model(config: ModelConfig, seed: int = 0, device: torch.device | str = "cpu") -> Transformer:

@@ -59,27 +59,61 @@ class ChunkedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss_sum: torch.Tensor, _grad_count: torch.Tensor):
-        hidden, weight, safe_labels, valid, logsumexp = ctx.saved_tensors
+        return _backward(ctx, grad_loss_sum)
+
+
+def _backward(ctx, grad_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None, None]:
+    """The gradients of hidden and weight for the rows' cross-entropies weighted by `grad_rows` (a scalar: the
+    same for every row, as for their sum; or float32 [N], one per row)."""
+    hidden, weight, safe_labels, valid, logsumexp = ctx.saved_tensors
+    with torch.autocast(hidden.device.type, enabled=False):
+        weight_mm = weight.to(_matmul_dtype(hidden, weight))
+        grad_hidden = torch.empty_like(hidden)  # [N, dim]
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32)  # [vocab, dim]
+        for start in range(0, hidden.shape[0], ctx.chunk_size):
+            rows = slice(start, start + ctx.chunk_size)
+            hidden_mm = hidden[rows].to(weight_mm.dtype)
+            # d(loss_sum)/d(logits) = softmax - onehot(label) on scored rows, 0 on ignored ones.
+            grad_logits = _chunk_logits(hidden_mm, weight_mm)  # [chunk, vocab] float32
+            grad_logits.sub_(logsumexp[rows, None]).exp_()
+            grad_logits.scatter_add_(1, safe_labels[rows, None],
+                                     torch.full_like(logsumexp[rows, None], -1.0))
+            grad_logits.mul_((valid[rows] * (grad_rows if grad_rows.dim() == 0 else grad_rows[rows]))[:, None])
+            grad_logits_mm = grad_logits.to(weight_mm.dtype)
+            grad_hidden[rows] = grad_logits_mm @ weight_mm
+            if grad_logits_mm.dtype == torch.float32:
+                grad_weight.addmm_(grad_logits_mm.t(), hidden_mm)  # in place: no [vocab, dim] temporary
+            else:  # addmm_ cannot mix dtypes: a bf16 product per chunk, summed in float32
+                grad_weight += grad_logits_mm.t() @ hidden_mm
+    return grad_hidden, grad_weight.to(weight.dtype), None, None, None
+
+
+class ChunkedTokenLosses(torch.autograd.Function):
+    """Each row's cross-entropy, float32 [N] (0 where ignored), differentiable row by row."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int,
+                ignore_index: int) -> torch.Tensor:
         with torch.autocast(hidden.device.type, enabled=False):
             weight_mm = weight.to(_matmul_dtype(hidden, weight))
-            grad_hidden = torch.empty_like(hidden)  # [N, dim]
-            grad_weight = torch.zeros_like(weight, dtype=torch.float32)  # [vocab, dim]
-            for start in range(0, hidden.shape[0], ctx.chunk_size):
-                rows = slice(start, start + ctx.chunk_size)
-                hidden_mm = hidden[rows].to(weight_mm.dtype)
-                # d(loss_sum)/d(logits) = softmax - onehot(label) on scored rows, 0 on ignored ones.
-                grad_logits = _chunk_logits(hidden_mm, weight_mm)  # [chunk, vocab] float32
-                grad_logits.sub_(logsumexp[rows, None]).exp_()
-                grad_logits.scatter_add_(1, safe_labels[rows, None],
-                                         torch.full_like(logsumexp[rows, None], -1.0))
-                grad_logits.mul_((valid[rows] * grad_loss_sum)[:, None])
-                grad_logits_mm = grad_logits.to(weight_mm.dtype)
-                grad_hidden[rows] = grad_logits_mm @ weight_mm
-                if grad_logits_mm.dtype == torch.float32:
-                    grad_weight.addmm_(grad_logits_mm.t(), hidden_mm)  # in place: no [vocab, dim] temporary
-                else:  # addmm_ cannot mix dtypes: a bf16 product per chunk, summed in float32
-                    grad_weight += grad_logits_mm.t() @ hidden_mm
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None
+            valid = labels != ignore_index  # [N]
+            safe_labels = torch.where(valid, labels, 0)
+            logsumexp, target = _logsumexp_and_target(hidden, weight_mm, safe_labels, chunk_size)  # [N] each
+        ctx.save_for_backward(hidden, weight, safe_labels, valid, logsumexp)
+        ctx.chunk_size = chunk_size
+        return (logsumexp - target) * valid
+
+    @staticmethod
+    def backward(ctx, grad_rows: torch.Tensor):
+        return _backward(ctx, grad_rows.float())
+
+
+def chunked_token_losses(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int = 1024,
+                         ignore_index: int = -100) -> torch.Tensor:
+    """Each row's cross-entropy of logits = hidden @ weight.T, as chunked_cross_entropy computes their sum, with a
+    gradient for any function of them (a preference objective's): hidden [N, dim], weight [vocab, dim], labels
+    [N] -> float32 [N], 0 where ignored."""
+    return ChunkedTokenLosses.apply(hidden, weight, labels, chunk_size, ignore_index)
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int = 1024,

@@ -9,8 +9,9 @@ from tests.distributed import run_on_ranks
 from tests.test_burst_attn import TOLERANCE, make_inputs
 
 
-def reference(q, k, v, dout, boundaries, causal):
-    """float64 attention where each query sees only keys of its own document."""
+def reference(q, k, v, dout, boundaries, causal, sees=None):
+    """float64 attention where each query sees only keys of its own document (and, with `sees`, per row
+    the earlier document each document also sees whole, or -1)."""
     qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
     groups = q.shape[2] // k.shape[2]
     qh = qr.transpose(1, 2)
@@ -18,11 +19,13 @@ def reference(q, k, v, dout, boundaries, causal):
     scores = qh @ kh.transpose(-1, -2) / q.shape[-1] ** 0.5  # [b, h, s, s]
     n = q.shape[1]
     masks = []
-    for offsets in boundaries:
+    for row, offsets in enumerate(boundaries):
         doc = torch.bucketize(torch.arange(n), torch.tensor(offsets[1:-1]), right=True)
         visible = doc[:, None] == doc[None, :]
         if causal:
             visible &= torch.ones(n, n, dtype=torch.bool).tril()
+        if sees is not None:
+            visible |= torch.tensor(sees[row])[doc][:, None] == doc[None, :]
         masks.append(visible)
     scores = scores.masked_fill(~torch.stack(masks)[:, None], float("-inf"))
     lse = torch.logsumexp(scores, -1)

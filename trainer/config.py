@@ -113,6 +113,15 @@ class TrainConfig:
     long_conversations: str = setting("refuse", "A conversation longer than a sequence: refuse (the run, naming it), "
                                                 "truncate (cut the prompt's start away, BOS kept) or split (into "
                                                 "sequence-long pieces).")
+    objective: str = setting("nll", "What training minimises: nll (the next-token loss), or on a preference store "
+                                    "(`burst prepare --preference`) dpo, ipo, simpo or orpo (TRL's formulas).")
+    beta: float = setting(0.1, "A preference objective's beta: the KL strength of dpo and ipo, the reward scale of "
+                               "simpo.")
+    simpo_gamma: float = setting(0.5, "SimPO's target reward margin gamma.")
+    orpo_lambda: float = setting(0.1, "ORPO's weight lambda of the odds-ratio term beside the chosen answer's NLL.")
+    prefix_sharing: bool = setting(True, "Pack a preference pair's prompt once, both answers seeing it (each at the "
+                                         "positions it would have after the prompt alone); --no-prefix-sharing packs "
+                                         "prompt + chosen and prompt + rejected as two documents.")
     seed: int = setting(0, "Seed of the initial weights and the data order.")
     val_tokens: int | None = setting(None, "Held-out tokens (the data's validation split) scored at the start and the "
                                            "end of each invocation and every --val-every steps, rounded up to whole "
@@ -207,6 +216,13 @@ class TrainConfig:
             # seq_len stands in for it here, where everything else about the flag is checked.
             parse_rope_scaling(self.rope_scaling, "--rope-scaling", original_length=self.seq_len)
         check_policy(self.long_conversations)
+        from models.preference import OBJECTIVES
+        if self.objective not in ("nll", *OBJECTIVES):
+            raise ValueError(f"--objective {self.objective!r} is not one of nll, {', '.join(OBJECTIVES)}")
+        for name in ("beta", "simpo_gamma", "orpo_lambda"):
+            if not math.isfinite(getattr(self, name)) or getattr(self, name) < 0 or name == "beta" and not self.beta:
+                raise ValueError(f"{flag(name)} {getattr(self, name)} must be a finite number, above 0 for --beta "
+                                 f"(0.1 is TRL's default), at least 0 otherwise")
         check_backward_mode(self.attention_backward, "--attention-backward")
         check_topology(self.cp_topology, "--cp-topology")
         if self.cp_layout != "auto":

@@ -36,6 +36,7 @@ from runtime.directories import check_writable, read_marker
 from runtime.precision import Precision, resolve_precision
 from trainer.checkpoint import check_model_config, metrics_rows
 from trainer.config import TrainConfig, run_identity
+from trainer.preference import check_preferences, check_reference_kept
 from trainer.rundir import check_run_dir
 
 DEFAULT_MODEL = "tiny"
@@ -171,7 +172,7 @@ def check_sequence_fits(config: TrainConfig, sources: list[Source]) -> None:
     instruction store's sequences never do: they hold whole conversations, the rest padding)."""
     for source in sources:
         train = source.store
-        if train.is_conversations:
+        if train.is_conversations or train.is_preferences:
             continue
         stream = train.packed_tokens  # [BOS] + document + EOS each
         if config.seq_len > stream:
@@ -190,11 +191,11 @@ def check_conversations(config: TrainConfig, sources: list[Source]) -> None:
                          f"several conversations to a sequence, which must not attend to each other nor to the "
                          f"padding; add --doc-mask")
     loader = dict(seq_len=config.seq_len, batch_size=config.batch_size, dp_size=config.dp, cp_size=config.cp,
-                  long_conversations=config.long_conversations)
+                  long_conversations=config.long_conversations, prefix_sharing=config.prefix_sharing)
     SequenceLoader([source.store for source in sources], shares=[source.spec.share for source in sources],
                    train_on_prompt=config.train_on_prompt, **loader)
     for source in sources:
-        if source.store.is_conversations and source.val.num_documents:
+        if (source.store.is_conversations or source.store.is_preferences) and source.val.num_documents:
             SequenceLoader(source.val, train_on_prompt=config.train_on_prompt, **loader)
 
 
@@ -288,10 +289,13 @@ def plan_run(config: TrainConfig, world_size: int, restart: int = 0) -> RunPlan:
         model_config, checkpoint = model_and_store(config, store)
     # The loader checks batch, sequence and conversation settings against the data; building one reads no tokens
     # (but an over-long conversation's, to truncate it).
+    check_preferences(config, sources)
     check_conversations(config, sources)
     check_sequence_fits(config, sources)
     check_memory(config, model_config, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     resume_from = check_resume(config, Path(out), model_config, sources) if config.resume else None
+    if resume_from is not None:
+        check_reference_kept(config, Path(out))
     precision = resolve_precision(config.precision, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     model = config.model or (None if config.init_from else DEFAULT_MODEL)
     return RunPlan(dataclasses.replace(config, data=data, out=out, model=model), model_config, checkpoint, precision,

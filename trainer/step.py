@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -24,6 +24,7 @@ from models import Transformer
 from runtime.process import all_reduce
 from trainer.config import TrainConfig
 from trainer.distributed import Distributed
+from trainer.preference import preference_backward
 
 NO_SCORED_TOKENS = "no scored token (every label of the step is a prompt, padding or a document's start)"
 NON_FINITE = "non-finite loss or gradient norm"
@@ -36,6 +37,13 @@ class StepResult:
     applied: bool  # False: the optimizer step was skipped, for `skip_reason`
     scored_tokens: int  # the tokens the loss is the mean over: every label of the global batch
     skip_reason: str | None = None  # NO_SCORED_TOKENS or NON_FINITE when not applied
+    metrics: dict[str, float] = field(default_factory=dict)  # a preference objective's (trainer/preference.py)
+
+    @classmethod
+    def of(cls, loss: float, grad_norm: float, applied: bool, scored_tokens: int,
+           metrics: dict[str, float] | None = None) -> StepResult:
+        """The result of a step that scored tokens (`optimizer_step`'s loss, norm and decision)."""
+        return cls(loss, grad_norm, applied, scored_tokens, None if applied else NON_FINITE, metrics or {})
 
 
 def forward_backward(model: Transformer, batch: Batch, global_count: torch.Tensor, config: TrainConfig,
@@ -69,6 +77,9 @@ def train_step(model: Transformer, optimizer: torch.optim.Optimizer, micro_batch
     """
     set_rank_checks(model, check_ranks)
     with torch.compiler.set_stance("force_eager") if check_ranks and config.compile else contextlib.nullcontext():
+        if config.objective != "nll":
+            loss, scored, metrics = preference_backward(model, micro_batches, config, env)
+            return StepResult.of(*optimizer_step(model, optimizer, config, loss), scored, metrics)
         return _train_step(model, optimizer, micro_batches, config, env)
 
 
@@ -84,6 +95,12 @@ def _train_step(model: Transformer, optimizer: torch.optim.Optimizer, micro_batc
     for batch in micro_batches:
         loss_sum += forward_backward(model, batch, scored, config, env.device)
     loss = all_reduce(loss_sum) / scored
+    return StepResult.of(*optimizer_step(model, optimizer, config, loss), int(scored.item()))
+
+
+def optimizer_step(model: Transformer, optimizer: torch.optim.Optimizer, config: TrainConfig,
+                   loss: torch.Tensor) -> tuple[float, float, bool]:
+    """Clip the gradients and step, unless the loss or the gradient norm is not finite; (loss, norm, applied)."""
     max_norm = config.max_grad_norm or math.inf  # 0: no clipping, but still measure the norm
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)  # over all shards
     if isinstance(grad_norm, DTensor):
@@ -93,7 +110,7 @@ def _train_step(model: Transformer, optimizer: torch.optim.Optimizer, micro_batc
     if applied:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss.item(), grad_norm.item(), applied, int(scored.item()), None if applied else NON_FINITE)
+    return loss.item(), grad_norm.item(), applied
 
 
 def non_finite_weights(model: Transformer, env: Distributed) -> list[str]:

@@ -39,6 +39,7 @@ from trainer.distributed import Distributed
 from trainer.metrics import Metrics
 from trainer.optim import build_optimizer, build_schedule
 from trainer.parallelize import build_model
+from trainer.preference import Reference, load_or_compute_reference, needs_reference
 from trainer.preflight import RunPlan
 from trainer.rundir import METRICS_FILE, SOURCE_TOKENIZERS, claim_run_directory
 from trainer.saving import CheckpointSaver, Saved
@@ -91,12 +92,15 @@ class Trainer:
                                      dp_size=config.dp, cp_rank=env.cp_rank, cp_size=config.cp, seed=config.seed,
                                      reset_positions=config.doc_mask, cp_layout=config.sequence_layout,
                                      long_conversations=config.long_conversations,
-                                     train_on_prompt=config.train_on_prompt)
+                                     train_on_prompt=config.train_on_prompt, prefix_sharing=config.prefix_sharing)
         self.state = TrainState()
         self.saver = CheckpointSaver(self.out, plan.model_config, env.device, config.keep, config.async_checkpoint,
                                      env.cpu_group, self.report_saved)
         self.metrics: Metrics | None = None  # rank 0's, once the run directory is written (`record`)
-        self.validator = Validator(self.sources, config, env)
+        # A preference run's held-out pairs are scored by `burst eval` (evaluation/preference.py), not by a token loss.
+        self.validator = Validator(self.sources if config.objective == "nll" else [], config, env)
+        self.reference: Reference | None = None  # dpo, ipo: the starting weights' logps (trainer/preference.py)
+        self.accuracies: list[float] = []  # a preference run's rewards/accuracies of this invocation's steps
         self.val_losses: list[tuple[int, ValidationResult]] = []  # (step, validation) of this invocation
         self.losses: list[float] = []  # training losses of this invocation's steps that scored a token
         self.unscored_steps = 0  # this invocation's steps skipped for scoring no token
@@ -141,6 +145,10 @@ class Trainer:
         self.check_starting_weights()
         if self.env.is_main:
             self.record()
+        if needs_reference(self.config):
+            self.reference = load_or_compute_reference(
+                self.out, self.model, self.store, self.config, self.env, resumed=plan.resume_from is not None,
+                log=self.metrics.message if self.metrics is not None else lambda _: None)
         if self.metrics is not None and plan.init_from is not None:
             self.metrics.event("initialised", {"from": str(plan.init_from), "optimizer": self.config.init_optimizer},
                                f"initialised from {plan.init_from}"
@@ -273,8 +281,12 @@ class Trainer:
         config, state = self.config, self.state
         step_started = time.perf_counter()
         lr = self.schedule.get_last_lr()[0]
-        result = train_step(self.model, self.optimizer, [next(self.loader) for _ in range(config.grad_accum)],
-                            config, self.env, check_ranks)
+        batches = [next(self.loader) for _ in range(config.grad_accum)]
+        if self.reference is not None:
+            batches = [self.reference.attach(batch) for batch in batches]
+        result = train_step(self.model, self.optimizer, batches, config, self.env, check_ranks)
+        if "rewards/accuracies" in result.metrics:
+            self.accuracies.append(result.metrics["rewards/accuracies"])
         with warnings.catch_warnings():  # a skipped step still takes its step of the schedule: no surprise to warn of
             warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler.step\(\)` before", UserWarning)
             self.schedule.step()
@@ -296,7 +308,7 @@ class Trainer:
                                               "step_time_s": step_time, "peak_mem_mib": peak,
                                               "skipped": not result.applied, "skip_reason": result.skip_reason,
                                               "scored_tokens": result.scored_tokens,
-                                              "tokens_by_source": self.tokens_by_source(),
+                                              "tokens_by_source": self.tokens_by_source(), **result.metrics,
                                               **({"padding_tokens": self.loader.padding_tokens}
                                                  if self.conversations else {})})
         return result
@@ -388,4 +400,7 @@ class Trainer:
         if self.unscored_steps:
             text += f"; {self.unscored_steps} step{'s' if self.unscored_steps > 1 else ''} scored no token " \
                     f"(skipped, left out of the losses)"
+        if self.accuracies:
+            accuracies = self.accuracies[-SMOOTHED_STEPS:]
+            text += f", reward accuracy {sum(accuracies) / len(accuracies):.1%} ({self.config.objective})"
         return text

@@ -26,6 +26,7 @@ from data.mixture import Source
 from runtime.process import all_reduce
 from trainer.config import TrainConfig
 from trainer.distributed import Distributed
+from trainer.parallelize import end_forward_only
 
 
 def steps(share: float) -> str:
@@ -72,8 +73,10 @@ class Validator:
         """What a pass costs, said before the first: its tokens and sequences, and their share of a step's."""
         config = self.config
         if not self.sequences:
-            why = "--val-tokens 0" if self.stores else "no --data source has a validation split (prepare " \
-                                                       "with --val-fraction above 0)"
+            why = "--val-tokens 0" if self.stores else \
+                "a preference run's held-out pairs are scored by burst eval: reward accuracy and margins" \
+                if config.objective != "nll" else \
+                "no --data source has a validation split (prepare with --val-fraction above 0)"
             return f"validation: none ({why})"
         held = f"the whole validation split ({self.split_tokens:,} tokens)" if self.whole_split else \
             f"{config.val_tokens:,} held-out tokens (--val-tokens) of the validation split's {self.split_tokens:,}"
@@ -116,6 +119,7 @@ class Validator:
                                              rope_length=batch.rope_length)
             totals += torch.stack([loss_sum.double(), count.double()])
         model.train(was_training)
+        end_forward_only(model)  # else FSDP2's leftover state corrupts the gradients of the steps after
         loss_sum, count = all_reduce(totals).tolist()
         if progress is not None:
             progress(self.per_rank, self.per_rank)

@@ -1,0 +1,194 @@
+"""Training on preference pairs: the checks, the reference pass and the objective's backward of one step.
+
+    check_preferences(config, sources)          # preflight: the store and --objective must fit each other
+    reference = Reference.load_or_compute(...)  # dpo, ipo: the starting weights' logps of every training pair
+    loss, pairs, metrics = preference_backward(model, micro_batches, config, env)
+
+Each answer's log-probability is summed over its tokens on every cp rank and all-reduced over the cp group
+before any nonlinearity (the counts too, for the length-normalised objectives), so every cp rank holds the whole
+sums; the reduction passes the gradient back to each rank's own tokens. The step's loss is the mean over the
+pairs of the global batch (every dp rank, every micro-batch): each rank backpropagates its pairs' summed loss
+divided by that global count, and FSDP sums the shares (trainer/parallelize.py), as for token losses.
+
+The reference model's log-probabilities (DPO, IPO) are computed once, before the first step, with the starting
+weights (--model DIR, --init-from RUN, or the seed's): one pass over the training pairs, packed as training packs
+them (epoch 0 holds every pair once), saved in the run directory as reference_logps.npz. A resumed run reads it
+back; training holds one model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from data import Batch, SequenceLoader, TokenStore
+from data.mixture import Source
+from models import Transformer
+from models.preference import NEEDS_REFERENCE, OBJECTIVES, pair_losses, summed
+from runtime.process import all_reduce
+from trainer.config import TrainConfig
+from trainer.distributed import Distributed
+from trainer.parallelize import end_forward_only
+
+REFERENCE_FILE = "reference_logps.npz"
+# The step's metrics, TRL's names: means over the pairs of the global batch.
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected")
+
+
+def check_preferences(config: TrainConfig, sources: list[Source]) -> None:
+    """Refuse a preference store without a preference objective, an objective without one, a mixture, and
+    packed pairs without --doc-mask."""
+    names = [source.spec.name for source in sources if source.store.is_preferences]
+    if config.objective == "nll":
+        if names:
+            raise ValueError(f"--data {', '.join(names)} is a preference store (`burst prepare --preference`): its "
+                             f"pairs train with --objective {' | '.join(OBJECTIVES)}, not the next-token loss")
+        return
+    if len(sources) != 1 or not names:
+        kind = "conversations" if sources[0].store.is_conversations else "documents"
+        what = "several --data sources" if len(sources) != 1 else f"--data {sources[0].spec.name}, a store of {kind}"
+        raise ValueError(f"--objective {config.objective} trains on one preference store (`burst prepare --preference "
+                         f"--tokenizer MODEL --out STORE`), but got {what}; pass one preference store, or drop "
+                         f"--objective for the next-token loss")
+    if not config.doc_mask:
+        raise ValueError(f"--data {names[0]}: pairs are packed several to a sequence, each answer's documents "
+                         f"must not attend to other pairs' (nor, with prefix sharing, to the other answer); add "
+                         f"--doc-mask")
+    if config.train_on_prompt:
+        raise ValueError("--train-on-prompt scores conversations' prompts; a preference objective scores answers "
+                         "only: drop --train-on-prompt")
+
+
+def cp_group(env: Distributed) -> torch.distributed.ProcessGroup | None:
+    return env.mesh["cp"].get_group() if env.mesh is not None else None
+
+
+def batch_logps(model: Transformer, batch: Batch, config: TrainConfig, env: Distributed
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each answer's whole log-probability (differentiable through this rank's tokens) and token count, float32
+    [2 x pairs] each: chosen, rejected of pair 0, then of pair 1, ..."""
+    tokens, labels, positions, answers = (t.to(env.device, non_blocking=True) for t in (
+        batch.tokens, batch.labels, batch.positions, batch.answers))
+    with torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=config.precision == "bf16"):
+        logps, counts = model.answer_logps(tokens, labels, answers, 2 * batch.num_pairs, positions,
+                                           batch.doc_boundaries, batch.doc_sees, rope_length=batch.rope_length)
+    group = cp_group(env)
+    return summed(logps, lambda t: all_reduce(t, group)), all_reduce(counts, group)
+
+
+def preference_backward(model: Transformer, micro_batches: list[Batch], config: TrainConfig, env: Distributed
+                        ) -> tuple[torch.Tensor, int, dict[str, float]]:
+    """Backward of each micro-batch's share of the step's mean pair loss; returns that loss, the global batch's
+    answer tokens and the step's metrics (METRICS, and its "pairs")."""
+    counts = all_reduce(torch.tensor([float(sum(b.num_pairs for b in micro_batches)),
+                                      float(sum(b.num_tokens for b in micro_batches))], device=env.device))
+    pairs = int(counts[0].item()) // config.cp  # every cp rank of a dp rank holds the same pairs
+    totals = torch.zeros(1 + len(METRICS), dtype=torch.float64, device=env.device)
+    for batch in micro_batches:
+        logps, counts = batch_logps(model, batch, config, env)
+        result = pair_losses(config.objective, logps, counts, batch.reference_logps, beta=config.beta,
+                             simpo_gamma=config.simpo_gamma, orpo_lambda=config.orpo_lambda)
+        (result.losses.sum() / max(pairs, 1)).backward()
+        totals += pair_metrics(result.losses.detach(), result.rewards_chosen, result.rewards_rejected,
+                               logps.detach()).to(totals)
+    totals = all_reduce(totals) / config.cp / max(pairs, 1)
+    return totals[0], int(counts[1].item()), {**dict(zip(METRICS, totals[1:].tolist(), strict=True)), "pairs": pairs}
+
+
+def pair_metrics(losses: torch.Tensor, rewards_chosen: torch.Tensor, rewards_rejected: torch.Tensor,
+                 logps: torch.Tensor) -> torch.Tensor:
+    """float64 [1 + len(METRICS)]: the sums over the pairs of the loss and of each metric."""
+    chosen, rejected = logps.view(-1, 2).double().unbind(1)
+    rewards_chosen, rewards_rejected = rewards_chosen.double(), rewards_rejected.double()
+    return torch.stack([losses.double().sum(), rewards_chosen.sum(), rewards_rejected.sum(),
+                        (rewards_chosen > rewards_rejected).double().sum(),
+                        (rewards_chosen - rewards_rejected).sum(), chosen.sum(), rejected.sum()])
+
+
+# -- the reference pass ---------------------------------------------------------------------------------------
+
+@dataclass
+class Reference:
+    """The reference model's log-probabilities of each training pair's chosen and rejected answer."""
+
+    logps: np.ndarray  # float64 [pairs, 2]
+
+    def attach(self, batch: Batch) -> Batch:
+        batch.reference_logps = torch.from_numpy(self.logps[batch.pair_documents.numpy()])
+        return batch
+
+
+def needs_reference(config: TrainConfig) -> bool:
+    return config.objective in NEEDS_REFERENCE
+
+
+def identity(store: TokenStore, config: TrainConfig) -> dict:
+    """What a saved reference belongs to: its pairs, and how they were packed."""
+    return {"store": str(store.directory), "split": store.split_name, "pairs": store.num_documents,
+            "fingerprint": store.tokenizer_fingerprint, "seq_len": config.seq_len,
+            "prefix_sharing": config.prefix_sharing, "long_conversations": config.long_conversations}
+
+
+def check_reference_kept(config: TrainConfig, run: Path) -> None:
+    """Refuse to resume a dpo or ipo run whose saved reference is gone: its weights have trained since."""
+    if needs_reference(config) and not (run / REFERENCE_FILE).is_file():
+        raise ValueError(missing_reference(run / REFERENCE_FILE))
+
+
+def missing_reference(path: Path) -> str:
+    return (f"{path} is missing: the reference log-probabilities of the starting weights are gone and the weights "
+            f"have trained since; start a new run (--init-from {path.parent} to keep its weights)")
+
+
+@torch.no_grad()
+def compute_reference(model: Transformer, store: TokenStore, config: TrainConfig, env: Distributed) -> np.ndarray:
+    """float64 [pairs, 2]: `model`'s logps of every pair of `store` (a split view), packed as training packs them;
+    the dp ranks share the sequences of one epoch, the cp ranks split each."""
+    loader = SequenceLoader(store, config.seq_len, 1, dp_rank=env.dp_rank, dp_size=config.dp, cp_rank=env.cp_rank,
+                            cp_size=config.cp, seed=config.seed, reset_positions=True,
+                            cp_layout=config.sequence_layout, long_conversations=config.long_conversations,
+                            prefix_sharing=config.prefix_sharing)
+    sequences = loader.streams[0].sequences_in_epoch(0)  # every pair once
+    sums = torch.zeros(store.num_documents, 2, dtype=torch.float64, device=env.device)
+    seen = torch.zeros(store.num_documents, 1, dtype=torch.float64, device=env.device)
+    was_training = model.training
+    model.eval()
+    for _ in range(math.ceil(sequences / config.dp)):  # every rank takes as many steps (the last may repeat pairs)
+        batch = next(loader)
+        logps, _ = batch_logps(model, batch, config, env)
+        documents = batch.pair_documents.to(env.device)
+        sums.index_add_(0, documents, logps.detach().double().view(-1, 2))
+        seen.index_add_(0, documents, torch.ones(len(documents), 1, dtype=torch.float64, device=env.device))
+    model.train(was_training)
+    end_forward_only(model)
+    sums, seen = all_reduce(sums), all_reduce(seen)  # each pair once per cp rank (and twice where repeated)
+    return (sums / seen).cpu().numpy()
+
+
+def load_or_compute_reference(run: Path, model: Transformer, store: TokenStore, config: TrainConfig,
+                              env: Distributed, resumed: bool, log=print) -> Reference:
+    """The run's saved reference, or (a run that has not trained yet) computed now and saved by rank 0."""
+    path = run / REFERENCE_FILE
+    wanted = identity(store, config)
+    if path.is_file():
+        saved = np.load(path)
+        if json.loads(str(saved["identity"])) == wanted:
+            return Reference(saved["logps"])
+        if resumed:
+            raise ValueError(f"{path} holds the reference log-probabilities of other pairs or another packing than "
+                             f"this run's ({json.loads(str(saved['identity']))} against {wanted}); start a new run")
+    elif resumed:
+        raise ValueError(missing_reference(path))
+    log(f"reference log-probabilities: one pass over {store.num_documents:,} training pairs with the starting weights")
+    logps = compute_reference(model, store, config, env)
+    if env.is_main:
+        temporary = path.with_name(path.name + ".tmp.npz")
+        np.savez(temporary, logps=logps, identity=json.dumps(wanted))
+        temporary.replace(path)  # whole or not at all
+    return Reference(logps)
