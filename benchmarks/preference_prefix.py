@@ -87,7 +87,7 @@ def step_times(store: Path, out: Path, seq_len: int, cp: int, sharing: bool, arg
     run = out / ("shared" if sharing else "separate")
     command = [sys.executable, "-m", "cli", "train", "--model", args.model, "--data", str(store), "--objective",
                "simpo", "--doc-mask", "--seq-len", str(seq_len), "--cp", str(cp), "--steps", str(args.steps),
-               "--precision", args.precision, "--val-sequences", "0", "--out", str(run),
+               "--precision", args.precision, "--val-tokens", "0", "--out", str(run),
                "--prefix-sharing" if sharing else "--no-prefix-sharing"]
     print(" ".join(command), flush=True)
     subprocess.run(command, check=True, cwd=Path(__file__).parents[1])

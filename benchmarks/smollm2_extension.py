@@ -133,7 +133,7 @@ def train(variant: Path, store: Path, out: Path, name: str, scale: Scale, cp: in
                 # 30 layers x 8K tokens a rank keep ~1.3 MB of activations a token without recomputation (~21 GB
                 # over 2 ranks at 16K); selective keeps each block's input and attention output (~0.14 MB)
                 "--activation-checkpointing", "selective",
-                "--val-sequences", 2, "--precision", "fp32", "--out", run]
+                "--val-tokens", 2 * scale.extended, "--precision", "fp32", "--out", run]
     resume = (run / "config.toml").is_file()
     stop = ["--stop-after", stop_after] if stop_after and stop_after < scale.steps else []
     burst("train", *(["--resume"] if resume else ["--model", variant]), *settings, *stop)

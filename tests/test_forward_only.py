@@ -24,7 +24,7 @@ def _steps(rank, world_size, validate):
     env = Distributed(rank, world_size, torch.device("cpu"), mesh)
     store = TokenStore(default_store())
     config = TrainConfig(model="debug", seq_len=256, cp=world_size, precision="fp32", max_grad_norm=0.0, seed=3,
-                         val_sequences=1)
+                         val_tokens=256)
     model = build_model(dataclasses.replace(ModelConfig.from_name("debug"), vocab_size=store.vocab_size), mesh,
                         config, torch.device("cpu"))
     loader = SequenceLoader(store.split("train"), 256, 1, cp_rank=env.cp_rank, cp_size=world_size, seed=3)

@@ -147,7 +147,7 @@ def test_two_context_parallel_ranks_give_the_single_process_figures(smollm2_2_la
 def test_a_run_starts_at_the_models_loss_and_its_export_keeps_the_model(smollm2_2_layers, smollm2, store, tmp_path):
     out = tmp_path / "run"
     done = burst_train("--model", smollm2_2_layers, "--data", store.directory, "--seq-len", SEQ_LEN, "--steps", 1,
-                       "--val-sequences", 2, "--precision", "fp32", "--out", out)
+                       "--val-tokens", 2 * SEQ_LEN, "--precision", "fp32", "--out", out)
     assert done.returncode == 0, done.stderr[-3000:]
     model = hf_model(smollm2_2_layers)
     batch = next(SequenceLoader(store.split("train"), SEQ_LEN, batch_size=1, seed=0))

@@ -46,7 +46,7 @@ def test_a_step_that_scores_no_token_moves_no_weight_nor_optimizer_state(chat_st
     weights = {name: p.detach().clone() for name, p in model.named_parameters()}
     state = {name: {k: v.clone() for k, v in optimizer.state[p].items()} for name, p in model.named_parameters()}
     skipped = train_step(model, optimizer, [batches[0]], config, env)
-    assert dataclasses.astuple(skipped) == (None, None, False, 0, NO_SCORED_TOKENS)
+    assert dataclasses.astuple(skipped) == (None, None, False, 0, NO_SCORED_TOKENS, {})
     for name, p in model.named_parameters():  # before: moved by momentum and weight decay, with loss 0
         assert torch.equal(p, weights[name]), name
         assert all(torch.equal(v, state[name][k]) for k, v in optimizer.state[p].items()), name

@@ -55,10 +55,10 @@ from checkpoints.training import (
     missing_files,
     rng_name,
 )
-from data.tokenizer import file_sha256
 from models.checkpoint import CONFIG_NAME
 from models.config import ModelConfig
 from models.storage import read_json, write_json
+from runtime.digest import file_sha256
 from runtime.failure import STORAGE_ERRORS, WriteFailed, os_error_message, storage_problem
 from trainer.checkpoint import rng_state
 
