@@ -62,10 +62,8 @@ class ConversationStream:
 
     def __init__(self, store: TokenStore, seq_len: int, seed: int, stream_id: int = 0, *, policy: str = "refuse",
                  train_on_prompt: bool = False) -> None:
-        check_policy(policy)
-        self.store, self.seq_len, self.capacity = store, seq_len, seq_len + 1
+        self._begin_stream(store, seq_len, seed, stream_id, policy)
         self.train_on_prompt = train_on_prompt
-        self._seed = [seed] + ([stream_id] if stream_id else [])
         lengths = store.document_lengths
         over = np.flatnonzero(lengths > self.capacity)
         self.long = LongConversations(policy, len(over), 0, 0)
@@ -87,6 +85,13 @@ class ConversationStream:
         elif len(over):
             self.long.pieces = int(pieces[over].sum())
         self._lengths = self._end - self._begin + self._keeps_first  # [pieces]
+
+    def _begin_stream(self, store: TokenStore, seq_len: int, seed: int, stream_id: int, policy: str) -> None:
+        """What every stream of whole units (conversations, pairs) starts with: the policy checked, no epoch
+        planned yet."""
+        check_policy(policy)
+        self.store, self.seq_len, self.capacity = store, seq_len, seq_len + 1
+        self._seed = [seed] + ([stream_id] if stream_id else [])
         self._plans: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._epoch_bins: list[int] = []  # sequences of each epoch planned so far
         self._epoch_padding: list[int] = []  # their padding tokens

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from data.conversation_packing import NAMED, ConversationStream, LongConversations, check_policy
+from data.conversation_packing import NAMED, ConversationStream, LongConversations
 from data.store import TokenStore
 
 CHOSEN, REJECTED = 0, 1
@@ -52,10 +52,8 @@ class PreferenceStream(ConversationStream):
 
     def __init__(self, store: TokenStore, seq_len: int, seed: int, stream_id: int = 0, *, policy: str = "refuse",
                  prefix_sharing: bool = True) -> None:
-        check_policy(policy)
-        self.store, self.seq_len, self.capacity = store, seq_len, seq_len + 1
+        self._begin_stream(store, seq_len, seed, stream_id, policy)
         self.prefix_sharing = prefix_sharing
-        self._seed = [seed] + ([stream_id] if stream_id else [])
         pairs = store.pair_lengths  # [pairs, 3]: prompt, chosen, rejected
         self._prompt_begin = np.zeros(len(pairs), np.int64)  # prompt tokens cut away by truncate (after a BOS)
         self._keeps_first = np.zeros(len(pairs), bool)
@@ -72,9 +70,6 @@ class PreferenceStream(ConversationStream):
         # One piece per pair: the plan of ConversationStream packs them next-fit.
         self._first_piece = np.arange(len(pairs) + 1)
         self._lengths = lengths
-        self._plans: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-        self._epoch_bins: list[int] = []
-        self._epoch_padding: list[int] = []
 
     def _packed(self, prompts: np.ndarray, pairs: np.ndarray) -> np.ndarray:
         """Tokens each pair takes in a sequence, with prompts of `prompts` tokens."""
