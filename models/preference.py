@@ -7,8 +7,9 @@ logp(y) / tokens(y). The per-pair losses are TRL's:
     dpo    -log sigmoid(beta * ((logp(y_w) - ref_logp(y_w)) - (logp(y_l) - ref_logp(y_l))))
     ipo    (delta_avg - 1 / (2 beta))^2, delta_avg the same difference of log-ratios, each divided by its tokens
     simpo  -log sigmoid(beta * (avg(y_w) - avg(y_l)) - gamma)
-    orpo   -avg(y_w) + lambda * -log sigmoid(log_odds(y_w) - log_odds(y_l)), log_odds(y) = avg(y) - log(1 -
-           exp(avg(y))); the NLL term is the chosen answer's mean token loss
+    orpo   nll + lambda * -log sigmoid(log_odds(y_w) - log_odds(y_l)), log_odds(y) = avg(y) - log(1 - exp(avg(y)));
+           nll is TRL's: the mean token loss over ALL the chosen tokens of the batch (not a mean of per-pair
+           means), so each pair carries -logp(y_w) / (the batch's chosen tokens per pair)
 
 and the implicit rewards TRL logs: beta times the log-ratio (dpo; ipo: the length-averaged one), beta times the
 averaged log-probability (simpo, orpo). The model knows nothing of ranks: under sequence parallelism each rank
@@ -66,11 +67,15 @@ def summed(local: torch.Tensor, reduce: Callable[[torch.Tensor], torch.Tensor]) 
 
 
 def pair_losses(objective: str, logps: torch.Tensor, counts: torch.Tensor, reference: torch.Tensor | None, *,
-                beta: float, simpo_gamma: float = 0.5, orpo_lambda: float = 0.1) -> PairLosses:
-    """The per-pair losses and rewards of `objective` from each answer's WHOLE logp and token count.
+                beta: float, simpo_gamma: float = 0.5, orpo_lambda: float = 0.1,
+                chosen_tokens_per_pair: float | None = None) -> PairLosses:
+    """The per-pair losses and rewards of `objective` from each answer's WHOLE logp and token count; their mean
+    over the batch's pairs is the batch's loss.
 
     logps, counts [2 x pairs] (chosen, rejected of pair 0, then of pair 1, ...); reference float [pairs, 2]
-    (the reference's logps of chosen and rejected; dpo and ipo only).
+    (the reference's logps of chosen and rejected; dpo and ipo only); chosen_tokens_per_pair: orpo's NLL
+    denominator, the whole batch's chosen tokens over its pairs (every rank's, every micro-batch's), by default
+    these pairs'.
     """
     if objective not in OBJECTIVES:
         raise ValueError(f"objective {objective!r} is not one of {', '.join(OBJECTIVES)}")
@@ -93,5 +98,7 @@ def pair_losses(objective: str, logps: torch.Tensor, counts: torch.Tensor, refer
     else:
         log_odds = (chosen_avg - rejected_avg) - (torch.log1p(-torch.exp(chosen_avg)) -
                                                  torch.log1p(-torch.exp(rejected_avg)))
-        losses = -chosen_avg - orpo_lambda * F.logsigmoid(log_odds)
+        per_pair = float(chosen_tokens.sum()) / len(chosen) if chosen_tokens_per_pair is None \
+            else chosen_tokens_per_pair
+        losses = -chosen / per_pair - orpo_lambda * F.logsigmoid(log_odds)
     return PairLosses(losses, beta * chosen_avg.detach(), beta * rejected_avg.detach())

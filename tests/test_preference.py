@@ -86,7 +86,8 @@ def trl_losses(objective: str, chosen: torch.Tensor, rejected: torch.Tensor, cho
         return -F.logsigmoid(beta * (chosen_avg - rejected_avg) - gamma)
     log_odds = (chosen_avg - rejected_avg) - (torch.log1p(-torch.exp(chosen_avg)) -
                                               torch.log1p(-torch.exp(rejected_avg)))
-    return -chosen_avg - lam * F.logsigmoid(log_odds)
+    # ORPO's NLL is TRL's cross-entropy over all the batch's chosen tokens (a mean over tokens, not over pairs)
+    return -chosen / chosen_tokens.mean() - lam * F.logsigmoid(log_odds)
 
 
 def transformers_reference(store_dir: Path, sharing: bool) -> dict:
@@ -118,6 +119,7 @@ def transformers_reference(store_dir: Path, sharing: bool) -> dict:
         grad_norm = torch.nn.utils.clip_grad_norm_(hf.parameters(), float("inf"))
         expected[objective] = (loss.item(), grad_norm.item())
         expected["logps"] = {d: logps[i].tolist() for i, d in enumerate(documents.tolist())}
+        expected["answer_tokens"] = int(tokens.sum())
     return expected
 
 
@@ -155,6 +157,7 @@ def _check_on_ranks(rank, world_size, store_dir, cp, dp, grad_accum, expected):
             assert result.grad_norm == pytest.approx(grad_norm, rel=1e-4), (objective, sharing, cp, dp,
                                                                             result.grad_norm, grad_norm)
             assert result.metrics["pairs"] == len(expected[sharing]["logps"])
+            assert result.scored_tokens == expected[sharing]["answer_tokens"]  # every answer token of the step
 
 
 @pytest.mark.parametrize("cp, dp, grad_accum", [(1, 1, 2), (2, 1, 2), (1, 2, 2)])

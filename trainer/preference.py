@@ -86,14 +86,18 @@ def preference_backward(model: Transformer, micro_batches: list[Batch], config: 
                         ) -> tuple[torch.Tensor, int, dict[str, float]]:
     """Backward of each micro-batch's share of the step's mean pair loss; returns that loss, the global batch's
     answer tokens and the step's metrics (METRICS, and its "pairs")."""
+    chosen_tokens = sum(int(((b.answers >= 0) & (b.answers % 2 == 0)).sum()) for b in micro_batches)  # this shard's
     counts = all_reduce(torch.tensor([float(sum(b.num_pairs for b in micro_batches)),
-                                      float(sum(b.num_tokens for b in micro_batches))], device=env.device))
+                                      float(sum(b.num_tokens for b in micro_batches)), float(chosen_tokens)],
+                                     device=env.device))
     pairs = int(counts[0].item()) // config.cp  # every cp rank of a dp rank holds the same pairs
+    chosen_tokens_per_pair = counts[2].item() / max(pairs, 1)  # orpo's NLL: TRL's mean over the batch's tokens
     totals = torch.zeros(1 + len(METRICS), dtype=torch.float64, device=env.device)
     for batch in micro_batches:
-        logps, counts = batch_logps(model, batch, config, env)
-        result = pair_losses(config.objective, logps, counts, batch.reference_logps, beta=config.beta,
-                             simpo_gamma=config.simpo_gamma, orpo_lambda=config.orpo_lambda)
+        logps, answer_tokens = batch_logps(model, batch, config, env)
+        result = pair_losses(config.objective, logps, answer_tokens, batch.reference_logps, beta=config.beta,
+                             simpo_gamma=config.simpo_gamma, orpo_lambda=config.orpo_lambda,
+                             chosen_tokens_per_pair=chosen_tokens_per_pair)
         (result.losses.sum() / max(pairs, 1)).backward()
         totals += pair_metrics(result.losses.detach(), result.rewards_chosen, result.rewards_rejected,
                                logps.detach()).to(totals)
