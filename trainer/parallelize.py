@@ -81,6 +81,15 @@ def parallelize(model: Transformer, mesh: DeviceMesh | None, config: TrainConfig
     return model
 
 
+def mark_documents_dynamic(config: TrainConfig, *per_row: list[torch.Tensor] | None) -> None:
+    """Under --compile, let the per-row document tensors (doc_boundaries, doc_sees) vary in length: the documents
+    of a row change from batch to batch, and one graph serves any count instead of a recompile per count."""
+    if config.compile:
+        for rows in per_row:
+            for tensor in rows or ():
+                torch._dynamo.maybe_mark_dynamic(tensor, 0)
+
+
 def end_forward_only(model: torch.nn.Module) -> None:
     """Call after forward passes without backward (under no_grad) on a model `parallelize` sharded: FSDP2 clears
     its per-iteration state only in backward, and left over it corrupts the gradients of a later step (measured at

@@ -33,7 +33,7 @@ from models.preference import NEEDS_REFERENCE, OBJECTIVES, pair_losses, summed
 from runtime.process import all_reduce
 from trainer.config import TrainConfig
 from trainer.distributed import Distributed
-from trainer.parallelize import end_forward_only
+from trainer.parallelize import end_forward_only, mark_documents_dynamic
 
 REFERENCE_FILE = "reference_logps.npz"
 # The step's metrics, TRL's names: means over the pairs of the global batch.
@@ -75,6 +75,7 @@ def batch_logps(model: Transformer, batch: Batch, config: TrainConfig, env: Dist
     [2 x pairs] each: chosen, rejected of pair 0, then of pair 1, ..."""
     tokens, labels, positions, answers = (t.to(env.device, non_blocking=True) for t in (
         batch.tokens, batch.labels, batch.positions, batch.answers))
+    mark_documents_dynamic(config, batch.doc_boundaries, batch.doc_sees)
     with torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=config.precision == "bf16"):
         logps, counts = model.answer_logps(tokens, labels, answers, 2 * batch.num_pairs, positions,
                                            batch.doc_boundaries, batch.doc_sees, rope_length=batch.rope_length)

@@ -24,6 +24,7 @@ from models import Transformer
 from runtime.process import all_reduce
 from trainer.config import TrainConfig
 from trainer.distributed import Distributed
+from trainer.parallelize import mark_documents_dynamic
 from trainer.preference import preference_backward
 
 NO_SCORED_TOKENS = "no scored token (every label of the step is a prompt, padding or a document's start)"
@@ -52,9 +53,7 @@ def forward_backward(model: Transformer, batch: Batch, global_count: torch.Tenso
     tokens, labels, positions = (t.to(device, non_blocking=True) for t in (batch.tokens, batch.labels,
                                                                            batch.positions))  # [b, seq / cp]
     doc_boundaries = batch.doc_boundaries if config.doc_mask else None  # offsets over the full sequence
-    if config.compile and doc_boundaries is not None:
-        for offsets in doc_boundaries:  # documents per row vary from batch to batch: one graph for any count
-            torch._dynamo.maybe_mark_dynamic(offsets, 0)
+    mark_documents_dynamic(config, doc_boundaries)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.precision == "bf16"):
         loss_sum, _ = model.loss(tokens, labels, positions, doc_boundaries, rope_length=batch.rope_length)
     (loss_sum / global_count).backward()
