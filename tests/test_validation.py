@@ -101,8 +101,9 @@ def test_a_budget_takes_whole_sequences_and_shows_progress_lines(store, tmp_path
     assert "validation: 300 held-out tokens (--val-tokens) of the validation split's" in output
     assert "3 sequences of 128 tokens forward only: 3.0 steps' tokens, about 100% of a step's time" in output
     lines = done.output.splitlines()
+    # 3 sequences x 2 blocks of the debug model: a line at each quarter of the 6 blocks' forwards, in each pass
     assert [line.split()[:2] for line in lines if line.startswith("validation ") and " eta " in line] == \
-        [["validation", "1/3"], ["validation", "2/3"]] * 2
+        [["validation", "2/6"], ["validation", "3/6"], ["validation", "5/6"]] * 2
     assert f"over {first['held_out_tokens']} held-out tokens (3 sequences" in output
 
 

@@ -13,6 +13,7 @@ many for every dp rank, and no more sequences than the splits fill: a token is s
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Callable
@@ -99,7 +100,8 @@ class Validator:
     def __call__(self, model: torch.nn.Module, progress: Callable[[int, int], None] | None = None) \
             -> ValidationResult | None:
         """The mean token loss over the held-out tokens (None when there are no sequences to score);
-        `progress(done, total)` hears of each sequence this rank scored."""
+        `progress(done, total)` hears of each block of each sequence this rank scored (of each sequence under
+        --compile, whose graphs take no hooks)."""
         if not self.sequences:
             return None
         config, env = self.config, self.env
@@ -108,9 +110,21 @@ class Validator:
         totals = torch.zeros(2, dtype=torch.float64, device=env.device)  # summed loss, scored tokens
         was_training = model.training
         model.eval()
+        # A pass at 131,072 tokens is one sequence for minutes: its blocks tell how far it is.
+        blocks = list(model.layers) if progress is not None and not config.compile else []
+        parts = max(len(blocks), 1)
+        total = self.per_rank * parts
+        finished = itertools.count(1)
+
+        def block_done(*_) -> None:
+            n = next(finished)
+            if n < total:  # the end is said once, after the pass
+                progress(n, total)
+
+        hooks = [block.register_forward_hook(block_done) for block in blocks]
         for done in range(self.per_rank):
-            if progress is not None:
-                progress(done, self.per_rank)
+            if progress is not None and (done == 0 or not blocks):
+                progress(done * parts, total)
             batch = next(loader)
             tokens, labels, positions = (t.to(env.device) for t in (batch.tokens, batch.labels, batch.positions))
             with torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=config.precision == "bf16"):
@@ -118,9 +132,11 @@ class Validator:
                                              batch.doc_boundaries if config.doc_mask else None,
                                              rope_length=batch.rope_length)
             totals += torch.stack([loss_sum.double(), count.double()])
+        for hook in hooks:
+            hook.remove()
         model.train(was_training)
         end_forward_only(model)  # else FSDP2's leftover state corrupts the gradients of the steps after
         loss_sum, count = all_reduce(totals).tolist()
         if progress is not None:
-            progress(self.per_rank, self.per_rank)
+            progress(total, total)
         return ValidationResult(loss_sum / count if count else None, int(count), time.perf_counter() - started)
