@@ -303,8 +303,25 @@ def test_a_sequence_whose_activations_cannot_fit_is_refused_before_any_work(smal
     preflight.plan_run(config, world_size=1)
     monkeypatch.setattr(preflight, "available_memory_bytes", lambda: 2**28)  # 256 MiB: not even the process
     with pytest.raises(ValueError, match=r"1 local rank on this machine would need at least 0.4 GiB \(per rank, "
-                                         r"GiB: weights 0.00, .*activations 0.00, process 0.39\) but 0.2 GiB"):
+                                         r"GiB: weights 0.00, .*activations 0.0\d, process 0.39\) but 0.2 GiB"):
         preflight.plan_run(config, world_size=1)
+
+
+def test_activations_too_large_to_keep_are_refused_naming_the_recomputation_that_fits(monkeypatch):
+    """burst train --seq-len 131072 --cp 2 kept ~14 GiB of activations a rank and was killed for memory on a
+    24 GiB machine after its first validation pass (18 minutes); the estimate counted only each block's input."""
+    tiny = ModelConfig.from_name("tiny")
+    monkeypatch.setattr(preflight, "available_memory_bytes", lambda: 23 * 2**30)
+    monkeypatch.setattr(preflight.torch.cuda, "is_available", lambda: False)
+    config = TrainConfig(seq_len=131072, cp=2)
+    assert preflight.activation_bytes(config, tiny) >= 12 * 2**30  # measured: 28.3 KB a token a block
+    with pytest.raises(ValueError, match=r"2 local ranks on this machine would need at least 2\d\.\d GiB .* use "
+                                         r"--activation-checkpointing selective \(about \d+\.\d GiB"):
+        preflight.check_memory(config, tiny, 2)
+    preflight.check_memory(dataclasses.replace(config, activation_checkpointing="selective"), tiny, 2)  # fits
+    preflight.check_memory(dataclasses.replace(config, activation_checkpointing="full"), tiny, 2)
+    with pytest.raises(ValueError, match=r"but 23\.0 GiB are available; use lower --seq-len"):  # nothing fits
+        preflight.check_memory(dataclasses.replace(config, seq_len=1048576), tiny, 2)
 
 
 def test_more_local_ranks_than_the_machine_can_hold_are_refused_before_any_process_starts(small_store, tmp_path):
