@@ -5,6 +5,10 @@ asked for and the answer's place is known exactly:
 
     [BOS]  intro  filler[:a]  needle  filler[:b]  question  answer
                 <-------- depth * filler --->
+
+The answer's ids are those it has after the question in one text ("... The pass key is 12345"), not the
+passkey encoded alone: a byte-level BPE (LLaMA-3, SmolLM2) gives " 12345" a space token of its own, which a
+model predicts first; the passkey alone starts at its first digit, a continuation no model makes.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ def passkey_sample(tokenizer: Tokenizer, length: int, depth: float, seed: int = 
         raise ValueError(f"depth {depth} must be in [0, 1]: 0 puts the pass key at the start, 1 at the end")
     passkey = str(random.Random(seed).randrange(10 ** (digits - 1), 10**digits))
     intro, needle = tokenizer.encode(INTRO), tokenizer.encode(NEEDLE.format(passkey=passkey))
-    question, answer = tokenizer.encode(QUESTION), tokenizer.encode(passkey)
+    question, answer = tokenizer.encode(QUESTION), answer_after(tokenizer, QUESTION, passkey)
     prefix = [tokenizer.bos_id] if tokenizer.bos_first else []  # as documents are framed (data/tokenizer.py)
     fixed = len(prefix) + len(intro) + len(needle) + len(question) + len(answer)
     filler_tokens = length - fixed
@@ -53,3 +57,12 @@ def passkey_sample(tokenizer: Tokenizer, length: int, depth: float, seed: int = 
               + question + answer)
     return PasskeySample(tokens=tokens, answer_ids=answer, answer_start=length - len(answer), answer_end=length,
                          passkey=passkey, depth=depth)
+
+
+def answer_after(tokenizer: Tokenizer, question: str, answer: str) -> list[int]:
+    """The ids `answer` has when it follows `question` after a space in one text, as a model would write it."""
+    asked, joint = tokenizer.encode(question), tokenizer.encode(f"{question} {answer}")
+    if joint[:len(asked)] != asked:  # the tokenizer merges across the question's end: no place to score from
+        raise ValueError(f"this tokenizer encodes {question!r} differently when {answer!r} follows it, so the "
+                         f"answer's ids cannot be told apart from the question's")
+    return joint[len(asked):]

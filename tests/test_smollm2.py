@@ -110,6 +110,23 @@ def test_documents_are_framed_as_the_models_own_tokenizer_frames_text(smollm2, c
     assert len(sample.tokens) == 512 and sample.tokens[0] != store.bos_id
 
 
+def test_the_passkey_is_scored_as_the_model_writes_it_and_the_model_retrieves_it(smollm2, store):
+    """SmolLM2's byte-level BPE gives " 12345" a space token of its own: the answer scored after "The pass key is"
+    must start with it (the passkey encoded alone starts at its first digit, which no model predicts there, and
+    every sample failed)."""
+    from data.passkey import QUESTION
+    from evaluation.passkey import greedy_answer
+
+    auto = transformers.AutoTokenizer.from_pretrained(smollm2)
+    model = load_for_eval(smollm2).model()
+    for seed in range(3):
+        sample = passkey_sample(store.tokenizer(), SEQ_LEN, 0.5, seed=seed)
+        text_ids = auto(f"{QUESTION} {sample.passkey}")["input_ids"]
+        assert sample.tokens[-len(text_ids):] == text_ids  # the question and answer as one text encodes them
+        assert auto.decode(sample.answer_ids) == f" {sample.passkey}"
+        assert greedy_answer(model, sample) == sample.answer_ids  # the whole model retrieves it at 256 tokens
+
+
 def document_mode(checkpoint: Path, store: TokenStore, cp: int = 1) -> EvalConfig:
     return EvalConfig(checkpoint=checkpoint, data=store.directory, seq_len=SEQ_LEN, batches=2, buckets=4,
                       positions="document", passkey_trials=0, cp=cp)
