@@ -1,4 +1,4 @@
-"""benchmarks/smollm2_extension.py at its --quick size: every variant scored, both training stages run over two
+"""benchmarks/smollm2_extension.py at its quick scale: every variant scored, both training stages run over two
 invocations, everything cached."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from benchmarks.smollm2_extension import QUICK, main
 
 def test_the_extension_benchmark_scores_every_variant_resumes_its_stages_and_reruns_cached(smollm2_2_layers, tmp_path):
     out = tmp_path / "extension"
-    partial = main(["--quick", "--out", str(out), "--stop-after", "1"])  # the stages stop at step 1 of 2
+    partial = main(["--scale", "quick", "--out", str(out), "--stop-after", "1"])  # the stages stop at step 1 of 2
     assert list(partial["variants"]) == ["original", "linear", "dynamic", "yarn", "theta"]
     assert (out / "runs" / "yarn+training" / "checkpoints" / "step-000001").is_dir()
-    summary = main(["--quick", "--out", str(out)])  # the stages continue (--resume) to their last step
+    summary = main(["--scale", "quick", "--out", str(out)])  # the stages continue (--resume) to their last step
     variants = summary["variants"]
     assert list(variants) == ["original", "linear", "dynamic", "yarn", "theta", "yarn+training", "theta+training"]
     for name, figures in variants.items():
@@ -35,5 +35,5 @@ def test_the_extension_benchmark_scores_every_variant_resumes_its_stages_and_rer
 
     evaluations = {path: path.stat().st_mtime_ns for path in out.glob("*-eval.json")}
     assert len(evaluations) == 7
-    assert main(["--quick", "--out", str(out)]) == summary  # nothing run again: every part is cached
+    assert main(["--scale", "quick", "--out", str(out)]) == summary  # nothing run again: every part is cached
     assert {path: path.stat().st_mtime_ns for path in out.glob("*-eval.json")} == evaluations
