@@ -139,7 +139,8 @@ def train(variant: Path, store: Path, out: Path, name: str, scale: Scale, cp: in
     long_enough = f"min_doc={scale.original}"
     settings = ["--data", f"long={store}:0.6:{long_enough}", "--data", f"short={store}:0.4",
                 "--seq-len", scale.extended, "--cp", cp, "--doc-mask", "--steps", scale.steps, "--lr", LR,
-                "--warmup", max(scale.steps // 10, 2), "--checkpoint-every", max(scale.steps // 4, 1),
+                "--warmup", min(max(scale.steps // 10, 2), scale.steps - 1),
+                "--checkpoint-every", max(scale.steps // 4, 1),
                 # 30 layers x 8K tokens a rank keep ~1.3 MB of activations a token without recomputation (~21 GB
                 # over 2 ranks at 16K); selective keeps each block's input and attention output (~0.14 MB)
                 "--activation-checkpointing", "selective",
