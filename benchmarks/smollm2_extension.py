@@ -26,6 +26,7 @@ OUT/smollm2-extension.md and the loss-by-depth plot to OUT/smollm2-extension.png
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shlex
 import subprocess
@@ -68,6 +69,14 @@ CPU = Scale(original=8192, extended=16384, layers=None, documents=2, passkey_len
 QUICK = Scale(original=64, extended=256, layers=2, documents=2, passkey_lengths=(128, 256),
               passkey_depths=(0.0, 1.0), passkey_trials=1, steps=2, sources=60)
 SCALES = {"full": FULL, "cpu": CPU, "quick": QUICK}
+
+
+def describe(scale: Scale) -> str:
+    """One line of --help, read from the scale itself so that it cannot drift from it."""
+    layers = f"{scale.layers} layers" if scale.layers else "the whole model"
+    passkeys = len(scale.passkey_lengths) * len(scale.passkey_depths) * scale.passkey_trials
+    return (f"{layers}, {scale.original:,} -> {scale.extended:,} tokens, {scale.documents} documents, {passkeys} "
+            f"passkeys, {len(scale.trained)} stage(s) of {scale.steps} steps")
 
 
 def burst(*args: object, shown: str | None = None) -> float:
@@ -239,8 +248,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("runs/smollm2-extension"))
     parser.add_argument("--scale", choices=SCALES, default="full",
-                        help="full: 8 documents, 20 passkeys, two 60-step stages; cpu: 2 documents, 4 passkeys, one "
-                        "8-step stage (both the whole model, 8K -> 16K); quick: 2 layers, 64 -> 256 tokens")
+                        help="; ".join(f"{name}: {describe(scale)}" for name, scale in SCALES.items()))
     parser.add_argument("--steps", type=int, help="training steps of each stage (the scale's when not given)")
     parser.add_argument("--cp", type=int, default=2, help="ranks sharing each sequence, in training and eval")
     parser.add_argument("--stop-after", type=int, help="end each training stage's invocation at this step; run the "
@@ -248,7 +256,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     scale = SCALES[args.scale]
     if args.steps:
-        scale = Scale(**{**scale.__dict__, "steps": args.steps})
+        scale = dataclasses.replace(scale, steps=args.steps)
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     model = truncated_dir(scale.layers) if scale.layers else smollm2_dir()
