@@ -116,7 +116,10 @@ class _HashingFileSystem(FileSystem):
                 yield stream
                 return
             hashing = _HashingStream(stream)
-            yield hashing
+            try:
+                yield hashing
+            finally:
+                hashing.close()  # while its file is open: left to the finaliser, close() flushes a closed file
         self.digests[Path(path).name] = hashing.sha256.hexdigest()
 
 
