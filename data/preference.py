@@ -13,7 +13,8 @@ A row that is not a pair is left out whole and counted by kind in the Preference
 no `prompt`, `chosen` or `rejected` (missing_fields); a prompt or answer that is neither a string nor a list of
 messages with string roles and contents, or an answer list without an assistant turn (malformed_messages); an
 answer with no text (empty_answers); two answers with the same ids, which say nothing of a preference
-(identical_answers); a template that raises on it (template_errors); the prompt split (split_prompts).
+(identical_answers); whatever the template cannot render as `--chat` counts it (data/chat.py's ConversationRefused:
+template_errors, unplaced_answers, unsupported_tool_calls, no_answer); the prompt split (split_prompts).
 """
 
 from __future__ import annotations
@@ -25,14 +26,15 @@ from typing import Any
 
 import numpy as np
 
-from data.chat import ChatFormat, ChatTemplateError, Rendered
+from data.chat import ChatFormat, ConversationRefused, Rendered
 from data.sources import DocumentReader, InputReport, kind_of, row_place
 from data.store import StoreWriter
 
 FIELDS = ("prompt", "chosen", "rejected")
 ASSISTANT = "assistant"
 PREFERENCE_PROBLEMS = ("skipped_files", "unreadable_files", "invalid_json", "invalid_utf8", "missing_fields",
-                       "malformed_messages", "empty_answers", "identical_answers", "template_errors", "split_prompts")
+                       "malformed_messages", "empty_answers", "identical_answers", "template_errors",
+                       "unplaced_answers", "unsupported_tool_calls", "no_answer", "split_prompts")
 
 
 @dataclass
@@ -120,8 +122,8 @@ class PreferenceReader(DocumentReader):
                 rendered = Rendered(*self.chat.render_text(prompt, add_generation_prompt=True))
                 pair = PairRow(rendered, self.chat.render(prompt + chosen), self.chat.render(prompt + rejected),
                                file, number, where)
-            except ChatTemplateError as err:
-                self.report.count("template_errors", f"{where}: {err}")
+            except ConversationRefused as err:  # one row the template cannot render: the read goes on
+                self.report.count(err.problem, f"{where}: {err}")
                 continue
             yield pair
 

@@ -168,3 +168,49 @@ def test_the_sequence_is_the_same_torch_tensor_on_every_cp_rank(pair_store):
     assert torch.equal(shards[0].pair_documents, shards[1].pair_documents)
     tags = torch.cat([s.answers.flatten() for s in shards])
     assert set(tags[tags >= 0].tolist()) == set(range(2 * shards[0].num_pairs))
+
+
+@pytest.mark.parametrize("row, problem", [
+    ({"prompt": "What is the weather?",
+      "chosen": [{"role": "assistant", "content": "Let me look.",
+                  "tool_calls": [{"type": "function", "function": {"name": "weather", "arguments": {}}}]}],
+      "rejected": "It rains."}, "unsupported_tool_calls"),
+    ({"prompt": [{"role": "assistant", "content": "I speak first."}, {"role": "user", "content": "ok"}],
+      "chosen": "Good.", "rejected": "Bad."}, "unplaced_answers"),
+], ids=["tool_calls_the_template_never_reads", "assistant_first_under_a_default_system_prompt"])
+def test_one_pair_the_template_cannot_render_is_counted_and_the_read_goes_on(tmp_path, row, problem):
+    """Issue 35, defect 1: such a row ended its file's read, every later pair dropped, the file counted unreadable."""
+    directory = chat_tokenizer(tmp_path / "tok", CHATML_SPECIALS, CHATML_TEMPLATE)
+    good = preference_rows(4)
+    first = write_rows(tmp_path / "good_bad_good.jsonl", [good[0], row, good[1]])
+    more = write_rows(tmp_path / "more.jsonl", good[2:])
+    summary = prepare([first, more], tmp_path / "store", tokenizer=directory, val_fraction=0, preference=True,
+                      progress=False)
+    assert {name: count for name, count in summary.report.problems().items() if count} == {problem: 1}
+    assert summary.report.examples[problem][0].startswith(f"{first}:2: ")
+    store = TokenStore(tmp_path / "store")
+    assert [store.place(i) for i in range(store.num_documents)] == [f"{first}:1", f"{first}:3", f"{more}:1",
+                                                                    f"{more}:2"]
+    assert store.metadata["input_report"][problem] == 1
+
+
+def test_a_pair_that_is_not_utf8_is_left_out_whole(tmp_path):
+    """Issue 35, defect 2: such a row was counted as invalid UTF-8 and also stored, with U+FFFD in its text."""
+    directory = chat_tokenizer(tmp_path / "tok", CHATML_SPECIALS, CHATML_TEMPLATE)
+    good = preference_rows(3)
+    path = tmp_path / "pairs.jsonl"
+    with open(path, "wb") as f:
+        f.write(json.dumps(good[0]).encode() + b"\n")
+        f.write(b'{"prompt": "caf\xe9?", "chosen": "Yes.", "rejected": "No."}\n')  # Latin-1, not UTF-8
+        f.write(json.dumps(good[1]).encode() + b"\n")
+        f.write(b'{"prompt": "half \\ud800 a pair", "chosen": "Yes.", "rejected": "No."}\n')  # a lone surrogate
+        f.write(json.dumps(good[2]).encode() + b"\n")
+    summary = prepare([path], tmp_path / "store", tokenizer=directory, val_fraction=0, preference=True,
+                      progress=False)
+    problems = {name: count for name, count in summary.report.problems().items() if count}
+    assert problems == {"invalid_utf8": 2}
+    assert summary.num_documents + sum(problems.values()) == 5  # every row read is a pair or a problem
+    store = TokenStore(tmp_path / "store")
+    assert [store.place(i) for i in range(store.num_documents)] == [f"{path}:1", f"{path}:3", f"{path}:5"]
+    tokenizer = load_tokenizer(directory)
+    assert not any("\ufffd" in tokenizer.decode(store.document(i)) for i in range(store.num_documents))
