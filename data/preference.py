@@ -93,6 +93,8 @@ def messages_of(row: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]], l
 class PreferenceReader(DocumentReader):
     """Reads the pairs of `files` in order, each rendered with `chat`, counting bad rows in `report`."""
 
+    keeps_invalid_utf8 = False  # a pair with bad bytes is left out whole
+
     def __init__(self, files: list[Path], report: PreferenceReport, chat: ChatFormat) -> None:
         super().__init__(files, report)
         self.chat = chat

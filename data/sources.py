@@ -162,6 +162,10 @@ class DocumentReader:
     training a tokenizer needs). `bytes_read` follows the position on disk, for a progress bar.
     """
 
+    # A row that is not UTF-8 is kept with U+FFFD where its bad bytes were (a document, a conversation), or left
+    # out whole (a preference pair: a replaced character in one answer alone would be a preference to learn).
+    keeps_invalid_utf8 = True
+
     def __init__(self, files: Sequence[Path], report: InputReport, text_field: str = "text") -> None:
         self.files, self.report, self.text_field = list(files), report, text_field
         self.bytes_read = 0
@@ -261,12 +265,16 @@ class DocumentReader:
 
     def _parse_row(self, line: bytes, first: bool, where: str) -> Any:
         """The row a JSON Lines line holds, or _INVALID (counted): not JSON, or nested past what Python's parser
-        can follow. A UTF-8 byte order mark before the first row is not part of it; a lone surrogate escape
-        ("\\ud800", which no UTF-8 text can hold) is replaced with U+FFFD and counted as invalid UTF-8."""
+        can follow. A UTF-8 byte order mark before the first row is not part of it; bytes that are not UTF-8, or
+        a lone surrogate escape ("\\ud800", which no UTF-8 text can hold), are counted as invalid UTF-8 and
+        replaced with U+FFFD, or the row is _INVALID where the reader does not keep such rows."""
         if first and line.startswith(codecs.BOM_UTF8):
             line = line[len(codecs.BOM_UTF8):]
         try:
-            row = json.loads(self._decode(line, where))
+            text = self._decode(line, where)
+            if text is None:
+                return _INVALID
+            row = json.loads(text)
         except json.JSONDecodeError:
             self.report.count("invalid_json", where)
             return _INVALID
@@ -277,6 +285,8 @@ class DocumentReader:
             row, replaced = _without_surrogates(row)
             if replaced:
                 self.report.count("invalid_utf8", f"{where} (a lone surrogate escape)")
+                if not self.keeps_invalid_utf8:
+                    return _INVALID
         return row
 
     def _parquet(self, path: Path, size: int) -> Iterator[tuple[str, bool]]:
@@ -309,12 +319,13 @@ class DocumentReader:
                 yield row, row_number
             self.bytes_read = start + size * row_number // rows
 
-    def _decode(self, data: bytes, where: str) -> str:
+    def _decode(self, data: bytes, where: str) -> str | None:
+        """`data` as text; not UTF-8, counted, then replaced with U+FFFD, or None where such rows are left out."""
         try:
             return data.decode("utf-8")
         except UnicodeDecodeError:
             self.report.count("invalid_utf8", where)
-            return data.decode("utf-8", errors="replace")
+            return data.decode("utf-8", errors="replace") if self.keeps_invalid_utf8 else None
 
     def _accept(self, text: str, where: str) -> Iterator[tuple[str, bool]]:
         if not text or text.isspace():
