@@ -22,7 +22,7 @@ from models.preference import OBJECTIVES
 from tests.distributed import run_on_ranks
 from tests.test_chat import CHATML_SPECIALS, CHATML_TEMPLATE, chat_tokenizer, write_rows
 from tests.test_instruction_training import hf_model, model_config
-from tests.test_train import burst_train, metrics
+from tests.test_train import burst_train, burst_train_together, events, metrics
 from trainer.config import TrainConfig
 from trainer.distributed import Distributed
 from trainer.parallelize import build_model, end_forward_only
@@ -200,6 +200,43 @@ def test_dpo_from_its_own_reference_starts_at_ln2_and_resumes_with_it(pair_store
         assert two[key] == pytest.approx(one[key], abs=1e-5)  # the pairs summed over the ranks
     assert one["rewards/margins"] == 0 and one["rewards/accuracies"] == 0  # the model is its own reference
     assert "rewards/accuracies" in " ".join(evaluated[0].stdout.split())
+
+
+def test_a_damaged_or_foreign_reference_is_refused_on_resume_in_one_line(pair_store, tmp_path):
+    """Issue 35, defects 3 and 7: a truncated reference_logps.npz gave a BadZipFile traceback on --resume; one from
+    a run that started from other weights (another --seed) was read silently; the pass had no line of its own."""
+    common = ("--model", "debug", "--data", pair_store, "--seq-len", SEQ_LEN, "--batch-size", 2, "--steps", 3,
+              "--lr", 0.01, "--warmup", 1, "--precision", "fp32", "--doc-mask", "--objective", "dpo",
+              "--stop-after", 1)
+    runs = [burst_train_together((*common, "--out", tmp_path / "own"), (*common, "--seed", 1, "--out",
+                                                                        tmp_path / "other"))]
+    for done in runs[0]:
+        assert done.returncode == 0, done.stderr[-3000:]
+    own, other = tmp_path / "own" / "reference_logps.npz", tmp_path / "other" / "reference_logps.npz"
+    [started] = events(tmp_path / "own", "reference")
+    assert started["pairs"] > 0 and started["seconds"] > 0 and len(started["weights"]) == 64
+    [ready] = events(tmp_path / "own", "model_ready")
+    rows = events(tmp_path / "own", None)
+    assert rows.index(ready) < rows.index(started)  # the pass is not counted in the start-up's time
+    assert "reference log-probabilities" in runs[0][0].stdout
+
+    saved = own.read_bytes()
+    own.write_bytes(saved[:len(saved) // 2])
+    done = burst_train("--resume", "--out", tmp_path / "own")
+    output = " ".join(done.stderr.split())
+    assert done.returncode == 2 and "Traceback" not in output, output[-3000:]
+    assert "reference_logps.npz is damaged" in output and "start a new run" in output
+
+    own.write_bytes(other.read_bytes())
+    done = burst_train("--resume", "--out", tmp_path / "own")
+    output = " ".join(done.stderr.split())
+    assert done.returncode == 2 and "Traceback" not in output, output[-3000:]
+    assert "other starting weights" in output and started["weights"][:12] in output
+
+    own.write_bytes(saved)
+    done = burst_train("--resume", "--out", tmp_path / "own", "--stop-after", 2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [row["step"] for row in metrics(tmp_path / "own")] == [1, 2]
 
 
 def burst_eval(*args: object) -> subprocess.CompletedProcess:

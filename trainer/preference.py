@@ -12,25 +12,33 @@ divided by that global count, and FSDP sums the shares (trainer/parallelize.py),
 
 The reference model's log-probabilities (DPO, IPO) are computed once, before the first step, with the starting
 weights (--model DIR, --init-from RUN, or the seed's): one pass over the training pairs, packed as training packs
-them (epoch 0 holds every pair once), saved in the run directory as reference_logps.npz. A resumed run reads it
-back; training holds one model.
+them (epoch 0 holds every pair once), saved in the run directory as reference_logps.npz with the SHA-256 of the
+weights it was computed from; the run's "reference" event records the same digest and the pass's time. A resumed
+run reads the file back and refuses one that is damaged or from other starting weights (its own weights have
+trained since, so neither can be computed again); training holds one model.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import time
+import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor
 
 from data import Batch, SequenceLoader, TokenStore
 from data.mixture import Source
 from models import Transformer
 from models.preference import NEEDS_REFERENCE, OBJECTIVES, pair_losses, summed
 from runtime.process import all_reduce
+from trainer.checkpoint import metrics_rows
 from trainer.config import TrainConfig
 from trainer.distributed import Distributed
 from trainer.parallelize import end_forward_only, mark_documents_dynamic
@@ -152,9 +160,11 @@ def missing_reference(path: Path) -> str:
 
 
 @torch.no_grad()
-def compute_reference(model: Transformer, store: TokenStore, config: TrainConfig, env: Distributed) -> np.ndarray:
+def compute_reference(model: Transformer, store: TokenStore, config: TrainConfig, env: Distributed,
+                      progress: Callable[[int, int], None] = lambda done, total: None) -> np.ndarray:
     """float64 [pairs, 2]: `model`'s logps of every pair of `store` (a split view), packed as training packs them;
-    the dp ranks share the sequences of one epoch, the cp ranks split each."""
+    the dp ranks share the sequences of one epoch, the cp ranks split each. `progress(done, total)` hears of each
+    step of this rank's."""
     loader = SequenceLoader(store, config.seq_len, 1, dp_rank=env.dp_rank, dp_size=config.dp, cp_rank=env.cp_rank,
                             cp_size=config.cp, seed=config.seed, reset_positions=True,
                             cp_layout=config.sequence_layout, long_conversations=config.long_conversations,
@@ -164,36 +174,91 @@ def compute_reference(model: Transformer, store: TokenStore, config: TrainConfig
     seen = torch.zeros(store.num_documents, 1, dtype=torch.float64, device=env.device)
     was_training = model.training
     model.eval()
-    for _ in range(math.ceil(sequences / config.dp)):  # every rank takes as many steps (the last may repeat pairs)
+    steps = math.ceil(sequences / config.dp)
+    progress(0, steps)
+    for step in range(steps):  # every rank takes as many steps (the last may repeat pairs)
         batch = next(loader)
         logps, _ = batch_logps(model, batch, config, env)
         documents = batch.pair_documents.to(env.device)
         sums.index_add_(0, documents, logps.detach().double().view(-1, 2))
         seen.index_add_(0, documents, torch.ones(len(documents), 1, dtype=torch.float64, device=env.device))
+        progress(step + 1, steps)
     model.train(was_training)
     end_forward_only(model)
     sums, seen = all_reduce(sums), all_reduce(seen)  # each pair once per cp rank (and twice where repeated)
     return (sums / seen).cpu().numpy()
 
 
+def starting_weights_digest(model: Transformer) -> str:
+    """The SHA-256 of `model`'s whole weights (each tensor's dtype, shape and bytes, in order; names vary with the
+    recomputation's wrappers), the same on every rank and layout: each sharded one is gathered in turn, so every
+    rank calls this."""
+    digest = hashlib.sha256()
+    for tensor in model.state_dict().values():
+        tensor = (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().cpu().contiguous()
+        digest.update(f"{tensor.dtype} {tuple(tensor.shape)}\n".encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def recorded_weights(run: Path) -> str | None:
+    """The digest of the weights `run` computed its reference from, as its "reference" event recorded it."""
+    digests = [row["weights"] for row in map(json.loads, metrics_rows(run)) if row.get("event") == "reference"]
+    return digests[0] if digests else None
+
+
+def _read_reference(path: Path) -> tuple[dict, np.ndarray] | None:
+    """The identity and logps a saved reference holds; None when the file is damaged (cut short, not an npz)."""
+    try:
+        with np.load(path) as saved:
+            return json.loads(str(saved["identity"])), saved["logps"]
+    except (zipfile.BadZipFile, EOFError, OSError, ValueError, KeyError):
+        return None
+
+
 def load_or_compute_reference(run: Path, model: Transformer, store: TokenStore, config: TrainConfig,
-                              env: Distributed, resumed: bool, log=print) -> Reference:
-    """The run's saved reference, or (a run that has not trained yet) computed now and saved by rank 0."""
+                              env: Distributed, resumed: bool, metrics=None) -> Reference:
+    """The run's saved reference, or (a run that has not trained yet) computed now and saved by rank 0, with its
+    progress and its "reference" event (its time, the starting weights' digest) in `metrics` (rank 0's)."""
     path = run / REFERENCE_FILE
-    wanted = identity(store, config)
-    if path.is_file():
-        saved = np.load(path)
-        if json.loads(str(saved["identity"])) == wanted:
-            return Reference(saved["logps"])
-        if resumed:
-            raise ValueError(f"{path} holds the reference log-probabilities of other pairs or another packing than "
-                             f"this run's ({json.loads(str(saved['identity']))} against {wanted}); start a new run")
-    elif resumed:
-        raise ValueError(missing_reference(path))
-    log(f"reference log-probabilities: one pass over {store.num_documents:,} training pairs with the starting weights")
-    logps = compute_reference(model, store, config, env)
+    if resumed:
+        return Reference(_resumed_reference(path, identity(store, config), recorded_weights(run)))
+    started = time.perf_counter()
+    wanted = {**identity(store, config), "weights": starting_weights_digest(model)}
+    saved = _read_reference(path) if path.is_file() else None
+    if saved is not None and saved[0] == wanted:
+        return Reference(saved[1])
+    if metrics is not None:
+        metrics.message(f"reference log-probabilities: one pass over {store.num_documents:,} training pairs with the "
+                        f"starting weights")
+    logps = compute_reference(model, store, config, env,
+                              lambda done, total: metrics.progress("reference", done, total) if metrics else None)
     if env.is_main:
         temporary = path.with_name(path.name + ".tmp.npz")
         np.savez(temporary, logps=logps, identity=json.dumps(wanted))
         temporary.replace(path)  # whole or not at all
+    if metrics is not None:
+        seconds = time.perf_counter() - started
+        metrics.event("reference", {"pairs": store.num_documents, "seconds": seconds, "weights": wanted["weights"]},
+                      f"reference ready: {store.num_documents:,} pairs, {seconds:.1f} s")
     return Reference(logps)
+
+
+def _resumed_reference(path: Path, wanted: dict, weights: str | None) -> np.ndarray:
+    """A resumed run's reference logps, refused (one line) when gone, damaged, of other pairs or packing, or from
+    other weights than the run started from (`weights`, None when the run recorded none)."""
+    if not path.is_file():
+        raise ValueError(missing_reference(path))
+    cannot_recompute = (f"the weights have trained since, so it cannot be computed again: put back this run's own "
+                        f"{path.name}, or start a new run (--init-from {path.parent} to keep its weights)")
+    saved = _read_reference(path)
+    if saved is None:
+        raise ValueError(f"{path} is damaged (cut short, or not a reference file); {cannot_recompute}")
+    found, logps = saved
+    if weights is not None and found.get("weights") != weights:
+        raise ValueError(f"{path} was computed from other starting weights ({str(found.get('weights'))[:12]}...) "
+                         f"than this run's ({weights[:12]}...), e.g. another --seed; {cannot_recompute}")
+    if {key: found.get(key) for key in wanted} != wanted:
+        raise ValueError(f"{path} holds the reference log-probabilities of other pairs or another packing than this "
+                         f"run's ({found} against {wanted}); {cannot_recompute}")
+    return logps

@@ -145,15 +145,14 @@ class Trainer:
         self.check_starting_weights()
         if self.env.is_main:
             self.record()
-        if needs_reference(self.config):
-            self.reference = load_or_compute_reference(
-                self.out, self.model, self.store, self.config, self.env, resumed=plan.resume_from is not None,
-                log=self.metrics.message if self.metrics is not None else lambda _: None)
         if self.metrics is not None and plan.init_from is not None:
             self.metrics.event("initialised", {"from": str(plan.init_from), "optimizer": self.config.init_optimizer},
                                f"initialised from {plan.init_from}"
                                + (" (weights and optimizer state)" if self.config.init_optimizer else " (weights)"))
         self.report_model_ready()
+        if needs_reference(self.config):  # after the start-up's report: the pass has its own progress and event
+            self.reference = load_or_compute_reference(self.out, self.model, self.store, self.config, self.env,
+                                                       resumed=plan.resume_from is not None, metrics=self.metrics)
         self.report_conversations()
         if self.metrics is not None:
             self.metrics.event("validation_plan", self.validator.plan_values(), self.validator.plan())
