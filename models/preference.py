@@ -20,6 +20,7 @@ sums them over the cp group (before any nonlinearity: `summed`, given the group'
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -30,6 +31,45 @@ from models.loss import chunked_token_losses
 
 OBJECTIVES = ("dpo", "ipo", "simpo", "orpo")
 NEEDS_REFERENCE = ("dpo", "ipo")
+# Each objective's --beta that can train, and why: outside, every step is skipped (a gradient norm of inf) or
+# no weight moves. orpo's beta only scales the rewards it logs.
+BETA_RANGES = {
+    "dpo": (1e-3, 1e3, "beta scales the log-ratio margin and its gradient: below 0.001 the gradient falls under "
+                       "AdamW's epsilon and no weight moves, above 1,000 the sigmoid saturates and the gradient "
+                       "overflows"),
+    "ipo": (1e-3, 1e3, "IPO's target margin is 1/(2 beta) nats per token: below 0.001 it is above 500, which no "
+                       "log-probability reaches, and its square overflows; above 1,000 it is 0"),
+    "simpo": (1e-3, 1e3, "beta scales the averaged margin and its gradient: below 0.001 no weight moves, above "
+                         "1,000 the sigmoid saturates and the gradient overflows"),
+}
+SIMPO_MARGIN_MAX = 100.0  # gamma / beta, nats per token: no model's averaged log-probabilities differ by more
+ORPO_LAMBDA_MAX = 100.0
+
+
+def check_settings(objective: str, beta: float, simpo_gamma: float, orpo_lambda: float) -> None:
+    """Refuse, naming the flag, a preference setting that cannot train `objective` (each setting's sign and
+    finiteness whatever the objective)."""
+    if not (math.isfinite(beta) and beta > 0):
+        raise ValueError(f"--beta {beta:g} must be a finite number above 0 (0.1 is TRL's default)")
+    if not (math.isfinite(simpo_gamma) and simpo_gamma >= 0):
+        raise ValueError(f"--simpo-gamma {simpo_gamma:g} must be a finite number, at least 0: SimPO's target reward "
+                         f"margin (0.5 is TRL's default)")
+    if not (math.isfinite(orpo_lambda) and orpo_lambda >= 0):
+        raise ValueError(f"--orpo-lambda {orpo_lambda:g} must be a finite number, at least 0: the weight of ORPO's "
+                         f"odds-ratio term (0.1 is TRL's default)")
+    if objective in BETA_RANGES:
+        low, high, why = BETA_RANGES[objective]
+        if not low <= beta <= high:
+            raise ValueError(f"--beta {beta:g} cannot train --objective {objective}: it must lie in [{low:g}, "
+                             f"{high:g}] ({why})")
+    if objective == "simpo" and simpo_gamma > SIMPO_MARGIN_MAX * beta:
+        raise ValueError(f"--simpo-gamma {simpo_gamma:g} asks for a margin of gamma / beta = {simpo_gamma / beta:g} "
+                         f"nats per token, above {SIMPO_MARGIN_MAX:g}, which no model's averaged log-probabilities "
+                         f"reach: the loss stays about gamma; use at most {SIMPO_MARGIN_MAX:g} x --beta (SimPO uses "
+                         f"gamma / beta of 0.3 to 1.6)")
+    if objective == "orpo" and orpo_lambda > ORPO_LAMBDA_MAX:
+        raise ValueError(f"--orpo-lambda {orpo_lambda:g} is above {ORPO_LAMBDA_MAX:g}: the chosen answer's NLL, which "
+                         f"keeps it likely, would be lost beside the odds-ratio term (ORPO uses 0.1 to 1)")
 
 
 @dataclass

@@ -239,6 +239,26 @@ def test_a_damaged_or_foreign_reference_is_refused_on_resume_in_one_line(pair_st
     assert [row["step"] for row in metrics(tmp_path / "own")] == [1, 2]
 
 
+@pytest.mark.parametrize("objective, settings, message", [
+    ("dpo", dict(beta=1e30), "--beta 1e+30 cannot train --objective dpo: it must lie in [0.001, 1000]"),
+    ("ipo", dict(beta=1e-30), "--beta 1e-30 cannot train --objective ipo: it must lie in [0.001, 1000] (IPO's target"),
+    ("simpo", dict(simpo_gamma=1e9), "--simpo-gamma 1e+09 asks for a margin of gamma / beta = 1e+10 nats per token"),
+    ("orpo", dict(orpo_lambda=1e9), "--orpo-lambda 1e+09 is above 100"),
+    ("simpo", dict(simpo_gamma=-1), "--simpo-gamma -1 must be a finite number, at least 0: SimPO's target"),
+    ("orpo", dict(orpo_lambda=-1), "--orpo-lambda -1 must be a finite number, at least 0: the weight of ORPO's"),
+    ("dpo", dict(beta=0), "--beta 0 must be a finite number above 0"),
+])
+def test_preference_settings_that_cannot_train_are_refused_naming_their_flag(objective, settings, message):
+    """Issue 35, defects 6 and 9: such values skipped every step (or trained at a loss of 1e9) and exited 0; a
+    negative gamma or lambda was refused with a message about --beta."""
+    with pytest.raises(ValueError) as refused:
+        TrainConfig(model="debug", objective=objective, doc_mask=True, **settings)
+    assert message in str(refused.value)
+    if "beta" not in settings:
+        assert "--beta" not in str(refused.value).split(":")[0]
+    TrainConfig(model="debug", objective=objective, doc_mask=True)  # the defaults train
+
+
 def burst_eval(*args: object) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "cli", "eval", "--passkey-trials", "0", *map(str, args)],
                           capture_output=True, text=True, timeout=600, cwd=Path(__file__).parents[1])

@@ -135,6 +135,23 @@ def test_non_finite_steps_are_skipped_and_end_the_run_with_a_message(store, tmp_
     assert [r["skipped"] for r in rows] == [False, False, True, True, True]
 
 
+def test_a_run_in_which_no_step_was_applied_says_so_and_fails(store, tmp_path, monkeypatch):
+    """Issue 35, defect 6: every step skipped (fewer than --max-bad-steps) printed "done: 2 steps ... training loss"
+    and exited 0."""
+    import trainer.step
+
+    forward_backward = trainer.step.forward_backward
+    monkeypatch.setattr(trainer.step, "forward_backward", lambda *args: forward_backward(*args) * math.inf)
+    out = tmp_path / "run"
+    done = CliRunner().invoke(app, ["train", "--model", "debug", "--data", str(store), "--seq-len", "256", "--steps",
+                                    "2", "--precision", "fp32", "--out", str(out)])
+    assert done.exit_code == 1, done.output
+    output = " ".join(done.output.split())
+    assert "no step of this invocation was applied" in output and "2 steps" in output, output[-2000:]
+    assert "done:" not in output and "Traceback" not in output
+    assert [r["skipped"] for r in metrics(out)] == [True, True]
+
+
 def checkpoint_dir(path: Path, vocab_size: int, tokenizer: Path | None = None) -> Path:
     config = ModelConfig(**{**ModelConfig.from_name("debug").to_dict(), "vocab_size": vocab_size})
     save_model(Transformer(config), config, path)

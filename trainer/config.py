@@ -216,13 +216,10 @@ class TrainConfig:
             # seq_len stands in for it here, where everything else about the flag is checked.
             parse_rope_scaling(self.rope_scaling, "--rope-scaling", original_length=self.seq_len)
         check_policy(self.long_conversations)
-        from models.preference import OBJECTIVES
+        from models.preference import OBJECTIVES, check_settings
         if self.objective not in ("nll", *OBJECTIVES):
             raise ValueError(f"--objective {self.objective!r} is not one of nll, {', '.join(OBJECTIVES)}")
-        for name in ("beta", "simpo_gamma", "orpo_lambda"):
-            if not math.isfinite(getattr(self, name)) or getattr(self, name) < 0 or name == "beta" and not self.beta:
-                raise ValueError(f"{flag(name)} {getattr(self, name)} must be a finite number, above 0 for --beta "
-                                 f"(0.1 is TRL's default), at least 0 otherwise")
+        check_settings(self.objective, self.beta, self.simpo_gamma, self.orpo_lambda)
         check_backward_mode(self.attention_backward, "--attention-backward")
         check_topology(self.cp_topology, "--cp-topology")
         if self.cp_layout != "auto":

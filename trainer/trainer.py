@@ -104,6 +104,7 @@ class Trainer:
         self.val_losses: list[tuple[int, ValidationResult]] = []  # (step, validation) of this invocation
         self.losses: list[float] = []  # training losses of this invocation's steps that scored a token
         self.unscored_steps = 0  # this invocation's steps skipped for scoring no token
+        self.steps_taken = self.steps_applied = 0  # this invocation's steps, and those that changed the weights
         self.last_step = min(config.steps, config.stop_after or config.steps)
         self.conversations = [(source.spec.name, stream) for source, stream in
                               zip(self.sources, self.loader.streams, strict=True) if source.store.is_conversations]
@@ -295,6 +296,8 @@ class Trainer:
             self.unscored_steps += 1
         state.step += 1
         state.tokens += config.tokens_per_step
+        self.steps_taken += 1
+        self.steps_applied += result.applied
         if result.applied or result.skip_reason == NON_FINITE:  # a step that scored no token is neither
             state.bad_steps = 0 if result.applied else state.bad_steps + 1
         step_time = time.perf_counter() - step_started
@@ -368,6 +371,11 @@ class Trainer:
         self.saver.wait()
         self.agreed_signal(None)  # the final save complete on every rank, or TrainingStopped on every rank
         path = self.saver.newest
+        if stop_reason is None and self.steps_taken and not self.steps_applied:
+            stop_reason = (f"no step of this invocation was applied: all {self.steps_taken} steps were skipped (a "
+                           f"non-finite loss or gradient norm, or no token scored), so the weights did not change. "
+                           f"Try a lower --lr or a longer --warmup" + (f", or another --beta (now {self.config.beta:g})"
+                                                                      if self.config.objective != "nll" else ""))
         if stop_reason is not None:
             raise TrainingStopped(f"{stop_reason}. The weights of the last applied step, checked finite, are saved "
                                   f"in {path}")
