@@ -72,20 +72,41 @@ def test_a_pass_longer_than_the_split_scores_it_whole_once_and_names_the_sources
     [plan] = events(out, "validation_plan")
     assert plan == {"event": "validation_plan", "sequences": 1, "seq_len": 2048, "val_tokens": 2 * 2048,
                     "forward_tokens": 2048, "step_tokens": 2048, "split_tokens": val.num_tokens,
-                    "whole_split": True, "left_out": ["unsplit"]}
+                    "scored_tokens": val.num_tokens + val.num_documents, "whole_split": True, "left_out": ["unsplit"]}
     rows = events(out, "validation")
     assert [r["at_step"] for r in rows] == [0, 1]
     for row in rows:  # the old --val-sequences 8 scored 8 x 2048 tokens of a split of 1,313, over and over
         assert row["held_out_tokens"] == val.num_tokens + val.num_documents and row["sequences"] == 1
         assert row["left_out"] == ["unsplit"]
     output = " ".join(done.output.split())
-    assert (f"validation: the whole validation split ({val.num_tokens:,} tokens) per pass, 1 sequence of 2,048 "
-            f"tokens forward only: 100% of a step's tokens, about 33% of a step's time; left out, having no "
-            f"validation split: unsplit") in output
-    assert output.index("validation: the whole") < output.index("validation loss")
-    tokens = f"{val.num_tokens + val.num_documents:,}"
+    tokens = f"{val.num_tokens + val.num_documents:,}"  # issue 35, defect 4: the plan counted val.num_tokens
+    assert (f"validation: {tokens} held-out tokens scored (all the validation split fills; it holds "
+            f"{val.num_tokens:,}) per pass, 1 sequence of 2,048 tokens forward only: 100% of a step's tokens, about "
+            f"33% of a step's time; left out, having no validation split: unsplit") in output
+    assert output.index(f"validation: {tokens} held-out") < output.index("validation loss")
     assert f"at step 0 over {tokens} held-out tokens (1 sequence," in output
     assert f"(step 1) over {tokens} held-out tokens; training loss" in output
+
+
+def test_the_plan_counts_the_tokens_each_pass_of_a_mixture_scores(store, tmp_path):  # noqa: F811
+    """Issue 35, defect 4: with a mixture and --val-tokens above the splits, the plan said "the whole validation
+    split (70,053 tokens)" while each pass scored 39,363 (a small split cannot fill its share of sequences)."""
+    (tmp_path / "docs").mkdir()
+    rng = random.Random(2)
+    for i in range(4):
+        (tmp_path / "docs" / f"doc{i}.py").write_text(make_text(rng, 40))
+    prepare([tmp_path / "docs"], tmp_path / "small", tokenizer=store, val_fraction=0.5, progress=False)
+    out = tmp_path / "run"
+    done = CliRunner().invoke(app, ["train", *DEBUG, "--data", f"main={store}:0.2", "--data",
+                                    f"small={tmp_path / 'small'}:0.8", "--seq-len", "128", "--val-tokens", "100000",
+                                    "--out", str(out)])
+    assert done.exit_code == 0, done.output
+    [plan] = events(out, "validation_plan")
+    passes = events(out, "validation")
+    assert [row["held_out_tokens"] for row in passes] == [plan["scored_tokens"]] * 2 and plan["whole_split"]
+    output = " ".join(done.output.split())
+    assert f"validation: {plan['scored_tokens']:,} held-out tokens scored" in output
+    assert f"over {plan['scored_tokens']:,} held-out tokens" in output
 
 
 def test_a_budget_takes_whole_sequences_and_shows_progress_lines(store, tmp_path):  # noqa: F811
@@ -96,9 +117,10 @@ def test_a_budget_takes_whole_sequences_and_shows_progress_lines(store, tmp_path
     [plan] = events(out, "validation_plan")
     assert plan["sequences"] == 3 and not plan["whole_split"] and plan["forward_tokens"] == 384
     [first, last] = events(out, "validation")
-    assert 300 - 3 <= first["held_out_tokens"] == last["held_out_tokens"] <= 384  # BOS are never labels
+    assert 300 - 3 <= first["held_out_tokens"] == last["held_out_tokens"] == plan["scored_tokens"] <= 384
     output = " ".join(done.output.split())
-    assert "validation: 300 held-out tokens (--val-tokens) of the validation split's" in output
+    assert (f"validation: {first['held_out_tokens']} held-out tokens scored (--val-tokens 300; the validation split "
+            f"holds") in output
     assert "3 sequences of 128 tokens forward only: 3.0 steps' tokens, about 100% of a step's time" in output
     lines = done.output.splitlines()
     # 3 sequences x 2 blocks of the debug model: a line at each quarter of the 6 blocks' forwards, in each pass

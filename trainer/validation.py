@@ -8,7 +8,9 @@ ranks split each one, and the loss is the mean over every scored token.
 
 A pass is sized in tokens, --val-tokens (its default: trainer/config.py), rounded up to whole sequences, as
 many for every dp rank, and no more sequences than the splits fill: a token is scored at most once per pass
-(what a sequence holds past its source's split is input only), however long the sequences.
+(what a sequence holds past its source's split is input only), however long the sequences. The plan said before
+the first pass counts the tokens a pass scores by packing its sequences (no model), from the same batches the
+pass scores, so the plan and each result name the same figure.
 """
 
 from __future__ import annotations
@@ -16,13 +18,13 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from data import SequenceLoader
+from data import Batch, SequenceLoader
 from data.mixture import Source
 from runtime.process import all_reduce
 from trainer.config import TrainConfig
@@ -60,6 +62,10 @@ class Validator:
         self.whole_split = 0 < available <= wanted
         self.per_rank = math.ceil(min(wanted, available) / config.dp)
         self.sequences = self.per_rank * config.dp  # every dp rank scores as many
+        # What a pass scores, over all ranks: a small source's split may fill fewer sequences than its share.
+        scored = torch.tensor(float(sum(batch.num_tokens for batch in self._batches())), dtype=torch.float64,
+                              device=env.device)
+        self.scored_tokens = int(all_reduce(scored).item()) if self.sequences else 0
 
     def _loader(self) -> SequenceLoader:
         """The held-out sequences from the first, each token scored once."""
@@ -70,6 +76,12 @@ class Validator:
                               long_conversations=config.long_conversations, once=True,
                               train_on_prompt=config.train_on_prompt and any(s.is_conversations for s in self.stores))
 
+    def _batches(self) -> Iterator[Batch]:
+        """This rank's batches of one pass: what the plan counts and what each pass scores."""
+        loader = self._loader()
+        for _ in range(self.per_rank):
+            yield next(loader)
+
     def plan(self) -> str:
         """What a pass costs, said before the first: its tokens and sequences, and their share of a step's."""
         config = self.config
@@ -79,8 +91,9 @@ class Validator:
                 if config.objective != "nll" else \
                 "no --data source has a validation split (prepare with --val-fraction above 0)"
             return f"validation: none ({why})"
-        held = f"the whole validation split ({self.split_tokens:,} tokens)" if self.whole_split else \
-            f"{config.val_tokens:,} held-out tokens (--val-tokens) of the validation split's {self.split_tokens:,}"
+        held = f"{self.scored_tokens:,} held-out tokens scored " + (
+            f"(all the validation split fills; it holds {self.split_tokens:,})" if self.whole_split else
+            f"(--val-tokens {config.val_tokens:,}; the validation split holds {self.split_tokens:,})")
         share = self.sequences * config.seq_len / config.tokens_per_step
         return (f"validation: {held} per pass, {self.sequences} sequence{'s' if self.sequences > 1 else ''} of "
                 f"{config.seq_len:,} tokens forward only: {steps(share)} tokens, about {steps(share / 3)} time"
@@ -90,7 +103,8 @@ class Validator:
         """plan() as figures, for metrics.jsonl."""
         return {"sequences": self.sequences, "seq_len": self.config.seq_len, "val_tokens": self.config.val_tokens,
                 "forward_tokens": self.sequences * self.config.seq_len, "step_tokens": self.config.tokens_per_step,
-                "split_tokens": self.split_tokens, "whole_split": self.whole_split, "left_out": self.skipped}
+                "split_tokens": self.split_tokens, "scored_tokens": self.scored_tokens, "whole_split": self.whole_split,
+                "left_out": self.skipped}
 
     def left_out(self) -> str:
         """The sources that validation leaves out, having no validation split, as a clause of a line."""
@@ -106,7 +120,6 @@ class Validator:
             return None
         config, env = self.config, self.env
         started = time.perf_counter()
-        loader = self._loader()
         totals = torch.zeros(2, dtype=torch.float64, device=env.device)  # summed loss, scored tokens
         was_training = model.training
         model.eval()
@@ -122,10 +135,9 @@ class Validator:
                 progress(n, total)
 
         hooks = [block.register_forward_hook(block_done) for block in blocks]
-        for done in range(self.per_rank):
+        for done, batch in enumerate(self._batches()):
             if progress is not None and (done == 0 or not blocks):
                 progress(done * parts, total)
-            batch = next(loader)
             tokens, labels, positions = (t.to(env.device) for t in (batch.tokens, batch.labels, batch.positions))
             with torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=config.precision == "bf16"):
                 loss_sum, count = model.loss(tokens, labels, positions,
