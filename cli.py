@@ -175,8 +175,8 @@ def eval_command(
                  passkey_depths=_number_list(passkey_depths, float, "--passkey-depths"),
                  cp=cp, precision=precision, json_path=json_path, reference=reference, beta=beta)
     with _exits(failed=(EvaluationFailed,)):
-        evaluate(EvalConfig(checkpoint=checkpoint, force=force,
-                            **{name: v for name, v in flags.items() if v is not None}))
+        given = {name: v for name, v in flags.items() if v is not None}
+        evaluate(EvalConfig(checkpoint=checkpoint, force=force, given=frozenset(given), **given))
 
 
 @bench_app.command("attention")
@@ -274,8 +274,10 @@ def _train_command(config: Path | None = None, **flags: Any) -> None:
     Exits 0 when done (or at --stop-after), 2 on bad input, 1 when the run cannot go on (a full disk too), and
     128 + the signal's number when a signal stopped it after saving: 130 after Ctrl-C, 143 after SIGTERM.
     """
+    from runtime.given import refuse_ignored
     from trainer.config import load_config, load_run_config, val_sequences_replaced  # here: `burst --help` no torch
     from trainer.launch import launch
+    from trainer.preference import ignored_settings
     from trainer.signals import TrainingInterrupted
     from trainer.trainer import TrainingStopped
 
@@ -287,7 +289,9 @@ def _train_command(config: Path | None = None, **flags: Any) -> None:
         if resume and (overrides.get("out") is None or config is not None):
             raise ValueError("--resume continues the run in --out with its own config.toml: pass --out RUN_DIR "
                              "and no --config")
-        launch(load_run_config(overrides["out"], overrides) if resume else load_config(config, overrides))
+        settings = load_run_config(overrides["out"], overrides) if resume else load_config(config, overrides)
+        refuse_ignored(overrides, ignored_settings(settings))  # a flag given that this run would never read
+        launch(settings)
     except (ValueError, TrainingStopped, WriteFailed) as err:
         raise _fail(err, 2 if isinstance(err, ValueError) else 1) from None
     except OSError as err:  # met before any work: a read-only or forbidden --out, say

@@ -44,6 +44,7 @@ from evaluation.report import tables, write_files
 from evaluation.result import EvalResult
 from runtime.directories import check_writable, write_atomically
 from runtime.failure import WriteFailed, writing
+from runtime.given import refuse_ignored
 from runtime.launch import first_failure, run_local, under_torchrun
 from runtime.precision import resolve_precision
 
@@ -80,6 +81,7 @@ class EvalConfig:
     precision_reason: str = ""  # why `precision` is what it is (set on construction)
     reference: Path | None = None  # a preference store's reference model, for DPO's implicit rewards
     beta: float = 0.1  # the rewards' beta
+    given: frozenset[str] = frozenset()  # the settings the user set (flags): one that does not apply is refused
 
     def __post_init__(self) -> None:
         """Refuse values that cannot work, naming the flag; the checks that need files come later."""
@@ -190,8 +192,9 @@ def open_inputs(config: EvalConfig) -> EvalInputs:
     if config.reference is not None:
         check_tokenizer(load_for_eval(config.reference), store)
     available = available_val_sequences(config, store)
+    refuse_ignored(config.given, ignored_settings(config, store))
     tokenizer = store.tokenizer()
-    if config.passkey_trials:
+    if config.passkey_trials and not store.is_preferences:  # no passkey runs on preference pairs
         for trial in range(config.passkey_trials):  # the passkey's digits may tokenize to different lengths
             try:
                 passkey_sample(tokenizer, min(config.passkey_lengths), 0.0, seed=config.seed + trial)
@@ -203,7 +206,8 @@ def open_inputs(config: EvalConfig) -> EvalInputs:
         warnings.append(f"the validation split holds {available} {held} {config.seq_len:,} tokens; "
                         f"scoring {available}, not --batches {config.batches}")
     max_seq_len = checkpoint.config.max_seq_len
-    longest = max([config.seq_len] + (config.passkey_lengths if config.passkey_trials else []))
+    longest = max([config.seq_len] + (config.passkey_lengths if config.passkey_trials and not store.is_preferences
+                                       else []))
     if longest > max_seq_len:
         warnings.append(f"sequences of up to {longest:,} tokens are longer than the model's max_seq_len "
                         f"{max_seq_len:,}: positions past it were never trained, so expect worse results there")
@@ -212,6 +216,18 @@ def open_inputs(config: EvalConfig) -> EvalInputs:
         check_answers_scored(config, store, sequences)
     return EvalInputs(checkpoint=checkpoint, store=store, tokenizer=tokenizer, sequences=sequences,
                       warnings=warnings)
+
+
+def ignored_settings(config: EvalConfig, store: TokenStore) -> dict[str, str]:
+    """The settings this evaluation of `store` never reads, each with why."""
+    ignored = {}
+    if store.is_preferences:
+        what = "is for a store of documents or conversations; a preference store's pairs are scored by their answers"
+        ignored.update({name: what for name in ("passkey_trials", "passkey_lengths", "passkey_depths")})
+        ignored["qa_samples"] = "is for an instruction store's conversations; a preference store's pairs are ranked"
+    if config.reference is None:
+        ignored["beta"] = "scales DPO's implicit rewards against --reference, which is not given"
+    return ignored
 
 
 def check_answers_scored(config: EvalConfig, store: TokenStore, sequences: int) -> None:

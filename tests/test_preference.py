@@ -4,6 +4,7 @@ cp 2 and dp 2 with gradient accumulation; `burst train --objective dpo` from its
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -18,6 +19,9 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from data import SequenceLoader, TokenStore, prepare
 from data.preference_packing import PreferenceStream
+from evaluation import EvalConfig
+from evaluation.run import open_inputs
+from models import ModelConfig, init_model, save_model
 from models.preference import OBJECTIVES
 from tests.distributed import run_on_ranks
 from tests.test_chat import CHATML_SPECIALS, CHATML_TEMPLATE, chat_tokenizer, write_rows
@@ -259,6 +263,35 @@ def test_preference_settings_that_cannot_train_are_refused_naming_their_flag(obj
     TrainConfig(model="debug", objective=objective, doc_mask=True)  # the defaults train
 
 
+@pytest.fixture(scope="module")
+def pair_model(pair_store, tmp_path_factory) -> Path:
+    """A `debug` model (untrained) of the pair store's vocabulary, as a native model directory."""
+    config = dataclasses.replace(ModelConfig.from_name("debug"), vocab_size=TokenStore(pair_store).vocab_size)
+    path = tmp_path_factory.mktemp("pair_model") / "debug"
+    save_model(init_model(config), config, path)
+    return path
+
+
+@pytest.mark.parametrize("flags, message", [
+    ({}, None),  # the default passkey lengths of --seq-len 64 are too short for a passkey: none runs here
+    ({"passkey_trials": 3}, "--passkey-trials is for a store of documents or conversations"),
+    ({"passkey_lengths": [64]}, "--passkey-lengths is for a store of documents or conversations"),
+    ({"qa_samples": 4}, "--qa-samples is for an instruction store's conversations"),
+    ({"beta": 0.2}, "--beta scales DPO's implicit rewards against --reference, which is not given"),
+])
+def test_eval_on_a_preference_store_refuses_the_flags_it_would_ignore(pair_store, pair_model, flags, message):
+    """Issue 35, defect 9: `burst eval --seq-len 64` on a preference store failed on --passkey-lengths, though no
+    passkey runs there; --qa-samples, --passkey-trials and --beta without --reference were accepted and ignored."""
+    config = EvalConfig(checkpoint=pair_model, data=pair_store, seq_len=64, given=frozenset({"seq_len", *flags}),
+                        **flags)
+    if message is None:
+        assert open_inputs(config).sequences == TokenStore(pair_store).split("val").num_documents
+        return
+    with pytest.raises(ValueError) as refused:
+        open_inputs(config)
+    assert message in str(refused.value) and "drop it" in str(refused.value)
+
+
 def burst_eval(*args: object) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cli", "eval", "--passkey-trials", "0", *map(str, args)],
+    return subprocess.run([sys.executable, "-m", "cli", "eval", *map(str, args)],
                           capture_output=True, text=True, timeout=600, cwd=Path(__file__).parents[1])

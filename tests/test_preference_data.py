@@ -214,3 +214,19 @@ def test_a_pair_that_is_not_utf8_is_left_out_whole(tmp_path):
     assert [store.place(i) for i in range(store.num_documents)] == [f"{path}:1", f"{path}:3", f"{path}:5"]
     tokenizer = load_tokenizer(directory)
     assert not any("\ufffd" in tokenizer.decode(store.document(i)) for i in range(store.num_documents))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--objective", "dpo", "--val-tokens", "1000"], "--val-tokens is for a validation loss; a preference run's"),
+    (["--objective", "simpo", "--val-every", "5"], "--val-every is for a validation loss"),
+    (["--objective", "dpo", "--simpo-gamma", "0.3"], "--simpo-gamma is SimPO's target margin; --objective dpo does "
+                                                     "not use it"),
+    (["--objective", "simpo", "--orpo-lambda", "0.3"], "--orpo-lambda is ORPO's odds-ratio weight; --objective simpo"),
+])
+def test_a_flag_a_preference_run_would_ignore_is_refused(pair_store, tmp_path, flags, message):
+    """Issue 35, defect 9: these were accepted and ignored without a word."""
+    out = tmp_path / "run"
+    done = CliRunner().invoke(app, ["train", "--model", "debug", "--seq-len", "384", "--steps", "1", "--doc-mask",
+                                    "--data", str(pair_store), *flags, "--out", str(out)])
+    refused(done, 2, message, "drop it")
+    assert not out.exists()

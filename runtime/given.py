@@ -1,0 +1,18 @@
+"""Settings the user gave that do not apply: refused, not silently ignored.
+
+`burst train` and `burst eval` know which settings the user set (flags, and for training its config file's keys);
+each knows which of its settings a run of this kind would never read. A setting given and never read is a
+mistake the user should hear of before any work (a --simpo-gamma with dpo, a --val-every on a preference run).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+def refuse_ignored(given: Iterable[str], ignored: dict[str, str]) -> None:
+    """Refuse the first setting named in `given` that `ignored` maps to why it does not apply, in one line."""
+    given = set(given)
+    for name, why in ignored.items():
+        if name in given:
+            raise ValueError(f"--{name.replace('_', '-')} {why}; drop it")
