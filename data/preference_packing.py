@@ -52,6 +52,10 @@ class PreferenceStream(ConversationStream):
 
     def __init__(self, store: TokenStore, seq_len: int, seed: int, stream_id: int = 0, *, policy: str = "refuse",
                  prefix_sharing: bool = True) -> None:
+        if policy == "split":
+            raise ValueError("--long-conversations split cuts a long conversation into pieces, but a preference pair "
+                             "is scored whole (each answer after its whole prompt): use --long-conversations truncate "
+                             "(an over-long pair's prompt start is cut) or refuse (the default)")
         self._begin_stream(store, seq_len, seed, stream_id, policy)
         self.prefix_sharing = prefix_sharing
         pairs = store.pair_lengths  # [pairs, 3]: prompt, chosen, rejected
@@ -62,8 +66,7 @@ class PreferenceStream(ConversationStream):
         self.long = LongConversations(policy, len(over), 0, 0)
         if len(over) and policy != "truncate":
             raise ValueError(self._too_long(over, lengths, "set --long-conversations truncate (the prompt's start is "
-                                                           "cut; split would part answers from their prompt), or "
-                                                           "raise --seq-len"))
+                                                           "cut), or raise --seq-len"))
         if len(over):
             self._truncate(over, pairs)
             lengths = self._packed(pairs[:, 0] - self._prompt_begin, pairs)

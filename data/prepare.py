@@ -44,9 +44,9 @@ DEFAULT_VOCAB_SIZE = 32_000
 DEFAULT_TEXT_FIELD = "text"
 MAX_VOCAB_SIZE = 2**20  # well past any LLaMA-family vocabulary (128,256); more is a typo, not a plan
 LONG_DOCUMENT_TOKENS = (8_192, 16_384, 32_768, 65_536, 131_072)  # common sequence lengths
-PREFERENCE_HINT = ("give each row `prompt`, `chosen` and `rejected` (TRL's format: strings, or lists of messages); "
-                   "split prompts are rows whose prompt's ids are not the start of prompt + answer's ids as the "
-                   "tokenizer encodes the chat template's text (a token merges across the prompt's end)")
+PREFERENCE_HINT = "give each row `prompt`, `chosen` and `rejected` (TRL's format: strings, or lists of messages)"
+SPLIT_PROMPTS_HINT = ("; split prompts are rows whose prompt's ids are not the start of prompt + answer's ids as the "
+                      "tokenizer encodes the chat template's text (a token merges across the prompt's end)")
 CHUNK_CHARS = 4_000_000  # text per encode call: enough work for every core, little memory
 
 
@@ -159,7 +159,8 @@ def no_documents_message(inputs: Sequence[str | Path], report: InputReport) -> s
     problems = {name: count for name, count in report.problems().items() if count}
     found = ", ".join(f"{count} {name.replace('_', ' ')} (e.g. {report.examples[name][0]})"
                       for name, count in problems.items())
-    hint = PREFERENCE_HINT if isinstance(report, PreferenceReport) else \
+    hint = PREFERENCE_HINT + (SPLIT_PROMPTS_HINT if report.split_prompts else "") \
+        if isinstance(report, PreferenceReport) else \
         "choose the field that holds the text with --text-field" if report.missing_text_field else \
         "give each row `messages` ([{role, content}, ...] with an assistant turn), or `prompt` and `completion`" \
         if report.conversations and report.files else \

@@ -120,7 +120,7 @@ def test_a_pair_longer_than_a_sequence_is_refused_or_its_prompt_truncated(pair_s
     longest = int(store.pair_lengths.sum(1).max())
     with pytest.raises(ValueError, match="set --long-conversations truncate"):
         PreferenceStream(store, 64, 0, policy="refuse")
-    with pytest.raises(ValueError, match="split would part answers from their prompt"):
+    with pytest.raises(ValueError, match="a preference pair is scored whole"):
         PreferenceStream(store, 64, 0, policy="split")
     with pytest.raises(ValueError, match="even with their prompts cut to one token their answers do not fit"):
         PreferenceStream(store, 16, 0, policy="truncate")
@@ -230,3 +230,24 @@ def test_a_flag_a_preference_run_would_ignore_is_refused(pair_store, tmp_path, f
                                     "--data", str(pair_store), *flags, "--out", str(out)])
     refused(done, 2, message, "drop it")
     assert not out.exists()
+
+
+def test_split_is_refused_for_pairs_with_its_own_reason(pair_store):
+    """Issue 35, defect 9: --long-conversations split on preference data got refuse's message."""
+    with pytest.raises(ValueError) as refused_split:
+        PreferenceStream(TokenStore(pair_store), 384, 0, policy="split")
+    message = str(refused_split.value)
+    assert "--long-conversations split" in message and "scored whole" in message and "truncate" in message
+
+
+@pytest.mark.parametrize("split_prompts", [False, True])
+def test_no_pairs_to_store_explains_split_prompts_only_when_there_were_some(tmp_path, split_prompts):
+    """Issue 35, defect 9: "no documents to store" always explained split prompts, even with none."""
+    directory = chat_tokenizer(tmp_path / "tok", *((LLAMA_SPECIALS, LLAMA3_TEMPLATE) if split_prompts else
+                                                   (CHATML_SPECIALS, CHATML_TEMPLATE)))
+    rows = write_rows(tmp_path / "pairs.jsonl", preference_rows(2) if split_prompts else BAD_ROWS)
+    done = CliRunner().invoke(app, ["prepare", str(rows), "--preference", "--tokenizer", str(directory), "--out",
+                                    str(tmp_path / "store")])
+    output = " ".join(done.output.split())
+    assert done.exit_code == 2 and "no documents to store" in output, output
+    assert ("split prompts are rows whose prompt's ids" in output) == split_prompts
