@@ -22,8 +22,9 @@ class ModelConfig:
     code does) only when it is None; `dataclasses.replace(config, dim=...)` therefore needs
     `ffn_hidden_dim=None` as well to re-derive it. `max_seq_len` is the context length the
     model is meant for (written to exported configs); RoPE itself works at any position.
-    `rope_scaling` is one of the types of models/rope.py, or None for plain RoPE. `bos_token_id` and
-    `eos_token_id` name the tokenizer's specials the model was trained with (exports write them); they
+    `rope_scaling` is one of the types of models/rope.py, or None for plain RoPE. `bos_token_id`,
+    `eos_token_id` (`pad_token_id`, `unk_token_id`) name the tokenizer's specials the model was trained with
+    (exports write them); they
     do not change the model, so two configs that differ only there compare equal.
     """
 
@@ -43,6 +44,8 @@ class ModelConfig:
     init_std: float = 0.02
     bos_token_id: int | None = field(default=None, compare=False)
     eos_token_id: int | list[int] | None = field(default=None, compare=False)  # a list: several stop tokens
+    pad_token_id: int | None = field(default=None, compare=False)  # kept from a Hugging Face config, for exports
+    unk_token_id: int | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -62,7 +65,7 @@ class ModelConfig:
             self.rope_scaling = rope_scaling_from_dict(self.rope_scaling, "rope_scaling", default_type="llama3")
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
             raise ValueError(f"rope_scaling = {self.rope_scaling!r} must be a rope scaling (models/rope.py) or None")
-        for name in ("bos_token_id", "eos_token_id"):
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
             value = getattr(self, name)
             ids = value if isinstance(value, list) and value and name == "eos_token_id" else [value]
             if value is not None and not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):

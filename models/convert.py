@@ -21,7 +21,7 @@ import torch
 
 from models.checkpoint import CONFIG_NAME, check_tensor_shapes, expected_shapes, is_native_checkpoint, read_config
 from models.config import ModelConfig
-from models.hf_config import config_from_hf, config_to_hf
+from models.hf_config import config_from_hf, config_to_hf, generation_config_to_hf
 from models.hf_tokenizer import check_tokenizer, copy_tokenizer_files, tokenizer_beside, write_hf_tokenizer
 from models.storage import (
     DEFAULT_MAX_SHARD_BYTES,
@@ -206,4 +206,6 @@ def convert_checkpoint(src: str | Path, dst: str | Path, to: str, force: bool = 
             TARGET_FORMATS[to](checkpoint, tmp, max_shard_bytes)
             if (src / GENERATION_CONFIG).is_file():
                 shutil.copy2(src / GENERATION_CONFIG, tmp / GENERATION_CONFIG)
+            elif to == "hf" and generation_config_to_hf(checkpoint.config) is not None:  # a run keeps none
+                write_json(generation_config_to_hf(checkpoint.config), tmp / GENERATION_CONFIG)
     return dst

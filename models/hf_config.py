@@ -30,8 +30,9 @@ FIELDS: dict[str, tuple[str, Any]] = {
     "rope_parameters": ("object or null", None), "max_position_embeddings": ("whole", 2048),
     ORIGINAL_LENGTH: ("whole or null", None),  # Phi-3 style: beside rope_scaling, and then it wins
     "tie_word_embeddings": ("bool", False), "bos_token_id": ("id or null", None),
-    "eos_token_id": ("ids or null", None),
+    "eos_token_id": ("ids or null", None), "pad_token_id": ("id or null", None), "unk_token_id": ("id or null", None),
 }
+SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")  # kept through a conversion
 KIND_NAMES = {"whole": "a whole number", "number": "a number", "text": "a string", "bool": "true or false",
               "object": "a JSON object", "id": "a token id (a whole number >= 0)",
               "ids": "a token id or a list of them"}
@@ -92,7 +93,8 @@ def config_from_hf(hf: dict, where: Path | str) -> ModelConfig:
             norm_eps=hf_fields["rms_norm_eps"], **rope,
             max_seq_len=hf_fields["max_position_embeddings"], tie_embeddings=hf_fields["tie_word_embeddings"],
             init_std=hf_fields["initializer_range"], bos_token_id=hf_fields["bos_token_id"],
-            eos_token_id=hf_fields["eos_token_id"])
+            eos_token_id=hf_fields["eos_token_id"], pad_token_id=hf_fields["pad_token_id"],
+            unk_token_id=hf_fields["unk_token_id"])
     except ValueError as err:
         raise ValueError(f"{where}: {err}") from None
 
@@ -128,8 +130,7 @@ def config_to_hf(config: ModelConfig, dtype: torch.dtype) -> dict:
     max_length = config.max_seq_len
     if isinstance(config.rope_scaling, DynamicRope):
         max_length = rope_scaling.pop(ORIGINAL_LENGTH)
-    specials = {name: getattr(config, name) for name in ("bos_token_id", "eos_token_id")
-                if getattr(config, name) is not None}
+    specials = {name: getattr(config, name) for name in SPECIAL_IDS if getattr(config, name) is not None}
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
         "hidden_size": config.dim, "intermediate_size": config.ffn_hidden_dim,
@@ -140,3 +141,11 @@ def config_to_hf(config: ModelConfig, dtype: torch.dtype) -> dict:
         "initializer_range": config.init_std, "attention_bias": False, "mlp_bias": False,
         "torch_dtype": str(dtype).removeprefix("torch."), **specials,
     }
+
+
+def generation_config_to_hf(config: ModelConfig) -> dict | None:
+    """The generation_config.json transformers derives from a model's config (its special ids), for an export whose
+    source had none (a run); None when the model names no special id."""
+    specials = {name: getattr(config, name) for name in ("bos_token_id", "eos_token_id", "pad_token_id")
+                if getattr(config, name) is not None}
+    return {**specials, "_from_model_config": True} if specials else None

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 from typer.testing import CliRunner
 
 from cli import app
@@ -297,3 +297,20 @@ def test_a_config_json_field_of_the_wrong_type_is_named_with_the_file_and_nothin
         assert result.exit_code == 2 and "Traceback" not in output, result.output
         assert f"{tmp_path / 'hf' / 'config.json'}: " in output and message in output, result.output
         assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no export, no run, no temporary
+
+
+def test_an_export_keeps_pad_and_unk_and_writes_a_generation_config(tmp_path):
+    """Issue 35, defect 9: an exported config.json dropped pad_token_id and unk_token_id; a run's Hugging Face
+    export had no generation_config.json, while convert-checkpoint of a Hugging Face directory kept it."""
+    save_hf_model(tmp_path / "hf", "gqa-llama3-scaling")
+    fields = json.loads((tmp_path / "hf" / "config.json").read_text())
+    fields.update(bos_token_id=1, eos_token_id=2, pad_token_id=3, unk_token_id=0)
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(fields))
+    (tmp_path / "hf" / "generation_config.json").unlink(missing_ok=True)  # as a run directory has none
+    convert_checkpoint(tmp_path / "hf", tmp_path / "burst", to="burst")
+    convert_checkpoint(tmp_path / "burst", tmp_path / "hf2", to="hf")
+    exported = json.loads((tmp_path / "hf2" / "config.json").read_text())
+    assert {key: exported.get(key) for key in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")} == \
+        {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3, "unk_token_id": 0}
+    generation = GenerationConfig.from_pretrained(tmp_path / "hf2")
+    assert (generation.bos_token_id, generation.eos_token_id, generation.pad_token_id) == (1, 2, 3)
