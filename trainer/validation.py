@@ -65,7 +65,7 @@ class Validator:
         # What a pass scores, over all ranks: a small source's split may fill fewer sequences than its share.
         scored = torch.tensor(float(sum(batch.num_tokens for batch in self._batches())), dtype=torch.float64,
                               device=env.device)
-        self.scored_tokens = int(all_reduce(scored).item()) if self.sequences else 0
+        self.scored_tokens = int(all_reduce(scored).item()) if self.sequences else 0  # the same on every rank
 
     def _loader(self) -> SequenceLoader:
         """The held-out sequences from the first, each token scored once."""
@@ -78,6 +78,8 @@ class Validator:
 
     def _batches(self) -> Iterator[Batch]:
         """This rank's batches of one pass: what the plan counts and what each pass scores."""
+        if not self.per_rank:
+            return  # no split to load (a preference run, --val-tokens 0)
         loader = self._loader()
         for _ in range(self.per_rank):
             yield next(loader)
