@@ -17,7 +17,7 @@ from typing import Any
 import typer
 
 from runtime.failure import Stopped, WriteFailed, os_error_message, stopping_on_sigterm  # plain Python: no torch
-from trainer.config import TrainConfig  # plain Python: no torch
+from trainer.config import DEVICE_HELP, TrainConfig  # plain Python: no torch
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_show_locals=False,
                   help="Long-context LLaMA training with exact BurstAttention sequence parallelism.")
@@ -157,6 +157,7 @@ def eval_command(
                                                                     "checkpoint or model directory): report DPO's "
                                                                     "implicit rewards against it."),
     beta: float | None = typer.Option(None, "--beta", help="The implicit rewards' beta, with --reference (0.1)."),
+    device: str | None = typer.Option(None, "--device", help=DEVICE_HELP, show_default="$BURST_DEVICE, else auto"),
 ) -> None:
     """Perplexity, loss by position and passkey retrieval of a model checkpoint: results on stdout. On an
     instruction store (`burst prepare --chat`): the answers' loss, and question answering by depth. On a preference
@@ -173,7 +174,7 @@ def eval_command(
                  passkey_trials=passkey_trials, qa_samples=qa_samples, long_conversations=long_conversations,
                  passkey_lengths=_number_list(passkey_lengths, int, "--passkey-lengths"),
                  passkey_depths=_number_list(passkey_depths, float, "--passkey-depths"),
-                 cp=cp, precision=precision, json_path=json_path, reference=reference, beta=beta)
+                 cp=cp, precision=precision, json_path=json_path, reference=reference, beta=beta, device=device)
     with _exits(failed=(EvaluationFailed,)):
         given = {name: v for name, v in flags.items() if v is not None}
         evaluate(EvalConfig(checkpoint=checkpoint, force=force, given=frozenset(given), **given))
@@ -213,6 +214,7 @@ def bench_attention_command(
     node_size: int | None = typer.Option(None, "--node-size", help="Local ranks per simulated node "
                                                                    "(default: all on one node)."),
     json_path: Path | None = typer.Option(None, "--json", help="Also write the figures to this JSON file."),
+    device: str | None = typer.Option(None, "--device", help=DEVICE_HELP, show_default="$BURST_DEVICE, else auto"),
 ) -> None:
     """Time burst_attn forward and backward on local ranks against a single process; with --docs, compare the
     sequence layouts on real packed sequences."""
@@ -225,7 +227,8 @@ def bench_attention_command(
                                       head_dim=head_dim, batch=batch, dtype=dtype, causal=causal, iters=iters,
                                       modes=_name_list(modes), doc_length=doc_length,
                                       layouts=layout_list if layout_list and docs is None else ["zigzag"],
-                                      topology=topology, node_size=node_size)
+                                      topology=topology, node_size=node_size,
+                                      device="cpu" if plan_only else device)  # counting plans runs no kernel
         if docs is None and (plan_only or replay or layout_list and layout_list != ["zigzag"] and doc_length is None):
             raise ValueError("--plan-only, --replay and --layouts balanced count or time packed documents: pass "
                              "--docs STORE (or --doc-length N for equal documents)")

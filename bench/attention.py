@@ -20,6 +20,7 @@ from burst.attention import burst_attn, check_backward_mode
 from burst.comm import SENT
 from burst.layout import check_layout, check_sequence_length, shard_sequence
 from burst.topology import check_topology
+from runtime.device import resolve_device
 from runtime.launch import run_local, threads_per_process
 from runtime.memory import peak_memory_mib, reset_peak_memory
 from runtime.precision import resolve_precision
@@ -46,12 +47,16 @@ class AttentionBenchConfig:
     topology: str = "auto"  # how blocks travel between nodes (burst/topology.py)
     node_size: int | None = None  # local ranks per simulated node (None: all on one node)
     dtype_reason: str = ""  # why "auto" became `dtype`
+    device: str | None = None  # auto, cpu or cuda (runtime/device.py), resolved on construction to the ranks' kind
+    device_reason: str = ""  # why `device` is what it is
 
     def __post_init__(self) -> None:
         if self.dtype not in (*DTYPES, "auto"):
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of auto, {', '.join(DTYPES)}")
+        where = resolve_device(self.device, local_ranks=self.nproc, ranks_flag="--nproc")
+        self.device, self.device_reason = where.kind, where.reason
         if self.dtype == "auto":
-            chosen = resolve_precision("auto", torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+            chosen = resolve_precision("auto", torch.device(where.kind))
             self.dtype, self.dtype_reason = chosen.name, chosen.reason
         for flag, value in (("--nproc", self.nproc), ("--iters", self.iters), ("--heads", self.heads),
                             ("--kv-heads", self.kv_heads), ("--head-dim", self.head_dim), ("--batch", self.batch)):
@@ -162,7 +167,7 @@ def _measure(config: AttentionBenchConfig, variants: list[tuple[str, str, bool, 
 
 
 def _worker(config: AttentionBenchConfig) -> dict[str, dict]:
-    device = init_worker_process_group()
+    device = init_worker_process_group(config.device)
     with leaving_process_group():
         full = global_inputs(config, device)
         inputs = {layout: [shard_sequence(t, layout=layout, doc_boundaries=config.doc_boundaries()) for t in full]
@@ -184,7 +189,7 @@ def run_attention_bench(config: AttentionBenchConfig) -> list[BenchRow]:
     rows = [_rows(f"{name} x{config.nproc}", config.nproc, [results[r][name] for r in results])
             for name, *_ in config.variants()]
     if config.single_process:
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device(config.device)
         torch.set_num_threads(threads_per_process(config.nproc))  # the same cores per process as a rank
         variants = [("single process", "auto", False, "zigzag")]
         if config.doc_length:
@@ -217,6 +222,7 @@ def print_table(config: AttentionBenchConfig, rows: list[BenchRow]) -> None:
     Console().print(table)
     if config.dtype_reason:
         Console().print(f"dtype {config.dtype}: {config.dtype_reason}", style="dim")
+    Console().print(f"device {config.device}: {config.device_reason}", style="dim")
     Console().print("time: the slowest rank; speedup: the single process's time / this run's; MiB: sent per rank "
                     "in forward, in backward, the largest rank (x-node: fwd + bwd to ranks on other nodes); peak: "
                     "resident memory of the largest process on CPU, allocated memory on CUDA", style="dim")

@@ -183,7 +183,7 @@ def picked_sequences(plans: list[SequencePlan], quantiles: list[float]) -> list[
 
 def _time_worker(config: DocumentsBenchConfig, picks: list[int]) -> dict[str, dict]:
     """Median seconds, CPU seconds and bytes of every (sequence, layout, mode) on this rank."""
-    device = init_worker_process_group()
+    device = init_worker_process_group(config.attention.device)
     attention, results = config.attention, {}
     with leaving_process_group():
         full = global_inputs(attention, device)

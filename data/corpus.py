@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import platform
+import stat
 import sysconfig
 from pathlib import Path
 
@@ -32,12 +33,22 @@ def stdlib_sources() -> list[Path]:
     """Every UTF-8 .py file of this interpreter's standard library, its tests included; not site-packages.
 
     The few files that are not UTF-8 (encoding tests such as test/encoded_modules/module_koi8_r.py)
-    are left out: `prepare` refuses such a file when it is named, as these are.
+    are left out: `prepare` refuses such a file when it is named, as these are. So are symbolic links and
+    whatever is not a regular file: Debian's and Ubuntu's Pythons link _sysconfigdata__linux_*.py to another file
+    of the library (which `prepare` refuses as one file given twice) and sitecustomize.py to /etc.
     """
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     installed = {"site-packages", "dist-packages"}
     return sorted(p for p in stdlib.rglob("*.py")
-                  if p.is_file() and not installed & set(p.relative_to(stdlib).parts) and not looks_binary(p))
+                  if is_regular_file(p) and not installed & set(p.relative_to(stdlib).parts) and not looks_binary(p))
+
+
+def is_regular_file(path: Path) -> bool:
+    """Whether `path` is itself a regular file: not a symbolic link (to a file or not), a directory or a pipe."""
+    try:
+        return stat.S_ISREG(path.lstat().st_mode)
+    except OSError:
+        return False
 
 
 def cache_root(cache_dir: str | Path | None = None) -> Path:

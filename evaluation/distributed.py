@@ -40,8 +40,9 @@ def shard_tokens(tokens: torch.Tensor, group: dist.ProcessGroup | None) -> tuple
 
 
 @contextlib.contextmanager
-def context_parallel_group(cp: int) -> Iterator[tuple[dist.ProcessGroup | None, torch.device]]:
-    """The process group of `cp` ranks to evaluate over (None for cp=1) and this rank's device.
+def context_parallel_group(cp: int, device_kind: str) -> Iterator[tuple[dist.ProcessGroup | None, torch.device]]:
+    """The process group of `cp` ranks to evaluate over (None for cp=1) and this rank's device, of `device_kind`
+    ("cpu" or "cuda": runtime/device.py).
 
     Joins the group torchrun or run_local describe when torch.distributed is not initialised yet
     (and leaves it afterwards); the world must have exactly `cp` ranks.
@@ -52,11 +53,11 @@ def context_parallel_group(cp: int) -> Iterator[tuple[dist.ProcessGroup | None, 
                          f"start {cp} (`torchrun --nproc-per-node {cp} --no-python burst eval ... --cp {cp}`), "
                          f"or start one and let `burst eval --cp {cp}` start the ranks itself")
     if cp == 1:
-        yield None, worker_device()
+        yield None, worker_device(device_kind)
         return
     if dist.is_initialized():
-        yield dist.group.WORLD, worker_device()
+        yield dist.group.WORLD, worker_device(device_kind)
         return
-    device = init_worker_process_group()
+    device = init_worker_process_group(device_kind)
     with leaving_process_group():
         yield dist.group.WORLD, device

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +43,7 @@ from evaluation.preference import to_json as preference_json
 from evaluation.qa import evaluate_qa
 from evaluation.report import tables, write_files
 from evaluation.result import EvalResult
+from runtime.device import resolve_device
 from runtime.directories import check_writable, write_atomically
 from runtime.failure import WriteFailed, writing
 from runtime.given import refuse_ignored
@@ -82,6 +84,10 @@ class EvalConfig:
     reference: Path | None = None  # a preference store's reference model, for DPO's implicit rewards
     beta: float = 0.1  # the rewards' beta
     given: frozenset[str] = frozenset()  # the settings the user set (flags): one that does not apply is refused
+    # auto, cpu or cuda (runtime/device.py; None: BURST_DEVICE, else auto), resolved on construction to the kind
+    # the ranks run on (`device_reason` says why), so that ranks started here all take the same
+    device: str | None = None
+    device_reason: str = ""
 
     def __post_init__(self) -> None:
         """Refuse values that cannot work, naming the flag; the checks that need files come later."""
@@ -108,7 +114,10 @@ class EvalConfig:
             raise ValueError(f"--positions {self.positions!r} is not one of {', '.join(POSITION_MODES)}")
         if self.precision not in (*PRECISIONS, "auto"):
             raise ValueError(f"--precision {self.precision!r} is not one of auto, {', '.join(PRECISIONS)}")
-        chosen = resolve_precision(self.precision, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+        where = resolve_device(self.device, local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", self.cp)),
+                               ranks_flag="--cp")
+        self.device, self.device_reason = where.kind, where.reason
+        chosen = resolve_precision(self.precision, torch.device(where.kind))
         self.precision, self.precision_reason = chosen.name, chosen.reason
         check_policy(self.long_conversations)
         if not (math.isfinite(self.beta) and self.beta > 0):
@@ -292,7 +301,7 @@ def evaluate(config: EvalConfig, console: Console | None = None) -> EvalResult |
     started = time.perf_counter()
     console = console or Console()  # the results: stdout, for a pipe or a file
     log = Console(stderr=True)  # what happens meanwhile
-    with context_parallel_group(config.cp) as (group, device):
+    with context_parallel_group(config.cp, config.device) as (group, device):
         is_main = group_rank_and_size(group)[0] == 0
         say = log.print if is_main else lambda *_: None
         inputs = open_inputs(config)
@@ -300,7 +309,7 @@ def evaluate(config: EvalConfig, console: Console | None = None) -> EvalResult |
             say(f"[yellow]warning:[/] {warning}")
         model = inputs.checkpoint.model(device, PRECISIONS[config.precision])
         use_burst_attention(model, group)
-        say(f"weights in {config.precision} ({config.precision_reason})")
+        say(f"weights in {config.precision} ({config.precision_reason}), on {config.device} ({config.device_reason})")
         if inputs.store.is_preferences:
             return evaluate_pairs(config, inputs, model, group, device, say, console if is_main else None, started)
         conversations = inputs.store.is_conversations

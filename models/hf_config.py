@@ -102,7 +102,8 @@ def config_from_hf(hf: dict, where: Path | str) -> ModelConfig:
 def _rope(hf: dict[str, Any], where: Path | str) -> dict[str, Any]:
     """rope_theta and rope_scaling of a typed HF config, as transformers standardises them."""
     rope = dict(hf["rope_scaling"] or hf["rope_parameters"] or {})
-    theta = rope.pop("rope_theta", hf["rope_theta"])
+    # 4.x keeps theta beside rope_scaling, 5.x inside rope_parameters: a file with both forms has it in either
+    theta = rope.pop("rope_theta", (hf["rope_parameters"] or {}).get("rope_theta", hf["rope_theta"]))
     if not _is("number", theta):
         raise ValueError(f"{where}: rope_theta = {theta!r} must be a number")
     max_length = hf["max_position_embeddings"]
@@ -149,3 +150,18 @@ def generation_config_to_hf(config: ModelConfig) -> dict | None:
     specials = {name: getattr(config, name) for name in ("bos_token_id", "eos_token_id", "pad_token_id")
                 if getattr(config, name) is not None}
     return {**specials, "_from_model_config": True} if specials else None
+
+
+def readable_by_transformers_4_and_5(fields: dict[str, Any]) -> dict[str, Any]:
+    """A config.json's `fields` with RoPE in transformers 4.x's form (rope_theta, rope_scaling; torch_dtype), which
+    5.x reads too. 4.x ignores 5.x's `rope_parameters`: a model saved by 5.x would run there at the default theta,
+    unscaled, without a word. A rope_scaling already there stays (it wins, as burst and transformers read it)."""
+    fields = dict(fields)
+    rope = dict(fields.pop("rope_parameters", None) or {})
+    if "rope_theta" in rope:
+        fields["rope_theta"] = rope.pop("rope_theta")
+    if fields.get("rope_scaling") is None:
+        fields["rope_scaling"] = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
+    if "dtype" in fields:
+        fields["torch_dtype"] = fields.pop("dtype")
+    return fields

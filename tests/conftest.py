@@ -1,7 +1,15 @@
-"""Fixtures shared by test files: SmolLM2-135M-Instruct, a real pretrained LLaMA (scripts/smollm2.py)."""
+"""Fixtures shared by test files: SmolLM2-135M-Instruct, a real pretrained LLaMA (scripts/smollm2.py); and the
+device the suite runs on.
+
+The suite means the CPU: its multi-rank tests start gloo ranks, more of them than a machine has GPUs, so
+BURST_DEVICE=cpu is set for the whole session (runtime/device.py), and a machine with GPUs runs the suite as
+one without. A test that exercises CUDA says so with `@pytest.mark.cuda(gpus=N)`: it runs with BURST_DEVICE
+unset (auto: the GPUs) where the machine has N GPUs, and is skipped, with the reason, where it has fewer.
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -26,3 +34,32 @@ def smollm2() -> Path:
 def smollm2_2_layers() -> Path:
     """The model cut to its first 2 layers: real weights, embeddings and tokenizer at a tenth of the cost."""
     return _or_skip(lambda: truncated_dir(2))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Here, before any test module is imported: a module that reads the device at import sees the CPU too.
+    os.environ["BURST_DEVICE"] = "cpu"
+
+
+def cuda_gpus_needed(item: pytest.Item) -> int | None:
+    """The GPUs a test marked `cuda` needs (`gpus=N`, default 1); None for a test that means the CPU."""
+    marker = item.get_closest_marker("cuda")
+    return None if marker is None else int(marker.kwargs.get("gpus", marker.args[0] if marker.args else 1))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    import torch
+
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for item in items:
+        needed = cuda_gpus_needed(item)
+        if needed is not None and visible < needed:
+            item.add_marker(pytest.mark.skip(reason=f"needs {needed} CUDA GPU{'s' if needed > 1 else ''}, this "
+                                                    f"machine has {visible}"))
+
+
+@pytest.fixture(autouse=True)
+def _cuda_tests_choose_their_device(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A `cuda` test runs as a user's command would, with BURST_DEVICE unset (auto); every other keeps the CPU."""
+    if cuda_gpus_needed(request.node) is not None:
+        monkeypatch.delenv("BURST_DEVICE", raising=False)

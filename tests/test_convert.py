@@ -16,31 +16,32 @@ from data import load_tokenizer, train_tokenizer
 from models import ModelConfig, convert_checkpoint, load_model
 from models.convert import config_from_hf
 from models.llama import rope_frequencies
+from tests.hf_forms import transformers4_form, transformers5_form
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 16}
 HF_CONFIGS = {
     "gqa": dict(num_attention_heads=4, num_key_value_heads=2),
-    "mha-tied-theta": dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True,
-                           rope_parameters={"rope_type": "default", "rope_theta": 1234.0}),
-    "gqa-llama3-scaling": dict(num_attention_heads=4, num_key_value_heads=1,
-                               rope_parameters={**LLAMA3_ROPE, "rope_theta": 500000.0}),
+    # RoPE as transformers 4.x takes it, which 5.x takes too (5.x's rope_parameters is lost on 4.x)
+    "mha-tied-theta": dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True, rope_theta=1234.0),
+    "gqa-llama3-scaling": dict(num_attention_heads=4, num_key_value_heads=1, rope_theta=500000.0,
+                               rope_scaling=LLAMA3_ROPE),
 }
+FORMS = {"4.x": transformers4_form, "5.x": transformers5_form}
 SEQ_LEN = 48  # past original_max_position_embeddings, so the llama3 scaling matters
 
 
-def save_hf_model(path, name: str, transformers4_config: bool = False, **save_kwargs) -> LlamaForCausalLM:
-    """A small random LlamaForCausalLM saved with save_pretrained; optionally with a 4.x-style config.json."""
+def save_hf_model(path, name: str, form: str | None = None, **save_kwargs) -> LlamaForCausalLM:
+    """A small random LlamaForCausalLM saved with save_pretrained; its config.json in the `form` of transformers
+    "4.x" or "5.x" (None: as the installed release writes it)."""
     torch.manual_seed(0)
     config = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, vocab_size=300,
                          max_position_embeddings=256, rms_norm_eps=1e-5, **HF_CONFIGS[name])
     model = LlamaForCausalLM(config).eval()
     model.save_pretrained(path, **save_kwargs)
-    if transformers4_config:
+    if form is not None:
         fields = json.loads((path / "config.json").read_text())
-        rope = fields.pop("rope_parameters")
-        fields.update(rope_theta=rope.pop("rope_theta"), rope_scaling=rope, torch_dtype=fields.pop("dtype"))
-        (path / "config.json").write_text(json.dumps(fields))
+        (path / "config.json").write_text(json.dumps(FORMS[form](fields)))
     return model
 
 
@@ -80,8 +81,11 @@ def test_hf_to_burst_to_hf(tmp_path, name):
     assert load_tokenizer(tmp_path / "hf2" / "tokenizer.model").fingerprint == tokenizer.fingerprint
 
 
-def test_transformers4_config_and_llama3_scaling(tmp_path):
-    hf_model = save_hf_model(tmp_path / "hf", "gqa-llama3-scaling", transformers4_config=True)
+@pytest.mark.parametrize("form", list(FORMS))
+def test_either_transformers_config_form_and_llama3_scaling(tmp_path, form):
+    hf_model = save_hf_model(tmp_path / "hf", "gqa-llama3-scaling", form=form)
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert ("rope_parameters" in written) == (form == "5.x") and ("rope_scaling" in written) == (form == "4.x")
     convert_checkpoint(tmp_path / "hf", tmp_path / "burst", to="burst")
     model = load_model(tmp_path / "burst")
     assert model.config.rope_theta == 500000.0 and model.config.rope_scaling.original_max_position_embeddings == 16
@@ -287,8 +291,7 @@ def test_a_config_json_field_of_the_wrong_type_is_named_with_the_file_and_nothin
                                                                                               message):
     """A string "false" would drop lm_head.weight and a string rope factor would crash training: refused, exit 2."""
     save_hf_model(tmp_path / "hf", "gqa")
-    config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    config.pop("rope_parameters")
+    config = transformers4_form(json.loads((tmp_path / "hf" / "config.json").read_text()))  # no rope_parameters
     (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, field: value}))
     for command in (["convert-checkpoint", str(tmp_path / "hf"), str(tmp_path / "out"), "--to", "burst"],
                     ["train", "--model", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]):

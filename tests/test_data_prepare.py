@@ -2,6 +2,7 @@
 
 import gzip
 import json
+import os
 import random
 import re
 import sys
@@ -240,3 +241,24 @@ def test_parquet_rows_are_documents_and_bad_rows_are_counted(tmp_path, tokenizer
     assert "no column 'text'" in summary.report.examples["unreadable_files"][0]
     store = TokenStore(tmp_path / "store")
     assert [store.document(i).tolist() for i in range(2)] == [tokenizer.encode(t) for t in ["alpha beta", "gamma 数据"]]
+
+
+def test_the_embedded_corpus_leaves_out_links_and_what_is_not_a_regular_file(tmp_path, monkeypatch):
+    """Debian's and Ubuntu's Pythons link _sysconfigdata__linux_*.py to another file of the standard library (which
+    prepare refused as one file given twice) and sitecustomize.py to /etc; a link, a pipe or a directory named
+    *.py is not a document of the corpus."""
+    stdlib, elsewhere = tmp_path / "lib" / "python3.12", tmp_path / "etc"
+    (stdlib / "json").mkdir(parents=True)
+    elsewhere.mkdir()
+    (stdlib / "_sysconfigdata__x86_64-linux-gnu.py").write_text("build_time_vars = {}\n")
+    (stdlib / "_sysconfigdata__linux_x86_64-linux-gnu.py").symlink_to("_sysconfigdata__x86_64-linux-gnu.py")
+    (elsewhere / "sitecustomize.py").write_text("import os\n")
+    (stdlib / "sitecustomize.py").symlink_to(elsewhere / "sitecustomize.py")
+    (stdlib / "broken.py").symlink_to(stdlib / "gone.py")
+    (stdlib / "json" / "decoder.py").write_text("def decode(text):\n    return text\n")
+    (stdlib / "folder.py").mkdir()
+    os.mkfifo(stdlib / "pipe.py")
+    monkeypatch.setattr(data.corpus.sysconfig, "get_paths", lambda: {"stdlib": str(stdlib)})
+    sources = data.corpus.stdlib_sources()
+    assert sources == [stdlib / "_sysconfigdata__x86_64-linux-gnu.py", stdlib / "json" / "decoder.py"]
+    assert find_input_files(sources, InputReport()) == sources

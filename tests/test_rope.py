@@ -27,6 +27,7 @@ from models.rope import (
     rope_frequencies,
     rope_scaling_from_dict,
 )
+from tests.hf_forms import rope_of, transformers4_form, transformers5_form
 from tests.test_train import store as store  # noqa: F401  (the module-scoped token store fixture)
 from trainer.config import TrainConfig, load_run_config, save_config
 from trainer.preflight import model_and_store
@@ -50,15 +51,15 @@ ROPES = {
 }
 
 
-def hf_model(rope: dict, transformers4: bool = False) -> LlamaForCausalLM:
+def hf_model(rope: dict) -> LlamaForCausalLM:
     """A tiny random LlamaForCausalLM (float32) with `rope`, theta 500; max_position_embeddings is ORIGINAL for
-    dynamic (its growth starts there), 4 x ORIGINAL for the others."""
+    dynamic (its growth starts there), 4 x ORIGINAL for the others. RoPE is given as 4.x takes it, as 5.x does too
+    (4.x would ignore 5.x's rope_parameters)."""
     torch.manual_seed(0)
     max_length = ORIGINAL if rope["rope_type"] == "dynamic" else 4 * ORIGINAL
-    rope_fields = {"rope_theta": 500.0, "rope_scaling": rope} if transformers4 else \
-        {"rope_parameters": {**rope, "rope_theta": 500.0}}
     config = LlamaConfig(hidden_size=4 * HEAD_DIM, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=300, max_position_embeddings=max_length, **rope_fields)
+                         num_key_value_heads=2, vocab_size=300, max_position_embeddings=max_length, rope_theta=500.0,
+                         rope_scaling=None if rope["rope_type"] == "default" else rope)
     return LlamaForCausalLM(config).eval()
 
 
@@ -90,22 +91,24 @@ def test_each_rope_type_matches_transformers_past_the_original_context(tmp_path,
     exported = json.loads((tmp_path / "hf2" / "config.json").read_text())
     assert config_from_hf(exported, "hf2") == model.config
     reloaded = LlamaForCausalLM.from_pretrained(tmp_path / "hf2").eval()
-    assert reloaded.config.rope_parameters["rope_type"] == ROPES[name]["rope_type"]
+    assert rope_of(reloaded.config) == {**ROPES[name], "rope_theta": 500.0}
     with torch.no_grad():
         assert torch.allclose(reloaded(tokens).logits, hf(tokens).logits, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["linear", "dynamic", "yarn", "longrope", "llama3"])
-def test_the_transformers4_form_reads_the_same(tmp_path, name):
-    hf4 = hf_model(ROPES[name], transformers4=True)
-    fields = hf4.config.to_dict()
-    fields.pop("rope_parameters")
-    fields.update(rope_theta=500.0, rope_scaling=ROPES[name])  # as a 4.x config.json holds it
-    assert config_from_hf(fields, "config.json") == config_from_hf(hf_model(ROPES[name]).config.to_dict(), "5.x")
+def test_the_transformers4_and_5_forms_read_the_same(tmp_path, name):
+    fields = hf_model(ROPES[name]).config.to_dict()  # as the installed release writes it
+    four, five = transformers4_form(fields), transformers5_form(fields)
+    assert four["rope_theta"] == 500.0 and four["rope_scaling"]["rope_type"] == name and "rope_parameters" not in four
+    assert five["rope_parameters"]["rope_theta"] == 500.0 and "rope_scaling" not in five and "rope_theta" not in five
+    model = config_from_hf(four, "config.json")
+    assert model == config_from_hf(five, "config.json") == config_from_hf(fields, "config.json")
+    assert model.rope_theta == 500.0 and model.rope_scaling.to_dict()["rope_type"] == name
 
 
 def test_yarn_and_longrope_without_factor_take_transformers_default():
-    base = hf_model(ROPES["llama3"]).config.to_dict()  # max_position_embeddings 4 x ORIGINAL
+    base = transformers5_form(hf_model(ROPES["llama3"]).config.to_dict())  # max_position_embeddings 4 x ORIGINAL
     yarn = config_from_hf({**base, "rope_parameters": {"rope_type": "yarn", "rope_theta": 500.0, "factor": None,
                                                        "original_max_position_embeddings": ORIGINAL}}, "c")
     assert yarn.rope_scaling == YarnRope(factor=4.0, original_max_position_embeddings=ORIGINAL)

@@ -25,6 +25,7 @@ from data.loader import IGNORE_INDEX, PackedStream
 from evaluation import EvalConfig, evaluate, load_for_eval
 from models import convert_checkpoint
 from tests.distributed import run_on_ranks
+from tests.hf_forms import rope_of
 from tests.test_train import burst_train, events, metrics
 
 # Standard-library modules of 1.5K-9K SmolLM2 tokens each: code the model knows, long enough for document mode.
@@ -72,7 +73,8 @@ def test_the_directory_is_an_ordinary_hugging_face_llama(smollm2):
     assert (config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"],
             config["num_key_value_heads"], config["vocab_size"]) == (30, 576, 9, 3, 49152)
     assert config["tie_word_embeddings"] is True and config["max_position_embeddings"] == 8192
-    assert config["rope_parameters"] == {"rope_type": "default", "rope_theta": 100000.0}
+    # the form transformers 4.x reads, and 5.x too (scripts/smollm2.py)
+    assert (config["rope_theta"], config["rope_scaling"], "rope_parameters" in config) == (100000.0, None, False)
     with safe_open(smollm2 / "model.safetensors", "pt") as f:
         assert "lm_head.weight" not in f.keys() and f.get_slice("model.embed_tokens.weight").get_shape() == [49152, 576]
     generation = json.loads((smollm2 / "generation_config.json").read_text())
@@ -183,7 +185,7 @@ def test_a_run_starts_at_the_models_loss_and_its_export_keeps_the_model(smollm2_
     assert exported.chat_template == original.chat_template
     config = transformers.AutoConfig.from_pretrained(export)  # as transformers reads it
     assert config.tie_word_embeddings is True and config.num_key_value_heads == 3
-    assert config.rope_parameters == {"rope_type": "default", "rope_theta": 100000.0}
+    assert rope_of(config) == {"rope_type": "default", "rope_theta": 100000.0}
     assert (config.bos_token_id, config.eos_token_id) == (1, 2)
 
 
@@ -194,5 +196,5 @@ def test_an_export_of_the_imported_model_gives_its_logits(smollm2, tmp_path):
     with torch.no_grad():
         assert torch.equal(hf_model(export)(tokens).logits, hf_model(smollm2)(tokens).logits)
     config, original = (transformers.AutoConfig.from_pretrained(path) for path in (export, smollm2))
-    assert config.tie_word_embeddings is True and config.rope_parameters == original.rope_parameters
+    assert config.tie_word_embeddings is True and rope_of(config) == rope_of(original)
     assert (config.num_attention_heads, config.num_key_value_heads) == (9, 3)

@@ -26,6 +26,7 @@ from data.tokenizer import file_sha256, fingerprint
 from models import ModelConfig, init_model, save_model
 from models.checkpoint import model_from_tensors
 from models.hf_tokenizer import write_hf_tokenizer
+from tests.hf_forms import rope_of
 from tests.test_train import burst_train
 
 TEXTS = ["def f(x):\n    return x * 2  # doubled\n", "  über naïve café 数据 🙂\t\ttabs\n\n\nend",
@@ -226,7 +227,7 @@ def test_rope_flags_are_in_the_run_config_its_checkpoints_and_its_export(run):
                                                         "original_max_position_embeddings": 32}
     config = json.loads((export / "config.json").read_text())
     assert config["rope_theta"] == 20000.0 and config["rope_scaling"]["rope_type"] == "yarn"
-    assert transformers.AutoConfig.from_pretrained(export).rope_parameters["factor"] == 4.0
+    assert rope_of(transformers.AutoConfig.from_pretrained(export))["factor"] == 4.0  # as 4.x and 5.x read it
 
 
 def test_a_resume_on_a_store_of_another_tokenizer_is_refused_and_the_run_untouched(run, tmp_path, corpus):

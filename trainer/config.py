@@ -29,6 +29,9 @@ MAX_LR = 1.0  # AdamW moves each weight by about lr per step: beyond this no run
 # vocabulary, a batch of one sequence). Below MIN_VAL_TOKENS a validation loss is mostly the noise of which
 # document it holds: steps shorter than half that validate on that many, a few of their short steps' time.
 VAL_STEPS, MIN_VAL_TOKENS = 2, 2048
+DEVICE_HELP = ("Where the ranks run: cuda (a GPU per local rank, NCCL), cpu (gloo ranks on the CPU, even beside GPUs, "
+               "which stay untouched) or auto (cuda where a GPU is visible, else cpu); the BURST_DEVICE environment "
+               "variable when not given.")
 
 
 def flag(name: str) -> str:
@@ -89,6 +92,8 @@ class TrainConfig:
     precision: str = setting("auto", "bf16: bf16 compute over float32 master weights (FSDP2 mixed precision on "
                                      "CUDA, else autocast); fp32: no autocast; auto: bf16 where the hardware computes "
                                      "in bf16 natively (CUDA, CPUs with AVX512-BF16 or AMX), fp32 elsewhere.")
+    # A run records the device it ran on (config.toml); --resume resolves it again, and says so when it changed.
+    device: str | None = setting(None, DEVICE_HELP, shown="$BURST_DEVICE, else auto")
     # Old config files' true/false read as selective/none (`_upgraded`).
     activation_checkpointing: str = setting("none", "none; full: recompute each block's activations in backward; "
                                                     "selective: the same, but keep attention's output, so the ring "
@@ -156,6 +161,7 @@ class TrainConfig:
         from data.mixture import parse_mixture, resolved_sources
         from models.config import PRESETS
         from models.rope import check_theta, parse_rope_scaling
+        from runtime.device import check_device
         from runtime.precision import PRECISIONS
 
         for name in ("seq_len", "cp", "dp", "batch_size", "grad_accum", "steps", "log_every", "max_bad_steps",
@@ -206,6 +212,8 @@ class TrainConfig:
                 raise ValueError(f"{flag(name)} {getattr(self, name)} must be in [0, 1), e.g. 0.9 or 0.95")
         if self.precision not in PRECISIONS:
             raise ValueError(f"--precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
+        if self.device is not None:
+            check_device(self.device)
         if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
             raise ValueError(f"--activation-checkpointing {self.activation_checkpointing!r} is not one of "
                              f"{', '.join(ACTIVATION_CHECKPOINTING)}")
@@ -268,10 +276,10 @@ FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 INVOCATION_FIELDS = ("resume", "stop_after")
 # What --resume may change: the parallel layout (DCP reshards the state) and how the run reports and saves.
 # Sequences per step (batch_size x dp x grad_accum) must stay, so the loss and schedule do not change.
-RESUMABLE_CHANGES = ("cp", "dp", "batch_size", "grad_accum", "activation_checkpointing", "attention_backward",
-                     "cp_topology", "cp_layout", "compile", "check_ranks_every", "log_every", "checkpoint_every",
-                     "keep", "async_checkpoint", "max_restarts", "timeout", "val_tokens", "val_every",
-                     *INVOCATION_FIELDS)
+RESUMABLE_CHANGES = ("device", "cp", "dp", "batch_size", "grad_accum", "activation_checkpointing",
+                     "attention_backward", "cp_topology", "cp_layout", "compile", "check_ranks_every", "log_every",
+                     "checkpoint_every", "keep", "async_checkpoint", "max_restarts", "timeout", "val_tokens",
+                     "val_every", *INVOCATION_FIELDS)
 
 
 def run_identity(config: TrainConfig) -> dict[str, Any]:
@@ -379,7 +387,9 @@ def load_run_config(out: str | Path, overrides: dict[str, Any]) -> TrainConfig:
         raise ValueError(f"--resume: {out} holds no run to continue ({path} does not exist); pass the --out of "
                          f"an earlier run, or start a new run without --resume")
     saved = load_config(path, {"out": str(out)}, recorded=True)
-    config = load_config(path, {**overrides, "out": str(out), "resume": True}, recorded=True)
+    # The device recorded is where the run ran, not a request: this machine's is resolved again (flag, BURST_DEVICE,
+    # auto), and the run says so when it changed (trainer/trainer.py).
+    config = load_config(path, {"device": None, **overrides, "out": str(out), "resume": True}, recorded=True)
     changed = [name for name in FIELDS if name not in RESUMABLE_CHANGES and name != "out"
                and getattr(config, name) != getattr(saved, name)]
     if changed:

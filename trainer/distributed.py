@@ -53,12 +53,13 @@ def environment_world_size() -> int:
 
 
 def init_distributed(config: TrainConfig) -> Distributed:
-    """Join the process group the environment describes (none for a single process) and build the mesh."""
+    """Join the process group the environment describes (none for a single process) and build the mesh, on
+    config.device: the kind trainer/preflight.py resolved ("cpu" ranks use gloo even where CUDA is there)."""
     world_size = environment_world_size()
     if world_size == 1:
-        return Distributed(0, 1, worker_device(), None)
+        return Distributed(0, 1, worker_device(config.device), None)
     # The default, 30 minutes, allows for a 1M-token step on a slow link.
-    device = init_worker_process_group(datetime.timedelta(minutes=config.timeout))
+    device = init_worker_process_group(config.device, datetime.timedelta(minutes=config.timeout))
     mesh = init_device_mesh(device.type, (config.dp, config.cp), mesh_dim_names=("dp", "cp"))
     return Distributed(dist.get_rank(), world_size, device, mesh, dist.new_group(backend="gloo"))
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-import torch
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -44,11 +43,9 @@ def launch(config: TrainConfig) -> None:
 
 def start_ranks(config: TrainConfig) -> None:
     """Check the run, then run it here (one process) or on cp x dp local worker processes."""
-    plan = plan_run(config, world_size=config.world_size)  # before any process starts; prepares the default corpus
-    config = plan.config
-    if torch.cuda.is_available() and torch.cuda.device_count() < config.world_size:
-        raise ValueError(f"cp x dp = {config.world_size} ranks need {config.world_size} GPUs, this machine has "
-                         f"{torch.cuda.device_count()}; use torchrun to run on several machines")
+    # Before any process starts: refuses more ranks than GPUs (naming --device cpu), prepares the default corpus.
+    # Each worker resolves the device again from the same request, environment and GPUs (and so says why).
+    config = dataclasses.replace(plan_run(config, world_size=config.world_size).config, device=config.device)
     if config.world_size == 1 and not config.max_restarts:  # a single process runs here, unless it may restart
         train(config)
         return

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import tomllib
 import torch
 
 from checkpoints.training import (
@@ -32,6 +33,7 @@ from models import PRESETS, ModelConfig
 from models.checkpoint import expected_shapes, is_native_checkpoint
 from models.convert import is_hf_checkpoint, read_checkpoint
 from models.rope import ORIGINAL_LENGTH, parse_rope_scaling
+from runtime.device import Device, resolve_device
 from runtime.directories import check_writable, read_marker
 from runtime.precision import Precision, resolve_precision
 from trainer.checkpoint import check_model_config, metrics_rows
@@ -50,9 +52,11 @@ class RunPlan:
     model_config: ModelConfig
     checkpoint: Path | None  # native or Hugging Face checkpoint directory to load; None: fresh weights from seed
     precision: Precision  # config.precision ("auto": chosen by this machine's hardware) and why
+    device: Device  # where the ranks run (config.device holds its kind) and why
     resume_from: Path | None = None  # training checkpoint to continue from (--resume), checked
     restart: int = 0  # how many times the launcher restarted the workers of this run (0: the first start)
     init_from: Path | None = None  # training checkpoint a new stage starts from (--init-from), unless resuming
+    recorded_device: str | None = None  # on --resume, the device the run ran on before (None: not recorded)
 
 
 def default_run_dir() -> str:
@@ -237,11 +241,11 @@ def memory_per_rank(config: TrainConfig, model_config: ModelConfig, mode: str | 
             "activations": activation_bytes(config, model_config, mode)}
 
 
-def check_memory(config: TrainConfig, model_config: ModelConfig, local_ranks: int) -> None:
+def check_memory(config: TrainConfig, model_config: ModelConfig, local_ranks: int, device_kind: str = "cpu") -> None:
     """Refuse a run whose ranks cannot fit: one rank's device on CUDA; on CPU, every local rank (a process
     each, sharing this machine's memory), so too many local ranks are refused before any process starts. Where
     recomputing activations would make it fit, the refusal says so, with that mode's need."""
-    cuda = torch.cuda.is_available()
+    cuda = device_kind == "cuda"
 
     def needed(mode: str | None = None) -> int:
         per_rank = sum(memory_per_rank(config, model_config, mode).values())
@@ -302,6 +306,8 @@ def plan_run(config: TrainConfig, world_size: int, restart: int = 0) -> RunPlan:
     Prepares the embedded corpus when no --data is given (once, in the calling process).
     """
     check_world_size(config, world_size)
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # under torchrun: this node's
+    device = resolve_device(config.device, local_ranks)  # first: a run the machine cannot start prepares nothing
     out = config.out or default_run_dir()
     if restart and complete_checkpoints(Path(out)):
         config = dataclasses.replace(config, resume=True)
@@ -324,14 +330,23 @@ def plan_run(config: TrainConfig, world_size: int, restart: int = 0) -> RunPlan:
     check_preferences(config, sources)
     check_conversations(config, sources)
     check_sequence_fits(config, sources)
-    check_memory(config, model_config, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    check_memory(config, model_config, local_ranks, device.kind)
     resume_from = check_resume(config, Path(out), model_config, sources) if config.resume else None
     if resume_from is not None:
         check_reference_kept(config, Path(out))
-    precision = resolve_precision(config.precision, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    precision = resolve_precision(config.precision, torch.device(device.kind))
     model = config.model or (None if config.init_from else DEFAULT_MODEL)
-    return RunPlan(dataclasses.replace(config, data=data, out=out, model=model), model_config, checkpoint, precision,
-                   resume_from, restart, None if resume_from else init_from)
+    return RunPlan(dataclasses.replace(config, data=data, out=out, model=model, device=device.kind), model_config,
+                   checkpoint, precision, device, resume_from, restart, None if resume_from else init_from,
+                   recorded_device(Path(out)) if config.resume else None)
+
+
+def recorded_device(out: Path) -> str | None:
+    """The device the run in `out` last ran on, as its config.toml records it (None: a run from before --device)."""
+    try:
+        return tomllib.loads((out / "config.toml").read_text()).get("device")
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return None
 
 
 def check_same_data(checkpoint: Path, sources: list[Source]) -> None:

@@ -122,6 +122,8 @@ class Trainer:
         for name, value in dataclasses.asdict(self.config).items():
             if name == "precision":
                 value = f"{value} ({self.plan.precision.reason})"
+            elif name == "device":
+                value = f"{value} ({self.plan.device.reason})"
             elif value is None and name in unset and (name != "model" or self.config.init_from is not None):
                 value = unset[name]
             table.add_row(name, str(value))
@@ -164,6 +166,10 @@ class Trainer:
                                   else "starting over (no checkpoint yet)"))
         elif self.metrics is not None and plan.resume_from is not None:
             self.metrics.message(f"resumed from {plan.resume_from} (step {self.state.step})")
+        if self.metrics is not None and plan.recorded_device not in (None, self.config.device):
+            self.metrics.event("device_changed", {"from": plan.recorded_device, "to": self.config.device},
+                               f"device: the run ran on {plan.recorded_device} and continues on {self.config.device} "
+                               f"({plan.device.reason}); pass --device {plan.recorded_device} to keep it there")
 
     def record(self) -> None:
         """Rank 0 writes the run directory, once everything it starts from is loaded and checked: a new run's
@@ -173,7 +179,8 @@ class Trainer:
         plan, config = self.plan, self.config
         continued = plan.resume_from is not None or plan.restart > 0
         claim_run_directory(self.out)
-        save_config(config, self.out / "config.toml", notes=f"precision {config.precision}: {plan.precision.reason}")
+        save_config(config, self.out / "config.toml", notes=f"precision {config.precision}: {plan.precision.reason}\n"
+                                                            f"device {config.device}: {plan.device.reason}")
         if plan.resume_from is None:  # never replaced (preflight compared its ids on resume); exports carry it
             self.store.copy_tokenizer(self.out)
             for source in self.sources:  # the same ids, other files (no chat template): kept aside, by source
