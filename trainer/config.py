@@ -25,8 +25,7 @@ if TYPE_CHECKING:
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 # The settings a model's training recipe fills in when neither a flag nor the config file sets them.
 RECIPE_FIELDS = ("lr", "warmup", "min_lr_ratio", "weight_decay", "beta1", "beta2", "max_grad_norm")
-RECIPE_SHOWN = "the model's training recipe: a preset's (tiny: 2e-3 lr, 5 warmup steps), or fine-tuning's for " \
-               "--model DIR and --init-from (docs/training-defaults.md)"
+RECIPE_SHOWN = "the model's training recipe (fine-tuning's for --model DIR, --init-from; docs/training-defaults.md)"
 MIN_TIMEOUT, MAX_TIMEOUT = 0.1, 7 * 24 * 60.0  # minutes: --timeout becomes a timedelta and every collective's wait
 MAX_LR = 1.0  # AdamW moves each weight by about lr per step: beyond this no run trains
 # The default --val-tokens. A validation pass runs forward only, about a third of a training step's work per token
