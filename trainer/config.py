@@ -264,17 +264,21 @@ class TrainConfig:
     def recipe(self) -> TrainingRecipe:
         """The training recipe of the model this run starts from: its preset's (default tiny), or fine-tuning's
         for weights trained already (--model DIR, --init-from)."""
-        from models.config import FINE_TUNING, RECIPES
+        from models.config import FINE_TUNING, RECIPES  # here: `burst --help` reads this module without torch
 
-        if self.init_from is not None:
-            return FINE_TUNING
-        return RECIPES.get(self.model or "tiny", FINE_TUNING)
+        return FINE_TUNING if self.starts_trained else RECIPES[self.model or "tiny"]
 
     @property
     def recipe_name(self) -> str:
         """The recipe's name in the settings table: preset NAME recipe, or fine-tuning recipe."""
-        fine_tuning = self.init_from is not None or (self.model or "tiny") not in _presets()
-        return "fine-tuning recipe" if fine_tuning else f"preset {self.model or 'tiny'} recipe"
+        return "fine-tuning recipe" if self.starts_trained else f"preset {self.model or 'tiny'} recipe"
+
+    @property
+    def starts_trained(self) -> bool:
+        """Whether the run starts from trained weights (--init-from, --model DIR) rather than a preset's fresh ones."""
+        from models.config import RECIPES
+
+        return self.init_from is not None or (self.model or "tiny") not in RECIPES
 
     @property
     def sequence_layout(self) -> str:
@@ -293,37 +297,32 @@ class TrainConfig:
         return self.seq_len * self.batch_size * self.dp * self.grad_accum
 
 
-def _presets() -> dict:
-    from models.config import PRESETS  # here: `burst --help` reads this module without torch
-
-    return PRESETS
+def recipe_value(config: TrainConfig, name: str) -> float | int:
+    """The value the model's recipe gives the setting `name` in this run: its warmup cut to --steps - 1."""
+    recipe = config.recipe
+    return min(recipe.warmup_steps(config.steps), config.steps - 1) if name == "warmup" else getattr(recipe, name)
 
 
 def resolve_recipe(config: TrainConfig) -> None:
     """Fill the optimizer settings neither a flag nor the config file set from the model's training recipe (a
     recorded run's config.toml sets them all, so a resume keeps its own). A recipe's warmup longer than the run
     is cut to --steps - 1 (`warmup_note` says so)."""
-    recipe = config.recipe
     for name in RECIPE_FIELDS:
         if getattr(config, name) is None:
-            value = min(recipe.warmup_steps(config.steps), config.steps - 1) if name == "warmup" \
-                else getattr(recipe, name)
-            object.__setattr__(config, name, value)
+            object.__setattr__(config, name, recipe_value(config, name))
 
 
 def recipe_origin(config: TrainConfig, name: str) -> str:
     """Where the value of the recipe setting `name` came from, for the settings table."""
     if config.resume:
         return "the run's config.toml"
-    recipe = config.recipe
-    wanted = min(recipe.warmup_steps(config.steps), config.steps - 1) if name == "warmup" else getattr(recipe, name)
-    return config.recipe_name if getattr(config, name) == wanted else "flag or --config file"
+    return config.recipe_name if getattr(config, name) == recipe_value(config, name) else "flag or --config file"
 
 
 def warmup_note(config: TrainConfig) -> str | None:
     """One line when the recipe's warmup was cut to fit a shorter run; None when it fits (or was set)."""
     wanted = config.recipe.warmup_steps(config.steps)
-    if config.resume or wanted < config.steps or recipe_origin(config, "warmup") == "flag or --config file":
+    if config.resume or wanted < config.steps or recipe_origin(config, "warmup") != config.recipe_name:
         return None
     return (f"warmup {wanted} steps of the {config.recipe_name} is longer than this {config.steps}-step run: warming "
             f"up over {config.warmup} steps (--warmup sets it)")
