@@ -1,13 +1,15 @@
-"""The model configuration: one typed dataclass and its named presets.
+"""The model configuration: one typed dataclass and its named presets, each with its training recipe.
 
 `debug` and `tiny` run on a laptop CPU (tests, smoke runs); the others carry the published
 hyperparameters of the LLaMA-2/3 checkpoints, so a converted Hugging Face checkpoint and a
-preset describe the same model.
+preset describe the same model, and the optimizer settings their family was published with
+(RECIPES: `burst train --model NAME` starts from them; docs/training-defaults.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -143,3 +145,64 @@ PRESETS: dict[str, ModelConfig] = {
                                ffn_hidden_dim=8192, norm_eps=1e-5, rope_theta=500000.0,
                                rope_scaling=LLAMA32_ROPE_SCALING, max_seq_len=131072, tie_embeddings=True),
 }
+
+
+@dataclass(frozen=True)
+class TrainingRecipe:
+    """The optimizer settings a model family was trained with: AdamW (beta1, beta2, weight_decay), a linear
+    warmup to `lr` over `warmup` steps (or `warmup_ratio` of the run's steps), then a cosine decay to
+    lr x min_lr_ratio, the global gradient norm clipped to max_grad_norm. `source` says where they come from."""
+
+    lr: float
+    warmup: int | None
+    min_lr_ratio: float
+    weight_decay: float
+    beta1: float
+    beta2: float
+    max_grad_norm: float
+    source: str
+    warmup_ratio: float | None = None  # instead of `warmup`: a fraction of the run's steps
+
+    def warmup_steps(self, steps: int) -> int:
+        """The recipe's warmup for a run of `steps` steps, before any cut to fit the run."""
+        return self.warmup if self.warmup is not None else math.ceil(self.warmup_ratio * steps)
+
+
+LLAMA2_SOURCE = ("LLaMA 2 paper (arXiv 2307.09288, section 2.2 and Table 1): AdamW betas 0.9/0.95 (eps 1e-5), cosine "
+                 "to 10% of the peak, 2,000 warmup steps, weight decay 0.1, gradient clipping 1.0, peak lr 3e-4 at "
+                 "7B and 13B")
+LLAMA3_SOURCE = ("Llama 3 paper (arXiv 2407.21783): peak lr 3e-4 for 8B (Table 3); 8,000 linear warmup steps and a "
+                 "cosine to 1% of the peak (section 3.4.1, stated for 405B: 8e-5 to 8e-7; no 8B schedule is given, "
+                 "so 8B decays to 3e-6); betas, weight decay and clipping are not stated there: LLaMA 2's "
+                 "(0.9/0.95, 0.1, 1.0)")
+LLAMA2 = TrainingRecipe(lr=3e-4, warmup=2000, min_lr_ratio=0.1, weight_decay=0.1, beta1=0.9, beta2=0.95,
+                        max_grad_norm=1.0, source=LLAMA2_SOURCE)
+LLAMA3 = TrainingRecipe(lr=3e-4, warmup=8000, min_lr_ratio=0.01, weight_decay=0.1, beta1=0.9, beta2=0.95,
+                        max_grad_norm=1.0, source=LLAMA3_SOURCE)
+# Not a published recipe: a high rate and a short warmup, so that a few dozen CPU steps of a small model learn.
+QUICK = TrainingRecipe(lr=2e-3, warmup=5, min_lr_ratio=0.1, weight_decay=0.1, beta1=0.9, beta2=0.95,
+                       max_grad_norm=1.0, source="burst's own for quick CPU runs of a small model, not a published "
+                                             "recipe")
+
+RECIPES: dict[str, TrainingRecipe] = {
+    "debug": QUICK,
+    "tiny": QUICK,
+    "llama2-7b": LLAMA2,
+    "llama2-13b": LLAMA2,
+    "llama3-8b": LLAMA3,
+    "llama3.1-8b": LLAMA3,
+    # Meta published no pretraining recipe for Llama 3.2 (its 1B and 3B were pruned from and distilled by 3.1 8B).
+    "llama3.2-1b": dataclasses.replace(LLAMA3, source="Meta published no pretraining recipe for Llama 3.2: the Llama "
+                                                      "3.1 8B one. " + LLAMA3_SOURCE),
+    "llama3.2-3b": dataclasses.replace(LLAMA3, source="Meta published no pretraining recipe for Llama 3.2: the Llama "
+                                                      "3.1 8B one. " + LLAMA3_SOURCE),
+}
+
+# Fine-tuning a trained model (--model DIR, --init-from): a rate two orders below pretraining's, so that the
+# weights move little from what they learnt.
+FINE_TUNING = TrainingRecipe(
+    lr=2e-5, warmup=None, warmup_ratio=0.03, min_lr_ratio=0.0, weight_decay=0.1, beta1=0.9, beta2=0.95,
+    max_grad_norm=1.0,
+    source="lr 2e-5 and weight decay 0.1: LLaMA 2-Chat's supervised fine-tuning (arXiv 2307.09288, section 3.1); "
+           "warmup 3% of the steps and a cosine to 0: Stanford Alpaca's (github.com/tatsu-lab/stanford_alpaca); "
+           "betas 0.9/0.95 and clipping 1.0: LLaMA 2's AdamW")

@@ -158,8 +158,8 @@ def test_what_cannot_train_on_conversations_is_refused_before_any_work(chat_stor
     runner = CliRunner()
     out = tmp_path / "run"
     common = ["train", "--model", "debug", "--data", str(chat_store), "--steps", "1", "--out", str(out)]
-    refused(runner.invoke(app, [*common, "--seq-len", "256"]), 2, "instruction stores (`burst prepare --chat`)",
-            "add --doc-mask")
+    refused(runner.invoke(app, [*common, "--seq-len", "256", "--no-doc-mask"]), 2, "--no-doc-mask is refused",
+            "instruction stores (`burst prepare --chat`)", "drop --no-doc-mask")
     longest = int(TokenStore(chat_store).document_lengths.max())
     refused(runner.invoke(app, [*common, "--doc-mask", "--seq-len", "32"]), 2,
             f"are longer than a sequence of --seq-len 32 (+ 1 label), the longest {longest} tokens",

@@ -141,8 +141,8 @@ def test_what_cannot_train_on_preferences_is_refused_before_any_work(pair_store,
     common = ["train", "--model", "debug", "--seq-len", "384", "--steps", "1", "--out", str(out)]
     refused(runner.invoke(app, [*common, "--data", str(pair_store), "--doc-mask"]), 2,
             "is a preference store (`burst prepare --preference`)", "--objective dpo | ipo | simpo | orpo")
-    refused(runner.invoke(app, [*common, "--data", str(pair_store), "--objective", "dpo"]), 2,
-            "must not attend to other pairs'", "add --doc-mask")
+    refused(runner.invoke(app, [*common, "--data", str(pair_store), "--objective", "dpo", "--no-doc-mask"]), 2,
+            "--no-doc-mask is refused for --data", "must not attend to other pairs'", "drop --no-doc-mask")
     refused(runner.invoke(app, [*common, "--data", str(pair_store), "--objective", "kto", "--doc-mask"]), 2,
             "--objective 'kto' is not one of nll, dpo, ipo, simpo, orpo")
     refused(runner.invoke(app, [*common, "--data", str(pair_store), "--objective", "dpo", "--beta", "0",

@@ -15,12 +15,17 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import tomllib
 
+if TYPE_CHECKING:
+    from models.config import TrainingRecipe
+
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
-DEFAULT_WARMUP = 5
+# The settings a model's training recipe fills in when neither a flag nor the config file sets them.
+RECIPE_FIELDS = ("lr", "warmup", "min_lr_ratio", "weight_decay", "beta1", "beta2", "max_grad_norm")
+RECIPE_SHOWN = "the model's training recipe (fine-tuning's for --model DIR, --init-from; docs/training-defaults.md)"
 MIN_TIMEOUT, MAX_TIMEOUT = 0.1, 7 * 24 * 60.0  # minutes: --timeout becomes a timedelta and every collective's wait
 MAX_LR = 1.0  # AdamW moves each weight by about lr per step: beyond this no run trains
 # The default --val-tokens. A validation pass runs forward only, about a third of a training step's work per token
@@ -80,14 +85,18 @@ class TrainConfig:
     batch_size: int = setting(1, "Sequences per data-parallel rank per micro-batch.")
     grad_accum: int = setting(1, "Micro-batches per optimizer step.")
     steps: int = setting(40, "Optimizer steps of the whole run (the LR schedule spans them).")
-    lr: float = setting(2e-3, "Peak learning rate.")
-    min_lr_ratio: float = setting(0.1, "The cosine decays to lr x min_lr_ratio at the last step.")
+    # The optimizer's settings default to the model's training recipe (models/config.py RECIPES; `resolve_recipe`).
+    lr: float | None = setting(None, "Peak learning rate.", shown=RECIPE_SHOWN)
+    min_lr_ratio: float | None = setting(None, "The cosine decays to lr x min_lr_ratio at the last step.",
+                                         shown=RECIPE_SHOWN)
     warmup: int | None = setting(None, "Steps of linear warmup from lr / warmup to lr; below --steps.",
-                                 shown=f"{DEFAULT_WARMUP}, or --steps - 1 when less")
-    weight_decay: float = setting(0.1, "Decoupled weight decay (AdamW); not applied to norms and embeddings.")
-    beta1: float = setting(0.9, "AdamW beta1.")
-    beta2: float = setting(0.95, "AdamW beta2.")
-    max_grad_norm: float = setting(1.0, "Clip the global gradient norm (over all shards) to this; 0: no clipping.")
+                                 shown=RECIPE_SHOWN + ", cut to --steps - 1 when longer")
+    weight_decay: float | None = setting(None, "Decoupled weight decay (AdamW); not applied to norms and embeddings.",
+                                         shown=RECIPE_SHOWN)
+    beta1: float | None = setting(None, "AdamW beta1.", shown=RECIPE_SHOWN)
+    beta2: float | None = setting(None, "AdamW beta2.", shown=RECIPE_SHOWN)
+    max_grad_norm: float | None = setting(None, "Clip the global gradient norm (over all shards) to this; 0: no "
+                                                "clipping.", shown=RECIPE_SHOWN)
     # A run saves the resolved precision (config.toml, with the reason), so it resumes alike on other hardware.
     precision: str = setting("auto", "bf16: bf16 compute over float32 master weights (FSDP2 mixed precision on "
                                      "CUDA, else autocast); fp32: no autocast; auto: bf16 where the hardware computes "
@@ -108,7 +117,9 @@ class TrainConfig:
                                        "(a ring per node, one hop per round across), ulysses (all-to-all over heads "
                                        "in a node, ring across) or auto (flat on one node, else fewest bytes "
                                        "across nodes).")
-    doc_mask: bool = setting(False, "Attend only within each packed document; positions restart at every document.")
+    doc_mask: bool | None = setting(None, "Attend only within each packed document; positions restart at every "
+                                          "document.", shown="on for instruction and preference stores (which need "
+                                                             "it), else off")
     cp_layout: str = setting("auto", "How each sequence is cut into the cp ranks' shards: zigzag (2 x cp chunks), "
                                      "balanced (chosen per sequence from its documents so that every rank does the "
                                      "same attention work; needs --doc-mask) or auto (balanced with --doc-mask, "
@@ -173,11 +184,10 @@ class TrainConfig:
         if self.stop_after is not None and not 1 <= self.stop_after <= self.steps:
             raise ValueError(f"--stop-after {self.stop_after} must be a step of the run, 1 to --steps {self.steps}; "
                              f"pass an earlier step, or raise --steps")
+        resolve_recipe(self)
         for name in ("lr", "min_lr_ratio", "weight_decay", "beta1", "beta2", "max_grad_norm"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{flag(name)} {getattr(self, name)} must be a finite number")
-        if self.warmup is None:  # the default: a short warmup that leaves short (smoke-test) runs at --lr
-            object.__setattr__(self, "warmup", min(DEFAULT_WARMUP, self.steps - 1))
         for name in ("lr", "warmup", "weight_decay", "max_grad_norm", "checkpoint_every", "max_restarts",
                      "val_every"):
             if getattr(self, name) < 0:
@@ -256,6 +266,26 @@ class TrainConfig:
             object.__setattr__(self, "init_from", str(Path(self.init_from).resolve()))
 
     @property
+    def recipe(self) -> TrainingRecipe:
+        """The training recipe of the model this run starts from: its preset's (default tiny), or fine-tuning's
+        for weights trained already (--model DIR, --init-from)."""
+        from models.config import FINE_TUNING, RECIPES  # here: `burst --help` reads this module without torch
+
+        return FINE_TUNING if self.starts_trained else RECIPES[self.model or "tiny"]
+
+    @property
+    def recipe_name(self) -> str:
+        """The recipe's name in the settings table: preset NAME recipe, or fine-tuning recipe."""
+        return "fine-tuning recipe" if self.starts_trained else f"preset {self.model or 'tiny'} recipe"
+
+    @property
+    def starts_trained(self) -> bool:
+        """Whether the run starts from trained weights (--init-from, --model DIR) rather than a preset's fresh ones."""
+        from models.config import RECIPES
+
+        return self.init_from is not None or (self.model or "tiny") not in RECIPES
+
+    @property
     def sequence_layout(self) -> str:
         """The layout the cp ranks cut sequences with (burst/layout.py): cp_layout with auto resolved."""
         if self.cp_layout != "auto":
@@ -270,6 +300,37 @@ class TrainConfig:
     def tokens_per_step(self) -> int:
         """Tokens of one optimizer step over all ranks."""
         return self.seq_len * self.batch_size * self.dp * self.grad_accum
+
+
+def recipe_value(config: TrainConfig, name: str) -> float | int:
+    """The value the model's recipe gives the setting `name` in this run: its warmup cut to --steps - 1."""
+    recipe = config.recipe
+    return min(recipe.warmup_steps(config.steps), config.steps - 1) if name == "warmup" else getattr(recipe, name)
+
+
+def resolve_recipe(config: TrainConfig) -> None:
+    """Fill the optimizer settings neither a flag nor the config file set from the model's training recipe (a
+    recorded run's config.toml sets them all, so a resume keeps its own). A recipe's warmup longer than the run
+    is cut to --steps - 1 (`warmup_note` says so)."""
+    for name in RECIPE_FIELDS:
+        if getattr(config, name) is None:
+            object.__setattr__(config, name, recipe_value(config, name))
+
+
+def recipe_origin(config: TrainConfig, name: str) -> str:
+    """Where the value of the recipe setting `name` came from, for the settings table."""
+    if config.resume:
+        return "the run's config.toml"
+    return config.recipe_name if getattr(config, name) == recipe_value(config, name) else "flag or --config file"
+
+
+def warmup_note(config: TrainConfig) -> str | None:
+    """One line when the recipe's warmup was cut to fit a shorter run; None when it fits (or was set)."""
+    wanted = config.recipe.warmup_steps(config.steps)
+    if config.resume or wanted < config.steps or recipe_origin(config, "warmup") != config.recipe_name:
+        return None
+    return (f"warmup {wanted} steps of the {config.recipe_name} is longer than this {config.steps}-step run: warming "
+            f"up over {config.warmup} steps (--warmup sets it)")
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}

@@ -51,7 +51,7 @@ METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/
 
 def check_preferences(config: TrainConfig, sources: list[Source]) -> None:
     """Refuse a preference store without a preference objective, an objective without one, a mixture, and
-    packed pairs without --doc-mask."""
+    packed pairs with --no-doc-mask."""
     names = [source.spec.name for source in sources if source.store.is_preferences]
     if config.objective == "nll":
         if names:
@@ -64,10 +64,10 @@ def check_preferences(config: TrainConfig, sources: list[Source]) -> None:
         raise ValueError(f"--objective {config.objective} trains on one preference store (`burst prepare --preference "
                          f"--tokenizer MODEL --out STORE`), but got {what}; pass one preference store, or drop "
                          f"--objective for the next-token loss")
-    if not config.doc_mask:
-        raise ValueError(f"--data {names[0]}: pairs are packed several to a sequence, each answer's documents "
-                         f"must not attend to other pairs' (nor, with prefix sharing, to the other answer); add "
-                         f"--doc-mask")
+    if not config.doc_mask:  # on by default for a preference store (trainer/preflight.py `with_document_mask`)
+        raise ValueError(f"--no-doc-mask is refused for --data {names[0]}: pairs are packed several to a sequence, "
+                         f"each answer's documents must not attend to other pairs' (nor, with prefix sharing, to the "
+                         f"other answer); drop --no-doc-mask (the mask is on by default for preference stores)")
     if config.train_on_prompt:
         raise ValueError("--train-on-prompt scores conversations' prompts; a preference objective scores answers "
                          "only: drop --train-on-prompt")

@@ -185,15 +185,28 @@ def check_sequence_fits(config: TrainConfig, sources: list[Source]) -> None:
                              f"data; lower --seq-len, or prepare more data")
 
 
+def with_document_mask(config: TrainConfig, sources: list[Source]) -> TrainConfig:
+    """`config` with --doc-mask's default resolved: on where a store packs conversations or preference pairs (each
+    must see only itself: the only valid setting, so it need not be asked for), else off (a stream of documents
+    trains across their boundaries, as LLaMA's pretraining did). A --no-doc-mask given is kept, to be refused."""
+    if config.doc_mask is not None:
+        return config
+    return dataclasses.replace(config, doc_mask=any(needs_document_mask(source) for source in sources))
+
+
+def needs_document_mask(source: Source) -> bool:
+    return source.store.is_conversations or source.store.is_preferences
+
+
 def check_conversations(config: TrainConfig, sources: list[Source]) -> None:
     """Refuse instruction stores without --doc-mask (packed conversations would read each other), and build the
     training and validation loaders, which refuse conversations over the --long-conversations policy and
     --train-on-prompt without an instruction store (building them reads only the long conversations)."""
     conversations = [source.spec.name for source in sources if source.store.is_conversations]
     if conversations and not config.doc_mask:
-        raise ValueError(f"--data {', '.join(conversations)}: instruction stores (`burst prepare --chat`) pack "
-                         f"several conversations to a sequence, which must not attend to each other nor to the "
-                         f"padding; add --doc-mask")
+        raise ValueError(f"--no-doc-mask is refused for --data {', '.join(conversations)}: instruction stores "
+                         f"(`burst prepare --chat`) pack several conversations to a sequence, which must not attend "
+                         f"to each other nor to the padding; drop --no-doc-mask (the mask is on by default for them)")
     loader = dict(seq_len=config.seq_len, batch_size=config.batch_size, dp_size=config.dp, cp_size=config.cp,
                   long_conversations=config.long_conversations, prefix_sharing=config.prefix_sharing)
     SequenceLoader([source.store for source in sources], shares=[source.spec.share for source in sources],
@@ -327,6 +340,7 @@ def plan_run(config: TrainConfig, world_size: int, restart: int = 0) -> RunPlan:
         model_config, checkpoint = model_and_store(config, store)
     # The loader checks batch, sequence and conversation settings against the data; building one reads no tokens
     # (but an over-long conversation's, to truncate it).
+    config = with_document_mask(config, sources)
     check_preferences(config, sources)
     check_conversations(config, sources)
     check_sequence_fits(config, sources)

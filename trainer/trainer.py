@@ -34,7 +34,7 @@ from data.mixture import open_sources, parse_mixture, tokenizer_source
 from runtime.memory import peak_memory_mib
 from runtime.process import all_reduce
 from trainer.checkpoint import forget_metrics_after, load_checkpoint, load_stage_start
-from trainer.config import run_identity, save_config
+from trainer.config import RECIPE_FIELDS, recipe_origin, run_identity, save_config, warmup_note
 from trainer.distributed import Distributed
 from trainer.metrics import Metrics
 from trainer.optim import build_optimizer, build_schedule
@@ -119,6 +119,8 @@ class Trainer:
         # what an unset flag means in this run, so the table never shows a bare None where a value is in force
         unset = {"model": "the --init-from checkpoint's", "rope_theta": f"the model's: {model.rope_theta:g}",
                  "rope_scaling": f"the model's: {model.rope_scaling.to_dict() if model.rope_scaling else 'none'}"}
+        masked = [kind for kind, stores in (("instruction", "is_conversations"), ("preference", "is_preferences"))
+                  if any(getattr(source.store, stores) for source in self.sources)]
         for name, value in dataclasses.asdict(self.config).items():
             if name == "precision":
                 value = f"{value} ({self.plan.precision.reason})"
@@ -126,11 +128,19 @@ class Trainer:
                 value = f"{value} ({self.plan.device.reason})"
             elif value is None and name in unset and (name != "model" or self.config.init_from is not None):
                 value = unset[name]
+            elif name in RECIPE_FIELDS:
+                value = f"{value} ({recipe_origin(self.config, name)})"
+            elif name == "doc_mask":
+                value = f"{'on' if value else 'off'}" + (f" ({' and '.join(masked)} store: required)" if masked else "")
             table.add_row(name, str(value))
+        table.add_row("recipe", f"{self.config.recipe_name}: {self.config.recipe.source}")
         table.add_row("model shape", f"dim {model.dim}, {model.n_layers} layers, {model.n_heads} heads "
                                      f"({model.n_kv_heads} kv), vocabulary {model.vocab_size}")
         table.add_row("tokens per step", f"{self.config.tokens_per_step:,}")
         self.console.print(table)
+        note = warmup_note(self.config)
+        if note is not None:
+            self.console.print(f"note: {note}")
 
     def resume(self) -> None:
         """Continue from the plan's checkpoint, if any: its weights, optimizer, schedule, data position and
