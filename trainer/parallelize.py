@@ -114,16 +114,10 @@ def mixed_precision_policy(config: TrainConfig, device_type: str) -> MixedPrecis
     return MixedPrecisionPolicy()
 
 
-# Attention outputs that selective checkpointing keeps: BurstAttention's operator and the fused
-# single-process kernels LocalAttention reaches through scaled_dot_product_attention (cp = 1, no
-# document mask). Their backward needs the output and its log-sum-exp, which these ops return.
-SAVED_OPS = {
-    torch.ops.burst.attention.default,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-    torch.ops.aten._scaled_dot_product_flash_attention.default,
-    torch.ops.aten._scaled_dot_product_efficient_attention.default,
-    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
-}
+# Attention outputs that selective checkpointing keeps: burst's operator, which BurstAttention (the ring) and
+# LocalAttention (one process, burst.local_attn) both call. Its backward needs the output and its
+# log-sum-exp, which the operator returns.
+SAVED_OPS = {torch.ops.burst.attention.default}
 
 
 def keep_attention(ctx, op, *args, **kwargs) -> CheckpointPolicy:
