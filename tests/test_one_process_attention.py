@@ -11,6 +11,7 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import burst
 from models import LocalAttention, ModelConfig, init_model
@@ -136,3 +137,77 @@ def test_bad_inputs_are_refused_with_what_to_fix():
         burst.local_attn(q, q, q, doc_sees=[torch.tensor([-1])])
     with pytest.raises(ValueError, match="unknown attention kernel"):
         burst.local_attn(q, q, q, kernel="fastest")
+
+
+class RefuseQuadratic(TorchDispatchMode):
+    """Fails any op (forward or backward) whose output has seq x seq elements or more: a dense mask or score
+    matrix over the sequence. Operators it sees from outside only (burst's attention operator) are checked by
+    their outputs too; their kernels tile the work (the memory test below measures them)."""
+
+    def __init__(self, seq_len: int):
+        super().__init__()
+        self.limit = seq_len * seq_len
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, tuple | list) else (out,):
+            if isinstance(t, torch.Tensor) and t.numel() >= self.limit:
+                raise AssertionError(f"{func} made a tensor of shape {tuple(t.shape)}: quadratic in the sequence")
+        return out
+
+
+def triples(seq_len: int, document: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Documents of `document` tokens (the last one shorter) in threes, a prompt and two answers that see it."""
+    offsets = list(range(0, seq_len, document)) + [seq_len]
+    sees = [-1 if i % 3 == 0 else i - i % 3 for i in range(len(offsets) - 1)]
+    return [torch.tensor(offsets)], [torch.tensor(sees)]
+
+
+@pytest.mark.parametrize("masking", ["causal", "documents", "prefix-sharing"])
+def test_no_one_process_path_makes_a_quadratic_tensor(masking):
+    """A model's forward, loss and backward at one process, with documents and prefix sharing: no op makes a
+    tensor of seq x seq elements (the old path built a [batch, 1, seq, seq] mask)."""
+    seq_len = 1024
+    config = dataclasses.replace(ModelConfig.from_name("debug"), vocab_size=64, n_layers=1)
+    model = init_model(config)
+    tokens = torch.randint(0, 64, (1, seq_len))
+    docs, sees = triples(seq_len, 100)
+    docs, sees = {"causal": (None, None), "documents": (docs, None), "prefix-sharing": (docs, sees)}[masking]
+    with RefuseQuadratic(seq_len):
+        loss, _ = model.loss(tokens, tokens, None, docs, sees)
+        loss.backward()
+    with pytest.raises(AssertionError, match="quadratic"), RefuseQuadratic(seq_len):  # the guard itself works
+        reference(*torch.randn(3, 1, seq_len, 2, 8).unbind(0), [[0, seq_len]])
+
+
+MEMORY_SCRIPT = """
+import dataclasses, resource, sys, torch
+from models import ModelConfig, init_model
+from tests.test_one_process_attention import triples
+seq_len = int(sys.argv[1])
+torch.set_num_threads(1)
+config = dataclasses.replace(ModelConfig.from_name("debug"), vocab_size=64, n_layers=1)
+model = init_model(config)
+tokens = torch.randint(0, 64, (1, seq_len))
+docs, sees = triples(seq_len, 1024)
+def peak(): return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+with torch.no_grad():
+    model.loss(tokens[:, :2048], tokens[:, :2048], None, *triples(2048, 1024))  # warm up the kernels' buffers
+    before = peak()
+    loss, count = model.loss(tokens, tokens, None, docs, sees)
+assert torch.isfinite(loss) and int(count) == seq_len
+print(peak() - before)
+"""
+
+
+def test_memory_is_linear_in_the_sequence_length_where_a_mask_could_not_fit():
+    """Evaluating at 131,072 tokens with documents and prefix sharing: a dense bool mask alone would be 16 GiB (a
+    float one 64 GiB); the peak grows by what the activations take, about 4x from 32,768 tokens, not 16x."""
+    grown = {}
+    for seq_len in (32_768, 131_072):
+        result = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, str(seq_len)], capture_output=True, text=True,
+                                timeout=300)
+        assert result.returncode == 0, result.stderr[-2000:]
+        grown[seq_len] = int(result.stdout.split()[-1])
+    assert grown[131_072] < 2**30, grown  # a [seq, seq] bool mask would be 16 GiB
+    assert grown[131_072] < 6 * max(grown[32_768], 2**20), grown  # linear: 4x the tokens, not 16x the bytes
