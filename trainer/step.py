@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 from torch.distributed.tensor import DTensor
 
-from burst.module import set_rank_checks
+from burst.module import BurstAttention, set_rank_checks
 from data import Batch
 from models import Transformer
 from runtime.process import all_reduce
@@ -74,6 +74,9 @@ def train_step(model: Transformer, optimizer: torch.optim.Optimizer, micro_batch
     all-gather and host read each; see `burst.burst_attn`). A compiled model takes such a step eagerly,
     so that its graphs never hold the check (nor recompile for it).
     """
+    # Only BurstAttention (cp > 1) compares ranks: at cp = 1 there is nothing to check, and a compiled model
+    # compiles in its first step
+    check_ranks = check_ranks and any(isinstance(module, BurstAttention) for module in model.modules())
     set_rank_checks(model, check_ranks)
     with torch.compiler.set_stance("force_eager") if check_ranks and config.compile else contextlib.nullcontext():
         if config.objective != "nll":
