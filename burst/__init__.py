@@ -2,6 +2,7 @@
 
     out = burst.burst_attn(q, k, v, causal=True, group=cp_group)   # q, k, v: this rank's shards
     out = burst.burst_attn(q, k, v, group=cp_group, doc_boundaries=offsets, layout="balanced")  # packed documents
+    out = burst.local_attn(q, k, v, doc_boundaries=offsets)   # one process, the whole sequence, no process group
 """
 
 from burst.attention import BACKWARD_MODES, burst_attn, check_backward_mode
@@ -19,6 +20,7 @@ from burst.layout import (
     unshard,
     zigzag_positions,
 )
+from burst.local import local_attn
 from burst.module import BurstAttention
 
 __all__ = [
@@ -32,6 +34,7 @@ __all__ = [
     "check_backward_mode",
     "choose_backward",
     "gather_sequence",
+    "local_attn",
     "select_kernel",
     "sequence_positions",
     "shard_for_rank",

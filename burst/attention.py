@@ -13,7 +13,7 @@ from burst.comm import Traffic, gather_from_every_rank
 from burst.cost import choose_backward, choose_topology
 from burst.groups import group_rank_and_size
 from burst.kernels import KERNEL_NAMES, default_scale, select_kernel
-from burst.layout import LAYOUTS, Layout, check_layout, row_layouts
+from burst.layout import LAYOUTS, Layout, check_layout, row_layouts, whole_sequence
 from burst.plan import AttentionPlan, normalize_boundaries, normalize_sees, sees_by_row
 from burst.ring import burst_backward, ring_backward, ring_forward
 from burst.topology import (
@@ -23,6 +23,7 @@ from burst.topology import (
     make_schedule,
     node_group,
     node_ring_schedule,
+    one_process_schedule,
     validate_topology,
 )
 from burst.ulysses import from_node, heads_per_rank, to_node
@@ -188,6 +189,12 @@ def resolve_group(name: str) -> dist.ProcessGroup | None:
     return None if name == "" else _resolve_process_group(name)
 
 
+# The group name of `burst.local_attn`: this process alone, whether or not torch.distributed is initialised
+# (a real group's name is a number). Its sequence is one chunk of any length (`whole_sequence`), so the plan
+# skips masked blocks as the ring's does, with no sharding and no process group.
+ONE_PROCESS = "one process"
+
+
 ROW_END = -1  # follows each row of document offsets in `boundaries_tensor`'s encoding
 
 
@@ -256,6 +263,13 @@ def ring_and_plan(q: torch.Tensor, doc_boundaries: torch.Tensor | None, doc_sees
     """The schedule and plan of one call of the operators: "flat" or "two-level" over the group, or
     "ulysses" for the ring across nodes that ulysses_attn runs on node-sized blocks (the layout
     grouped by node)."""
+    if group == ONE_PROCESS:
+        rows = None if doc_boundaries is None else \
+            normalize_boundaries(boundary_rows(doc_boundaries), q.shape[0], q.shape[1])
+        sees = sees_rows(doc_sees, rows)
+        return one_process_schedule(traffic), shared_plan((whole_sequence(q.shape[1]),) * q.shape[0], causal,
+                                                          None if rows is None else tuple(map(tuple, rows)),
+                                                          None if sees is None else tuple(map(tuple, sees)))
     group_ = resolve_group(group)
     schedule = node_ring_schedule(group_, node_size, traffic) if topology == "ulysses" else \
         make_schedule(topology, group_, node_size, traffic)

@@ -114,6 +114,11 @@ def check_layout(layout: str, name: str = "layout") -> None:
         raise ValueError(f"unknown {name} {layout!r}; choose one of {', '.join(LAYOUTS)}")
 
 
+def whole_sequence(seq_len: int) -> Layout:
+    """The layout of a world of one that is not sharded at all: one chunk of any length `seq_len` (burst.local_attn)."""
+    return Layout(seq_len, ((0,),))
+
+
 def zigzag_chunks(rank: int, world_size: int) -> tuple[int, int]:
     """The two chunk indices (out of 2 * world_size) that `rank` holds, in local order."""
     return rank, 2 * world_size - 1 - rank

@@ -167,6 +167,11 @@ def make_schedule(topology: str, group: dist.ProcessGroup | None, node_size: int
     return Schedule(rank, nodes, node_size, Links(group, node_size, traffic, same), outer)
 
 
+def one_process_schedule(traffic: Traffic) -> Schedule:
+    """A ring of this process alone (burst.local_attn): one step on its own block, no process group, no traffic."""
+    return Schedule(0, 1, 1, Links(None, 1, traffic, lambda position: position))
+
+
 def node_ring_schedule(group: dist.ProcessGroup | None, node_size: int, traffic: Traffic) -> Schedule:
     """Ulysses' ring: one rank per node (those with this rank's local index), positions = nodes."""
     rank, world_size = group_rank_and_size(group)

@@ -7,7 +7,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import burst
 import burst.attention
@@ -40,43 +39,27 @@ def config_for(**settings) -> TrainConfig:
                        **settings)
 
 
-class CountCalls(TorchDispatchMode):
-    """How often each of `ops` runs."""
-
-    def __init__(self, ops):
-        super().__init__()
-        self.calls = dict.fromkeys(ops, 0)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in self.calls:
-            self.calls[func] += 1
-        return func(*args, **(kwargs or {}))
-
-
-def loss_grads_and_ring_forwards(mode: str, doc_mask: bool, monkeypatch) -> tuple[float, dict, int, int]:
-    """One forward and backward with --activation-checkpointing `mode` on one process: the loss, the gradients,
-    the ring forwards run (BurstAttention, doc_mask) and the fused attention kernel calls (LocalAttention)."""
+def loss_grads_and_ring_forwards(mode: str, doc_mask: bool, monkeypatch) -> tuple[float, dict, int]:
+    """One forward and backward with --activation-checkpointing `mode` on one process: the loss, the gradients
+    and the ring forwards run (BurstAttention with doc_mask; LocalAttention's burst.local_attn without)."""
     config = config_for(doc_mask=doc_mask, activation_checkpointing=mode)
     model = build_model(MODEL, None, config, torch.device("cpu"))
     ring_forwards = []
     real_ring_forward = burst.attention.ring_forward
     monkeypatch.setattr(burst.attention, "ring_forward", lambda *a: ring_forwards.append(1) or real_ring_forward(*a))
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
-    with CountCalls([flash]) as counter:
-        loss = forward_backward(model, batch_for(0, 0, 1), torch.tensor(float(ROWS * SEQ_LEN)), config,
-                                torch.device("cpu"))
+    loss = forward_backward(model, batch_for(0, 0, 1), torch.tensor(float(ROWS * SEQ_LEN)), config,
+                            torch.device("cpu"))
     grads = {n.replace("_checkpoint_wrapped_module.", ""): p.grad for n, p in model.named_parameters()}
-    return loss.item(), grads, len(ring_forwards), counter.calls[flash]
+    return loss.item(), grads, len(ring_forwards)
 
 
 @pytest.mark.parametrize("doc_mask", [True, False], ids=["burst-attention", "local-attention"])
 def test_selective_checkpointing_keeps_attention_and_changes_no_result(doc_mask, monkeypatch):
-    loss, grads, ring_forwards, flash_calls = loss_grads_and_ring_forwards("none", doc_mask, monkeypatch)
-    attention_calls = ring_forwards if doc_mask else flash_calls
-    assert attention_calls == MODEL.n_layers
+    loss, grads, ring_forwards = loss_grads_and_ring_forwards("none", doc_mask, monkeypatch)
+    assert ring_forwards == MODEL.n_layers
     for mode, recomputed in (("full", MODEL.n_layers), ("selective", 0)):
-        got_loss, got_grads, got_ring_forwards, got_flash = loss_grads_and_ring_forwards(mode, doc_mask, monkeypatch)
-        assert (got_ring_forwards if doc_mask else got_flash) == attention_calls + recomputed, mode
+        got_loss, got_grads, got_ring_forwards = loss_grads_and_ring_forwards(mode, doc_mask, monkeypatch)
+        assert got_ring_forwards == ring_forwards + recomputed, mode
         assert got_loss == pytest.approx(loss, rel=1e-6)
         for name, grad in grads.items():
             torch.testing.assert_close(got_grads[name], grad, rtol=1e-6, atol=1e-7, msg=f"{mode}: {name}")
@@ -139,13 +122,14 @@ def five_steps(compile: bool, cp: int, rank: int, mesh) -> list[float]:
 def _compiled_matches_eager(rank, world_size):
     mesh = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("dp", "cp")) if world_size > 1 else None
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # graphs counted by tests that ran before in this process
     eager = five_steps(False, world_size, rank, mesh)
     started = time.perf_counter()
     compiled = five_steps(True, world_size, rank, mesh)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     print(f"cp {world_size}: 5 compiled steps in {time.perf_counter() - started:.1f} s, {graphs} graphs")
     assert compiled == pytest.approx(eager, rel=1e-4)
-    # one graph for the blocks (step 1 runs eagerly: it checks the ranks), whatever the documents per row
+    # one graph for the blocks (at cp 2 step 1 runs eagerly: it checks the ranks), whatever the documents per row
     assert graphs == 1
 
 

@@ -190,20 +190,20 @@ def test_documents_that_see_none_are_plain_document_masking():
     assert all(with_none(a, b) == without(a, b) for a in range(3) for b in range(3))
 
 
-@pytest.mark.parametrize("sees, message, local_message", [
-    ([[-1, 1, 0]], "document 1 sees 1, but a document may only see an earlier one", None),
-    ([[-1, 0, 2]], "document 2 sees 2", None),
-    ([[-2, 0, 0]], "document 0 sees -2", None),
-    ([[-1, 0]], "doc_sees row 0 has 2 entries but doc_boundaries row 0 has 3 documents",
-     r"doc_sees row 0 must be a 1-D integer tensor with one entry per document \(3\)"),
-    ([[-1, 0, 0], [-1, 0, 0]], "doc_sees has 2 rows but doc_boundaries has 1", "doc_sees has 2 rows but the batch"),
+@pytest.mark.parametrize("sees, message", [
+    ([[-1, 1, 0]], "document 1 sees 1, but a document may only see an earlier one"),
+    ([[-1, 0, 2]], "document 2 sees 2"),
+    ([[-2, 0, 0]], "document 0 sees -2"),
+    ([[-1, 0]], "doc_sees row 0 has 2 entries but doc_boundaries row 0 has 3 documents"),
+    ([[-1, 0, 0], [-1, 0, 0]], "doc_sees has 2 rows but doc_boundaries has 1"),
 ])
-def test_bad_doc_sees_are_refused(sees, message, local_message):
+def test_bad_doc_sees_are_refused(sees, message):
+    """The ring and the one-process attention check doc_sees with the same words."""
     q = torch.randn(1, 48, 2, 8)
     docs, sees = [torch.tensor([0, 30, 36, 48])], [torch.tensor(s) for s in sees]
     with pytest.raises(ValueError, match=message):
         burst.burst_attn(q, q, q, doc_boundaries=docs, doc_sees=sees)
-    with pytest.raises(ValueError, match=local_message or message):
+    with pytest.raises(ValueError, match=message):
         LocalAttention()(q, q, q, docs, sees)
 
 

@@ -1,14 +1,16 @@
 """Parallelism applied to the model from outside, in one documented order (torchtitan's):
 
 1. sequence parallelism: every block's `attention.core_attention` becomes a `burst.BurstAttention`
-   over the mesh's "cp" dimension (when cp > 1, or for document masking), cutting sequences by the
+   over the mesh's "cp" dimension (when cp > 1), cutting sequences by the
    layout the data loader cuts them with (`TrainConfig.sequence_layout`); the model code never knows;
 2. activation checkpointing: each block is wrapped to recompute its activations in backward
    ("full"), or all of them but attention's output ("selective": the ring forward, the costliest
    part of a long-context block, never runs twice); it wraps the blocks before FSDP so that FSDP's
    per-block units see the recomputation;
 3. compilation (--compile): each block, checkpoint wrapper included, becomes `torch.compile`d;
-   attention is one opaque operator (`torch.ops.burst.attention`) in its graph;
+   attention is one opaque operator (`torch.ops.burst.attention`) in its graph, document tensors
+   are dynamic in length (`mark_documents_dynamic`), so the first step compiles and no later one does
+   (docs/one-process-attention.md);
 4. FSDP2: `fully_shard` on every block, then on the root, over the flattened dp x cp mesh (when
    world > 1). Parameters, gradients and optimizer state are sharded over all ranks: cp ranks hold
    the same weights, so they share the sharding with the dp ranks. With bf16 on CUDA, parameters are
@@ -45,10 +47,10 @@ def parallelize(model: Transformer, mesh: DeviceMesh | None, config: TrainConfig
 
     mesh: the ("dp", "cp") DeviceMesh, or None for a single process (checkpointing and compilation apply).
     """
-    if config.doc_mask or (mesh is not None and mesh["cp"].size() > 1):
-        # With document masking BurstAttention serves cp = 1 too: it skips masked blocks instead of
-        # building the dense [seq, seq] mask the single-process attention would need.
-        cp_group = mesh["cp"].get_group() if mesh is not None else None
+    if mesh is not None and mesh["cp"].size() > 1:
+        # At cp = 1 the model's own LocalAttention is burst's attention at a world of one (burst.local_attn):
+        # the same plan and kernels, masked blocks skipped, with no process group and no ranks to compare.
+        cp_group = mesh["cp"].get_group()
         for block in model.layers:
             block.attention.core_attention = burst.BurstAttention(group=cp_group, backward=config.attention_backward,
                                                                       topology=config.cp_topology,
@@ -114,16 +116,10 @@ def mixed_precision_policy(config: TrainConfig, device_type: str) -> MixedPrecis
     return MixedPrecisionPolicy()
 
 
-# Attention outputs that selective checkpointing keeps: BurstAttention's operator and the fused
-# single-process kernels LocalAttention reaches through scaled_dot_product_attention (cp = 1, no
-# document mask). Their backward needs the output and its log-sum-exp, which these ops return.
-SAVED_OPS = {
-    torch.ops.burst.attention.default,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-    torch.ops.aten._scaled_dot_product_flash_attention.default,
-    torch.ops.aten._scaled_dot_product_efficient_attention.default,
-    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
-}
+# Attention outputs that selective checkpointing keeps: burst's operator, which BurstAttention (the ring) and
+# LocalAttention (one process, burst.local_attn) both call. Its backward needs the output and its
+# log-sum-exp, which the operator returns.
+SAVED_OPS = {torch.ops.burst.attention.default}
 
 
 def keep_attention(ctx, op, *args, **kwargs) -> CheckpointPolicy:

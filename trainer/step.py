@@ -9,7 +9,6 @@ cp times too small.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass, field
 
@@ -18,13 +17,13 @@ import torch.distributed as dist
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 from torch.distributed.tensor import DTensor
 
-from burst.module import set_rank_checks
+from burst.module import BurstAttention, set_rank_checks
 from data import Batch
 from models import Transformer
 from runtime.process import all_reduce
 from trainer.config import TrainConfig
 from trainer.distributed import Distributed
-from trainer.parallelize import mark_documents_dynamic
+from trainer.parallelize import end_forward_only, mark_documents_dynamic
 from trainer.preference import preference_backward
 
 NO_SCORED_TOKENS = "no scored token (every label of the step is a prompt, padding or a document's start)"
@@ -71,15 +70,36 @@ def train_step(model: Transformer, optimizer: torch.optim.Optimizer, micro_batch
     """One optimizer step over `micro_batches` (grad_accum of them), unless the loss or gradient is not finite.
 
     check_ranks: compare the cp ranks' attention inputs in every attention call of this step (one
-    all-gather and host read each; see `burst.burst_attn`). A compiled model takes such a step eagerly,
-    so that its graphs never hold the check (nor recompile for it).
+    all-gather and host read each; see `burst.burst_attn`). Only BurstAttention (cp > 1) has ranks to
+    compare. A compiled model compares them in an eager forward without gradients before the step
+    (`check_ranks_eagerly`), so that its graphs never hold the check: it compiles in its first step and
+    never again.
     """
+    check_ranks = check_ranks and any(isinstance(module, BurstAttention) for module in model.modules())
+    if check_ranks and config.compile:
+        check_ranks_eagerly(model, micro_batches[0], config, env.device)
+        check_ranks = False
     set_rank_checks(model, check_ranks)
-    with torch.compiler.set_stance("force_eager") if check_ranks and config.compile else contextlib.nullcontext():
-        if config.objective != "nll":
-            loss, scored, metrics = preference_backward(model, micro_batches, config, env)
-            return StepResult.of(*optimizer_step(model, optimizer, config, loss), scored, metrics)
-        return _train_step(model, optimizer, micro_batches, config, env)
+    if config.objective != "nll":
+        loss, scored, metrics = preference_backward(model, micro_batches, config, env)
+        return StepResult.of(*optimizer_step(model, optimizer, config, loss), scored, metrics)
+    return _train_step(model, optimizer, micro_batches, config, env)
+
+
+@torch.no_grad()
+def check_ranks_eagerly(model: Transformer, batch: Batch, config: TrainConfig, device: torch.device) -> None:
+    """Compare the cp ranks' attention inputs of `batch` (the documents the step attends with) in one eager forward
+    without gradients: a compiled step then runs its graphs as they are (a check inside them would be a guard,
+    and a recompile when it is turned off again). Costs a forward at each checked step (every
+    --check-ranks-every)."""
+    set_rank_checks(model, True)
+    tokens, labels, positions = (t.to(device) for t in (batch.tokens, batch.labels, batch.positions))
+    doc_boundaries = batch.doc_boundaries if config.doc_mask else None
+    doc_sees = batch.doc_sees if config.objective != "nll" else None
+    with torch.compiler.set_stance("force_eager"), \
+            torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.precision == "bf16"):
+        model.loss(tokens, labels, positions, doc_boundaries, doc_sees, rope_length=batch.rope_length)
+    end_forward_only(model)  # FSDP's per-iteration state of a forward without backward
 
 
 def _train_step(model: Transformer, optimizer: torch.optim.Optimizer, micro_batches: list[Batch],
