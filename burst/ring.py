@@ -17,7 +17,7 @@ nothing travels back.
 Kernel calls take row slices of these tensors. Slices of [b, s, h, d] tensors keep a contiguous
 last dimension, which is all the kernels need of them; an lse slice [b, h, rows] is not dense,
 and flash-attn reads lse as a dense buffer, so it is copied at the call (rows floats per head,
-cheap) to meet the kernels' contract (burst/kernels.py).
+cheap) to meet the kernels' contract (burst/kernels/contract.py).
 """
 
 from __future__ import annotations
