@@ -51,6 +51,7 @@ def parallelize(model: Transformer, mesh: DeviceMesh | None, config: TrainConfig
         cp_group = mesh["cp"].get_group() if mesh is not None else None
         for block in model.layers:
             block.attention.core_attention = burst.BurstAttention(group=cp_group, backward=config.attention_backward,
+                                                                      kernel=config.attention_kernel,
                                                                       topology=config.cp_topology,
                                                                       layout=config.sequence_layout)
 

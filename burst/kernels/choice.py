@@ -16,12 +16,14 @@ Names:
   older GPUs:        flash-attn, flash, cudnn, efficient
 Each candidate is checked once per (device, dtype, head dim, GQA group) against the math kernel
 (selfcheck.py); one that fails is logged in one line and the next is tried. A kernel forced by
-name is checked too, and refused with the reason.
+name is checked too, and refused with the reason. `--attention-kernel NAME` (burst train, eval,
+bench attention) forces one; eval and bench set $BURST_ATTENTION_KERNEL for their ranks.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -81,10 +83,23 @@ def detect_machine(device: torch.device) -> Machine:
     return Machine("cuda", torch.cuda.get_device_capability(device), frozenset(installed))
 
 
-def check_kernel_name(name: str) -> None:
-    """Refuse an unknown kernel name in one line naming the known ones."""
+def check_kernel_name(name: str, setting: str = "attention kernel") -> None:
+    """Refuse an unknown kernel name in one line naming the known ones; `setting` is what the caller calls it."""
     if name not in KERNEL_NAMES:
-        raise ValueError(f"unknown attention kernel {name!r}; choose one of {', '.join(KERNEL_NAMES)}")
+        raise ValueError(f"unknown {setting} {name!r}; choose one of {', '.join(KERNEL_NAMES)}")
+
+
+# `burst eval` and `burst bench attention` set this for every process they start (ranks included):
+# "auto" then means this kernel. `burst train` passes TrainConfig.attention_kernel explicitly.
+KERNEL_ENV = "BURST_ATTENTION_KERNEL"
+
+
+def kernel_from_environment(name: str) -> str:
+    """`name`, or for "auto" the kernel $BURST_ATTENTION_KERNEL names (checked) when it is set."""
+    if name != "auto" or not os.environ.get(KERNEL_ENV):
+        return name
+    check_kernel_name(os.environ[KERNEL_ENV], f"${KERNEL_ENV}")
+    return os.environ[KERNEL_ENV]
 
 
 def why_not(name: str, machine: Machine, dtype: torch.dtype, head_dim: int) -> list[str]:
@@ -167,6 +182,7 @@ def select_kernel(device: torch.device, dtype: torch.dtype, name: str = "auto", 
     module docstring. Raises ValueError for an unknown name or a kernel that cannot serve.
     """
     check_kernel_name(name)
+    name = kernel_from_environment(name)
     if name == "math":
         return MathKernel()
     key = (str(device), dtype, head_dim, groups, name)
