@@ -41,7 +41,7 @@ from burst.kernels.flash_attn import (
     installed_flash_attn_version,
 )
 from burst.kernels.math import MathKernel
-from burst.kernels.selfcheck import self_check
+from burst.kernels.selfcheck import self_check, varlen_self_check
 
 log = logging.getLogger("burst.kernels")
 
@@ -162,6 +162,7 @@ def choose_kernel(machine: Machine, device: torch.device, dtype: torch.dtype, he
         except Exception as error:  # noqa: BLE001 - e.g. a package that fails to import
             problem = f"it could not be loaded ({type(error).__name__}: {error})"
         if problem is None:
+            enable_varlen(kernel, device, dtype, head_dim, groups, candidate)
             return kernel
         if name not in ("auto", "torch"):
             raise ValueError(f"attention kernel {name!r} disagrees with the math kernel for {dtype} head_dim "
@@ -169,6 +170,20 @@ def choose_kernel(machine: Machine, device: torch.device, dtype: torch.dtype, he
         log.warning("burst: attention kernel %r not used for %s head_dim %d GQA group %d: %s", candidate,
                     str(dtype).removeprefix("torch."), head_dim, groups, problem)
     return MathKernel()
+
+
+def enable_varlen(kernel: AttentionKernel, device: torch.device, dtype: torch.dtype, head_dim: int, groups: int,
+                  name: str) -> None:
+    """Let the ring pack a step's documents into one call (burst/varlen.py) when the kernel has a varlen
+    path that agrees with the math kernel; otherwise say why in one line and keep one call per block."""
+    if not hasattr(kernel, "forward_varlen"):
+        return
+    problem = varlen_self_check(kernel, device, dtype, head_dim, groups)
+    kernel.use_varlen = problem is None
+    if problem:
+        log.warning("burst: attention kernel %r takes documents one call each for %s head_dim %d GQA group %d: "
+                    "its varlen path failed its self-check: %s", name, str(dtype).removeprefix("torch."), head_dim,
+                    groups, problem)
 
 
 _CHOSEN: dict[tuple, AttentionKernel] = {}

@@ -40,6 +40,28 @@ class TorchCUDAFlashKernel:
             lse.contiguous(), None, None, q.shape[1], k.shape[1], 0.0, causal, no_rng, no_rng, scale=scale)
         return tuple(g.transpose(1, 2) for g in grads)
 
+    # Documents in one launch (burst/varlen.py): the ops behind nested-tensor attention take packed
+    # [total, h, d] rows with cumulative offsets; the log-sum-exp comes back [h, total_q] float32.
+    def forward_varlen(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+        out, lse, *_ = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False,
+                                                               scale=scale)
+        return out, packed_lse(lse, q)
+
+    def backward_varlen(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
+        no_rng = _no_rng(q.device)
+        return tuple(torch.ops.aten._flash_attention_backward(
+            dout.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), cu_q, cu_k, max_q, max_k, 0.0, causal,
+            no_rng, no_rng, scale=scale))
+
+
+def packed_lse(lse: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """A varlen kernel's log-sum-exp as [h, total_q] float32; a padded [n, h, max_q] one is refused
+    (its rows would need cutting per sequence): raising makes the self-check turn varlen off."""
+    if tuple(lse.shape) != (q.shape[1], q.shape[0]):
+        raise ValueError(f"varlen log-sum-exp of shape {tuple(lse.shape)}, expected [heads, total] = "
+                         f"{(q.shape[1], q.shape[0])}")
+    return lse.float()
+
 
 class TorchCUDAEfficientKernel:
     """`_efficient_attention_forward` (+ `_backward`): any float dtype and GPU, any head dim the

@@ -20,6 +20,7 @@ import torch
 from torch.torch_version import TorchVersion
 
 from burst.kernels.contract import FLASH_ATTN_CONTRACT, HALF_DTYPES, KernelContract
+from burst.kernels.cuda import packed_lse
 
 FLASH_ATTN_MIN_VERSION = "2.7"
 
@@ -80,6 +81,20 @@ class FlashAttnKernel:
             dout, q, k, v, out, lse.contiguous(), dq, dk, dv, dropout_p=0.0, softmax_scale=scale, causal=causal,
             window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
             deterministic=False, rng_state=None)
+        return dq, dk, dv
+
+    def forward_varlen(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+        out, lse, *_ = self._fa._flash_attn_varlen_forward(
+            q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=scale, causal=causal,
+            window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None, return_softmax=False)
+        return out, packed_lse(lse, q)
+
+    def backward_varlen(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        self._fa._flash_attn_varlen_backward(
+            dout, q, k, v, out, lse.contiguous(), dq, dk, dv, cu_q, cu_k, max_q, max_k, dropout_p=0.0,
+            softmax_scale=scale, causal=causal, window_size_left=-1, window_size_right=-1, softcap=0.0,
+            alibi_slopes=None, deterministic=False, rng_state=None)
         return dq, dk, dv
 
 

@@ -82,3 +82,46 @@ def self_check(kernel: AttentionKernel, device: torch.device, dtype: torch.dtype
     except Exception as error:  # noqa: BLE001 - any failure of a kernel refuses it, with its message
         return f"it raised {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}".rstrip(": ")
     return None
+
+
+def varlen_self_check(kernel: AttentionKernel, device: torch.device, dtype: torch.dtype, head_dim: int,
+                      groups: int = 1) -> str | None:
+    """Why `kernel`'s varlen path (burst/varlen.py) must not be used, or None when a step of documents
+    packed into one call per causal flag (causal squares of three lengths, two prefix-shared rectangles,
+    rows of two batch entries) gives the math kernel's results block by block."""
+    from burst.varlen import backward_blocks, forward_blocks  # varlen imports the kernels' contract
+
+    generator = torch.Generator(device=device).manual_seed(1)
+    shard = lambda heads: torch.randn(BATCH, 2 * CHUNK, heads, head_dim, generator=generator,  # noqa: E731
+                                      device=device, dtype=torch.float32).to(dtype)
+    q, k, v, dout = shard(KV_HEADS * groups), shard(KV_HEADS), shard(KV_HEADS), shard(KV_HEADS * groups)
+    rectangles = [(slice(0, 1), slice(0, 48), slice(0, 48), True),  # (batch rows, query rows, key rows, causal)
+                  (slice(1, 2), slice(48, 128), slice(48, 128), True),
+                  (slice(0, 2), slice(128, 144), slice(128, 144), True),
+                  (slice(0, 1), slice(48, 128), slice(0, 48), False),
+                  (slice(1, 2), slice(128, 160), slice(0, 48), False)]
+    forward = [(q[b, r], k[b, c], v[b, c], causal) for b, r, c, causal in rectangles]
+    out_tol, lse_tol, grad_tol = TOLERANCES[dtype]
+    reference, scale = MathKernel(), head_dim ** -0.5
+    checked = getattr(kernel, "use_varlen", False)
+    try:
+        kernel.use_varlen = True
+        with torch.no_grad(), torch.autocast(device.type, enabled=False):
+            results = forward_blocks(kernel, forward, scale)
+            backward = []
+            for (bq, bk, bv, causal), (out, lse), (b, r, _, _) in zip(forward, results, rectangles, strict=True):
+                ref_out, ref_lse = reference.forward(bq, bk, bv, causal, scale)
+                if problem := (_max_error("varlen forward out", out, ref_out, out_tol)
+                               or _max_error("varlen forward lse", lse, ref_lse, lse_tol)):
+                    return problem
+                backward.append((dout[b, r], bq, bk, bv, ref_out, ref_lse, causal))
+            for block, grads in zip(backward, backward_blocks(kernel, backward, scale), strict=True):
+                expected = reference.backward(*block[:6], block[6], scale)
+                for name, got, want in zip(("dq", "dk", "dv"), grads, expected, strict=True):
+                    if problem := _max_error(f"varlen backward {name}", got, want, grad_tol):
+                        return problem
+    except Exception as error:  # noqa: BLE001 - any failure turns varlen off, with its message
+        return f"it raised {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}".rstrip(": ")
+    finally:
+        kernel.use_varlen = checked
+    return None
