@@ -20,7 +20,7 @@ from burst.kernels.math import MathKernel
 TOLERANCES = {
     torch.bfloat16: (2e-2, 1e-3, 5e-2),
     torch.float16: (5e-3, 1e-3, 1e-2),
-    torch.float32: (1e-3, 1e-4, 2e-3),  # TF32 may be on for a GPU's float32 matmuls
+    torch.float32: (5e-3, 1e-3, 1e-2),  # TF32 may be on for a GPU's float32 matmuls, the reference's too
     torch.float64: (1e-8, 1e-8, 1e-8),
 }
 CHUNK = 80  # rows of one zigzag chunk in the check: not a multiple of any kernel's tile
