@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import enum
 import inspect
+import os
 import typing
 from collections.abc import Iterator
 from pathlib import Path
@@ -158,6 +159,9 @@ def eval_command(
                                                                     "implicit rewards against it."),
     beta: float | None = typer.Option(None, "--beta", help="The implicit rewards' beta, with --reference (0.1)."),
     device: str | None = typer.Option(None, "--device", help=DEVICE_HELP, show_default="$BURST_DEVICE, else auto"),
+    attention_kernel: str = typer.Option("auto", "--attention-kernel", help="Local attention kernel: auto, math, "
+                                         "cpu, flash, efficient, cudnn, fa3, fa4, flash-attn or torch "
+                                         "(docs/kernels.md)."),
 ) -> None:
     """Perplexity, loss by position and passkey retrieval of a model checkpoint: results on stdout. On an
     instruction store (`burst prepare --chat`): the answers' loss, and question answering by depth. On a preference
@@ -169,6 +173,8 @@ def eval_command(
     """
     from evaluation import EvalConfig, evaluate  # here, so `burst --help` does not import torch
     from evaluation.run import EvaluationFailed
+
+    _use_attention_kernel(attention_kernel)
 
     flags = dict(data=data, seq_len=seq_len, batches=batches, buckets=buckets, positions=positions,
                  passkey_trials=passkey_trials, qa_samples=qa_samples, long_conversations=long_conversations,
@@ -215,12 +221,16 @@ def bench_attention_command(
                                                                    "(default: all on one node)."),
     json_path: Path | None = typer.Option(None, "--json", help="Also write the figures to this JSON file."),
     device: str | None = typer.Option(None, "--device", help=DEVICE_HELP, show_default="$BURST_DEVICE, else auto"),
+    attention_kernel: str = typer.Option("auto", "--attention-kernel", help="Local attention kernel: auto, math, "
+                                         "cpu, flash, efficient, cudnn, fa3, fa4, flash-attn or torch "
+                                         "(docs/kernels.md)."),
 ) -> None:
     """Time burst_attn forward and backward on local ranks against a single process; with --docs, compare the
     sequence layouts on real packed sequences."""
     from bench.attention import AttentionBenchConfig, print_table, run_attention_bench, write_json
     from bench.documents import DocumentsBenchConfig, print_documents, run_documents_bench, write_documents_json
 
+    _use_attention_kernel(attention_kernel)
     layout_list = _name_list(layouts) if layouts is not None else None
     try:
         config = AttentionBenchConfig(nproc=nproc, seq_len=seq_len, heads=heads, kv_heads=kv_heads,
@@ -252,6 +262,15 @@ def bench_attention_command(
     print_table(config, rows)
     if json_path:
         write_json(str(json_path), config, rows)
+
+
+def _use_attention_kernel(name: str) -> None:
+    """Make `name` the kernel "auto" means in this process and the ranks it starts (exits 2 on an unknown one)."""
+    from burst.kernels import KERNEL_ENV, check_kernel_name
+
+    with _exits():
+        check_kernel_name(name, "--attention-kernel")
+    os.environ[KERNEL_ENV] = name
 
 
 def _name_list(text: str) -> list[str]:

@@ -166,7 +166,7 @@ def heads_first(x: torch.Tensor) -> torch.Tensor:
 
 def kernel_layout(x: torch.Tensor) -> torch.Tensor:
     """x in the memory the kernels get: heads-first on CPU; elsewhere as given, unless its last
-    dimension is strided (the CUDA kernels need it contiguous, see burst/kernels.py)."""
+    dimension is strided (the CUDA kernels need it contiguous, see burst/kernels/)."""
     if x.device.type == "cpu":
         return heads_first(x)
     return x if x.stride(-1) == 1 else x.contiguous()
@@ -299,7 +299,7 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_boundari
     schedule, plan = ring_and_plan(q, doc_boundaries, doc_sees, causal, group, topology, node_size, layout,
                                    Traffic(fresh=False))
     q, k, v = kernel_layout(q), kernel_layout(k), kernel_layout(v)
-    kernel_ = select_kernel(q.device, q.dtype, kernel, head_dim=q.shape[-1])
+    kernel_ = select_kernel(q.device, q.dtype, kernel, head_dim=q.shape[-1], groups=q.shape[2] // k.shape[2])
     with torch.autocast(q.device.type, enabled=False):  # the kernels choose their own precision
         return ring_forward(schedule, kernel_, plan, q, k, v, scale)
 
@@ -322,7 +322,7 @@ def attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     schedule, plan = ring_and_plan(q, doc_boundaries, doc_sees, causal, group, topology, node_size, layout, traffic)
     # the layout the forward computed in (on CPU a copy: the saved inputs are the caller's)
     q, k, v, dout = kernel_layout(q), kernel_layout(k), kernel_layout(v), kernel_layout(dout)
-    kernel_ = select_kernel(q.device, q.dtype, kernel, head_dim=q.shape[-1])
+    kernel_ = select_kernel(q.device, q.dtype, kernel, head_dim=q.shape[-1], groups=q.shape[2] // k.shape[2])
     run = burst_backward if choose_backward(q, k, backward) == "burst" else ring_backward
     with torch.autocast(q.device.type, enabled=False):
         return run(schedule, kernel_, plan, dout.to(q.dtype), q, k, v, out, lse, scale)

@@ -17,7 +17,8 @@ nothing travels back.
 Kernel calls take row slices of these tensors. Slices of [b, s, h, d] tensors keep a contiguous
 last dimension, which is all the kernels need of them; an lse slice [b, h, rows] is not dense,
 and flash-attn reads lse as a dense buffer, so it is copied at the call (rows floats per head,
-cheap) to meet the kernels' contract (burst/kernels.py).
+cheap) to meet the kernels' contract (burst/kernels/contract.py). A step's blocks go to the kernel
+together (burst/varlen.py): one varlen call per causal flag where the kernel has a checked one.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from burst.comm import Pending
 from burst.kernels import AttentionKernel
 from burst.plan import AttentionPlan, Rows
 from burst.topology import Schedule
+from burst.varlen import backward_blocks, forward_blocks
 
 
 def as_result(accumulator: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -80,10 +82,10 @@ def ring_forward(schedule: Schedule, kernel: AttentionKernel, plan: AttentionPla
     lse = torch.full((batch, q_heads, shard_len), float("-inf"), dtype=torch.float32, device=q.device)
 
     def step(kv: list[torch.Tensor], owner: int, held: Rows) -> GradPieces:
-        for seg in plan(schedule.rank, owner):
-            cols = held.local(seg.kv_rows)
-            block_out, block_lse = kernel.forward(q[seg.batch, seg.q_rows], kv[0][seg.batch, cols],
-                                                  kv[1][seg.batch, cols], seg.causal, scale)
+        segments = plan(schedule.rank, owner)
+        blocks = [(q[seg.batch, seg.q_rows], kv[0][seg.batch, held.local(seg.kv_rows)],
+                   kv[1][seg.batch, held.local(seg.kv_rows)], seg.causal) for seg in segments]
+        for seg, (block_out, block_lse) in zip(segments, forward_blocks(kernel, blocks, scale), strict=True):
             merge_block(out[seg.batch, seg.q_rows], lse[seg.batch, :, seg.q_rows], block_out, block_lse)
         return []
 
@@ -253,12 +255,15 @@ def burst_backward(schedule: Schedule, kernel: AttentionKernel, plan: AttentionP
 
     def step(visitor: list[torch.Tensor], owner: int, held: Rows) -> GradPieces:
         vq, vdout, vlse, vdelta = visitor
-        pieces = []
-        for seg in plan(owner, schedule.rank):
+        pieces, blocks = [], []
+        segments = plan(owner, schedule.rank)
+        for seg in segments:
             b, rows, cols = seg.batch, held.local(seg.q_rows), seg.kv_rows
             vout = out[b, rows] if owner == schedule.rank else output_with_delta(vdout[b, rows], vdelta[b, :, rows])
-            dq_blk, dk_blk, dv_blk = kernel.backward(vdout[b, rows], vq[b, rows], k[b, cols], v[b, cols], vout,
-                                                     vlse[b, :, rows].contiguous(), seg.causal, scale)
+            blocks.append((vdout[b, rows], vq[b, rows], k[b, cols], v[b, cols], vout, vlse[b, :, rows].contiguous(),
+                           seg.causal))
+        for seg, (dq_blk, dk_blk, dv_blk) in zip(segments, backward_blocks(kernel, blocks, scale), strict=True):
+            b, rows, cols = seg.batch, held.local(seg.q_rows), seg.kv_rows
             dk[b, cols] += dk_blk
             dv[b, cols] += dv_blk
             pieces.append((b, rows, [dq_blk]))
@@ -277,12 +282,13 @@ def ring_backward(schedule: Schedule, kernel: AttentionKernel, plan: AttentionPl
     def step(visitor: list[torch.Tensor], owner: int, held: Rows) -> GradPieces:
         vk, vv = visitor
         pieces = []
-        for seg in plan(schedule.rank, owner):
-            b, rows, cols = seg.batch, seg.q_rows, held.local(seg.kv_rows)
-            dq_blk, dk_blk, dv_blk = kernel.backward(dout[b, rows], q[b, rows], vk[b, cols], vv[b, cols], out[b, rows],
-                                                     lse[b, :, rows].contiguous(), seg.causal, scale)
-            dq[b, rows] += dq_blk
-            pieces.append((b, cols, [dk_blk, dv_blk]))
+        segments = plan(schedule.rank, owner)
+        blocks = [(dout[seg.batch, seg.q_rows], q[seg.batch, seg.q_rows], vk[seg.batch, held.local(seg.kv_rows)],
+                   vv[seg.batch, held.local(seg.kv_rows)], out[seg.batch, seg.q_rows],
+                   lse[seg.batch, :, seg.q_rows].contiguous(), seg.causal) for seg in segments]
+        for seg, (dq_blk, dk_blk, dv_blk) in zip(segments, backward_blocks(kernel, blocks, scale), strict=True):
+            dq[seg.batch, seg.q_rows] += dq_blk
+            pieces.append((seg.batch, held.local(seg.kv_rows), [dk_blk, dv_blk]))
         return pieces
 
     dk, dv = circulate(schedule, [k, v], [1, 1], 2, step, plan.key_rows)

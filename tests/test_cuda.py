@@ -1,22 +1,18 @@
-"""CUDA kernels against the math kernel, on the sliced inputs the ring passes, for every CUDA backend
-this machine has; and burst_attn on one GPU with each of them.
+"""CUDA kernels against the math kernel, on the sliced inputs the ring passes, for every CUDA kernel this
+machine has (PyTorch's flash, efficient and cuDNN; flash-attn, FlashAttention-3 and -4 where installed), their
+varlen paths (documents in one launch), and burst_attn on one GPU with each of them: GQA, documents and prefix
+sharing.
 
-Skipped without a GPU; run on a GPU machine with `pytest tests/test_cuda.py` (scripts/gpu_check.sh does).
+Skipped without a GPU; run on a GPU machine with `pytest tests/test_cuda.py` (scripts/gpu_benchmark.py does).
 """
 
 import pytest
 import torch
 
 import burst
-from burst.kernels import (
-    FLASH_ATTN_MIN_VERSION,
-    FlashAttnKernel,
-    MathKernel,
-    TorchCUDAEfficientKernel,
-    TorchCUDAFlashKernel,
-    installed_flash_attn_version,
-    select_kernel,
-)
+from burst.kernels import MathKernel, TorchCUDAEfficientKernel, candidates, detect_machine, select_kernel, self_check
+from burst.kernels.choice import KERNEL_CLASSES
+from burst.kernels.selfcheck import varlen_self_check
 from burst.ring import output_with_delta, row_dot
 from tests.test_kernel_contract import using_kernel
 
@@ -24,17 +20,10 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def cuda_kernels() -> list[type]:
-    """Every CUDA kernel class this machine can run."""
+    """Every CUDA kernel class this machine has that takes bf16 at head dim 64, fastest first."""
     if not torch.cuda.is_available():
         return []
-    kernels = [TorchCUDAEfficientKernel]
-    ampere = torch.cuda.get_device_capability() >= (8, 0)
-    if ampere and torch.backends.cuda.is_flash_attention_available():
-        kernels.append(TorchCUDAFlashKernel)
-    version = installed_flash_attn_version()
-    if ampere and version is not None and version >= FLASH_ATTN_MIN_VERSION:
-        kernels.append(FlashAttnKernel)
-    return kernels
+    return [KERNEL_CLASSES[name] for name in candidates(detect_machine(torch.device("cuda")), torch.bfloat16, 64)]
 
 
 KERNELS = cuda_kernels()
@@ -51,7 +40,7 @@ def assert_close(name: str, got: torch.Tensor, expected: torch.Tensor, tolerance
     assert err < bound, f"{name}: max error {err:.2e}, allowed {bound:.2e}"
 
 
-@pytest.mark.parametrize("kernel_class", KERNELS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("kernel_class", KERNELS, ids=lambda c: c.name)
 @pytest.mark.parametrize("heads", [(8, 8), (8, 2)], ids=["mha", "gqa"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_kernel_on_ring_slices_matches_math(kernel_class, heads, causal):
@@ -84,25 +73,45 @@ def test_kernel_on_ring_slices_matches_math(kernel_class, heads, causal):
             assert_close(f"{name} with {out_name}", got, expected, GRAD_TOLERANCE)
 
 
-@pytest.mark.parametrize("kernel_class", KERNELS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("kernel_class", KERNELS, ids=lambda c: c.name)
 @pytest.mark.parametrize("heads", [(8, 8), (8, 2)], ids=["mha", "gqa"])
-@pytest.mark.parametrize("documents", [None, [0, 300, 301, 700, 1024]], ids=["one-doc", "documents"])
+@pytest.mark.parametrize("documents", ["one-doc", "documents", "prefix-sharing"])
+@pytest.mark.parametrize("varlen", [False, True], ids=["per-document", "varlen"])
 @pytest.mark.parametrize("mode", ["burst", "ring"])
-def test_burst_attn_on_one_gpu_matches_math(kernel_class, heads, documents, mode):
+def test_burst_attn_on_one_gpu_matches_math(kernel_class, heads, documents, varlen, mode):
+    if varlen and (documents == "one-doc" or not hasattr(kernel_class, "forward_varlen")):
+        pytest.skip("varlen needs documents and a kernel with a varlen path")
     g = torch.Generator(device="cuda").manual_seed(1)
     q = torch.randn(2, 1024, heads[0], 64, device="cuda", generator=g, dtype=torch.bfloat16)
     k, v = (torch.randn(2, 1024, heads[1], 64, device="cuda", generator=g, dtype=torch.bfloat16) for _ in "kv")
     dout = torch.randn_like(q)
-    doc_boundaries = None if documents is None else [torch.tensor(documents)] * 2
+    cut = {"one-doc": {}, "documents": {"doc_boundaries": [torch.tensor([0, 300, 301, 700, 1024])] * 2},
+           "prefix-sharing": {"doc_boundaries": [torch.tensor([0, 500, 700, 900, 1024])] * 2,
+                              "doc_sees": [torch.tensor([-1, 0, 0, -1])] * 2}}[documents]
+    kernel = kernel_class()
+    kernel.use_varlen = varlen
     results = []
-    for kernel in (kernel_class(), MathKernel()):
+    for each in (kernel, MathKernel()):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        with using_kernel(kernel):
-            out = burst.burst_attn(*leaves, backward=mode, doc_boundaries=doc_boundaries)
+        with using_kernel(each):
+            out = burst.burst_attn(*leaves, backward=mode, **cut)
             out.backward(dout)
         results.append([out.detach()] + [t.grad for t in leaves])
     for name, got, expected in zip(("out", "dq", "dk", "dv"), *results, strict=True):
         assert_close(name, got, expected, OUT_TOLERANCE if name == "out" else GRAD_TOLERANCE)
+
+
+@pytest.mark.parametrize("kernel_class", KERNELS, ids=lambda c: c.name)
+@pytest.mark.parametrize("head_dim, groups", [(64, 1), (128, 4)])
+def test_every_kernel_passes_its_self_check(kernel_class, head_dim, groups):
+    """What `auto` checks before using a kernel: it must pass here, or the machine runs slower than it could."""
+    device = torch.device("cuda")
+    if kernel_class.contract.unsupported(torch.bfloat16, head_dim):
+        pytest.skip(f"{kernel_class.name} does not take head_dim {head_dim}")
+    kernel = kernel_class()
+    assert self_check(kernel, device, torch.bfloat16, head_dim, groups) is None
+    if hasattr(kernel, "forward_varlen"):
+        assert varlen_self_check(kernel, device, torch.bfloat16, head_dim, groups) is None
 
 
 def test_burst_attn_takes_inputs_with_a_strided_last_dimension():
@@ -118,8 +127,10 @@ def test_burst_attn_takes_inputs_with_a_strided_last_dimension():
 
 
 def test_auto_selection_on_this_gpu():
+    """auto takes the fastest kernel that passes its self-check; float32 and odd head dims get efficient."""
     device = torch.device("cuda")
-    best = select_kernel(device, torch.bfloat16, "auto", head_dim=128)
-    assert type(best) is KERNELS[-1], f"auto chose {type(best).__name__}; this machine has {KERNELS}"
+    best = select_kernel(device, torch.bfloat16, "auto", head_dim=128, groups=4)
+    assert best.name in candidates(detect_machine(device), torch.bfloat16, 128)
+    assert self_check(best, device, torch.bfloat16, 128, 4) is None
     assert type(select_kernel(device, torch.float32, "auto", head_dim=128)) is TorchCUDAEfficientKernel
     assert type(select_kernel(device, torch.bfloat16, "auto", head_dim=100)) is TorchCUDAEfficientKernel

@@ -204,10 +204,11 @@ def test_commands_use_options_that_exist(page: Path):
 
 
 def test_every_option_named_in_prose_exists():
-    """An option named in a sentence (`--val-sequences` (8)) belongs to a `burst` command, a benchmark script,
-    or one of the other tools the pages show: a renamed option cannot linger in the text."""
+    """An option named in a sentence (`--val-sequences` (8)) belongs to a `burst` command, a script in benchmarks/
+    or scripts/, or one of the other tools the pages show: a renamed option cannot linger in the text."""
     known = set(OTHER_TOOLS_OPTIONS).union(*burst_options().values(),
-                                           *map(script_options, (REPO / "benchmarks").glob("*.py")))
+                                           *map(script_options, (REPO / "benchmarks").glob("*.py")),
+                                           *map(script_options, (REPO / "scripts").glob("*.py")))
     named = {option for page in PAGES for option in OPTION.findall("\n".join(prose(page)))}
     assert not named - known, f"options named in README.md or docs/ that no command has: {sorted(named - known)}"
 

@@ -113,6 +113,10 @@ class TrainConfig:
                                           "all-gather per attention call); the first step always checks.")
     attention_backward: str = setting("auto", "BurstAttention backward communication: burst, ring or auto "
                                               "(fewer bytes).")
+    attention_kernel: str = setting("auto", "Local attention kernel of BurstAttention's blocks: auto (the fastest "
+                                            "installed one that agrees with the math kernel on a self-check), math, "
+                                            "cpu, flash, efficient, cudnn, fa3, fa4, flash-attn or torch "
+                                            "(docs/kernels.md).")
     cp_topology: str = setting("auto", "How BurstAttention's blocks travel between nodes: flat (one ring), two-level "
                                        "(a ring per node, one hop per round across), ulysses (all-to-all over heads "
                                        "in a node, ring across) or auto (flat on one node, else fewest bytes "
@@ -166,6 +170,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         # Here, not at the top: `burst --help` builds its options from these fields and must not import torch.
         from burst.attention import check_backward_mode
+        from burst.kernels import check_kernel_name
         from burst.layout import check_layout, check_sequence_length
         from burst.topology import check_topology
         from data.conversation_packing import check_policy
@@ -239,6 +244,7 @@ class TrainConfig:
             raise ValueError(f"--objective {self.objective!r} is not one of nll, {', '.join(OBJECTIVES)}")
         check_settings(self.objective, self.beta, self.simpo_gamma, self.orpo_lambda)
         check_backward_mode(self.attention_backward, "--attention-backward")
+        check_kernel_name(self.attention_kernel, "--attention-kernel")
         check_topology(self.cp_topology, "--cp-topology")
         if self.cp_layout != "auto":
             check_layout(self.cp_layout, "--cp-layout")
@@ -338,9 +344,9 @@ INVOCATION_FIELDS = ("resume", "stop_after")
 # What --resume may change: the parallel layout (DCP reshards the state) and how the run reports and saves.
 # Sequences per step (batch_size x dp x grad_accum) must stay, so the loss and schedule do not change.
 RESUMABLE_CHANGES = ("device", "cp", "dp", "batch_size", "grad_accum", "activation_checkpointing",
-                     "attention_backward", "cp_topology", "cp_layout", "compile", "check_ranks_every", "log_every",
-                     "checkpoint_every", "keep", "async_checkpoint", "max_restarts", "timeout", "val_tokens",
-                     "val_every", *INVOCATION_FIELDS)
+                     "attention_backward", "attention_kernel", "cp_topology", "cp_layout", "compile",
+                     "check_ranks_every", "log_every", "checkpoint_every", "keep", "async_checkpoint", "max_restarts",
+                     "timeout", "val_tokens", "val_every", *INVOCATION_FIELDS)
 
 
 def run_identity(config: TrainConfig) -> dict[str, Any]:

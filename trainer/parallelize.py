@@ -53,6 +53,7 @@ def parallelize(model: Transformer, mesh: DeviceMesh | None, config: TrainConfig
         cp_group = mesh["cp"].get_group()
         for block in model.layers:
             block.attention.core_attention = burst.BurstAttention(group=cp_group, backward=config.attention_backward,
+                                                                      kernel=config.attention_kernel,
                                                                       topology=config.cp_topology,
                                                                       layout=config.sequence_layout)
 

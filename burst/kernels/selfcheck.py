@@ -1,0 +1,127 @@
+"""Each kernel checked once against the math kernel before the ring uses it.
+
+A kernel that gives different numbers must not train a model: on a small input of the real
+dtype, head dim and GQA grouping, laid out as the ring passes it (row slices of a shard, a
+square causal block and a rectangular unmasked one), the forward's out and lse and the
+backward's three gradients are compared with `MathKernel`'s. A kernel that disagrees or
+raises is refused with the reason; choice.py then tries the next one, so an untested kernel
+can make a run slower, never change its numbers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from burst.kernels.contract import AttentionKernel
+from burst.kernels.math import MathKernel
+
+# Allowed max error, relative to max(1, |largest expected value|), of (out, lse, grads) per dtype:
+# a fused kernel rounds its probabilities to the input dtype before the second matmul.
+TOLERANCES = {
+    torch.bfloat16: (2e-2, 1e-3, 5e-2),
+    torch.float16: (5e-3, 1e-3, 1e-2),
+    torch.float32: (5e-3, 1e-3, 1e-2),  # TF32 may be on for a GPU's float32 matmuls, the reference's too
+    torch.float64: (1e-8, 1e-8, 1e-8),
+}
+CHUNK = 80  # rows of one zigzag chunk in the check: not a multiple of any kernel's tile
+BATCH, KV_HEADS = 2, 2
+
+
+def _max_error(name: str, got: torch.Tensor, expected: torch.Tensor, tolerance: float) -> str | None:
+    """Why `got` is not `expected` within `tolerance`; None when it is."""
+    if tuple(got.shape) != tuple(expected.shape):
+        return f"{name} has shape {tuple(got.shape)}, expected {tuple(expected.shape)}"
+    if got.dtype != expected.dtype:
+        return f"{name} has dtype {got.dtype}, expected {expected.dtype}"
+    err = (got.double() - expected.double()).abs().max().item()
+    bound = tolerance * max(1.0, expected.double().abs().max().item())
+    if not err <= bound:  # NaN fails too
+        return f"{name} differs from the math kernel by {err:.3g} (allowed {bound:.3g})"
+    return None
+
+
+def check_block(kernel: AttentionKernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
+                causal: bool, scale: float) -> str | None:
+    """What `kernel` gets wrong on one block against the math kernel; None when nothing."""
+    out_tol, lse_tol, grad_tol = TOLERANCES[q.dtype]
+    reference = MathKernel()
+    ref_out, ref_lse = reference.forward(q, k, v, causal, scale)
+    out, lse = kernel.forward(q, k, v, causal, scale)
+    problem = _max_error("forward out", out, ref_out, out_tol) or _max_error("forward lse", lse, ref_lse, lse_tol)
+    if problem:
+        return problem
+    ref_grads = reference.backward(dout, q, k, v, ref_out, ref_lse, causal, scale)
+    grads = kernel.backward(dout, q, k, v, ref_out, ref_lse.contiguous(), causal, scale)
+    for name, got, expected in zip(("dq", "dk", "dv"), grads, ref_grads, strict=True):
+        if problem := _max_error(f"backward {name}", got, expected, grad_tol):
+            return problem
+    return None
+
+
+def self_check(kernel: AttentionKernel, device: torch.device, dtype: torch.dtype, head_dim: int,
+               groups: int = 1) -> str | None:
+    """Why `kernel` must not be used for these inputs (one line), or None when it agrees with the
+    math kernel on the ring's two kinds of block. Uses its own random generator: the run's random
+    state is left as it was."""
+    generator = torch.Generator(device=device).manual_seed(0)
+
+    def shard(heads: int) -> torch.Tensor:  # [b, 2 chunks, heads, d], heads-first memory as the ring's
+        x = torch.randn(BATCH, heads, 2 * CHUNK, head_dim, generator=generator, device=device, dtype=torch.float32)
+        return x.to(dtype).transpose(1, 2)
+
+    q, k, v, dout = shard(KV_HEADS * groups), shard(KV_HEADS), shard(KV_HEADS), shard(KV_HEADS * groups)
+    later, first = slice(CHUNK, None), slice(0, CHUNK)
+    blocks = (("a causal square block", later, later, True),
+              ("an unmasked block of the whole shard against half of one", slice(None), first, False))
+    try:
+        with torch.no_grad(), torch.autocast(device.type, enabled=False):
+            for what, rows, cols, causal in blocks:
+                if problem := check_block(kernel, q[:, rows], k[:, cols], v[:, cols], dout[:, rows], causal,
+                                          head_dim ** -0.5):
+                    return f"{problem} on {what}"
+    except Exception as error:  # noqa: BLE001 - any failure of a kernel refuses it, with its message
+        return f"it raised {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}".rstrip(": ")
+    return None
+
+
+def varlen_self_check(kernel: AttentionKernel, device: torch.device, dtype: torch.dtype, head_dim: int,
+                      groups: int = 1) -> str | None:
+    """Why `kernel`'s varlen path (burst/varlen.py) must not be used, or None when a step of documents
+    packed into one call per causal flag (causal squares of three lengths, two prefix-shared rectangles,
+    rows of two batch entries) gives the math kernel's results block by block."""
+    from burst.varlen import backward_blocks, forward_blocks  # varlen imports the kernels' contract
+
+    generator = torch.Generator(device=device).manual_seed(1)
+    shard = lambda heads: torch.randn(BATCH, 2 * CHUNK, heads, head_dim, generator=generator,  # noqa: E731
+                                      device=device, dtype=torch.float32).to(dtype)
+    q, k, v, dout = shard(KV_HEADS * groups), shard(KV_HEADS), shard(KV_HEADS), shard(KV_HEADS * groups)
+    rectangles = [(slice(0, 1), slice(0, 48), slice(0, 48), True),  # (batch rows, query rows, key rows, causal)
+                  (slice(1, 2), slice(48, 128), slice(48, 128), True),
+                  (slice(0, 2), slice(128, 144), slice(128, 144), True),
+                  (slice(0, 1), slice(48, 128), slice(0, 48), False),
+                  (slice(1, 2), slice(128, 160), slice(0, 48), False)]
+    forward = [(q[b, r], k[b, c], v[b, c], causal) for b, r, c, causal in rectangles]
+    out_tol, lse_tol, grad_tol = TOLERANCES[dtype]
+    reference, scale = MathKernel(), head_dim ** -0.5
+    checked = getattr(kernel, "use_varlen", False)
+    try:
+        kernel.use_varlen = True
+        with torch.no_grad(), torch.autocast(device.type, enabled=False):
+            results = forward_blocks(kernel, forward, scale)
+            backward = []
+            for (bq, bk, bv, causal), (out, lse), (b, r, _, _) in zip(forward, results, rectangles, strict=True):
+                ref_out, ref_lse = reference.forward(bq, bk, bv, causal, scale)
+                if problem := (_max_error("varlen forward out", out, ref_out, out_tol)
+                               or _max_error("varlen forward lse", lse, ref_lse, lse_tol)):
+                    return problem
+                backward.append((dout[b, r], bq, bk, bv, ref_out, ref_lse, causal))
+            for block, grads in zip(backward, backward_blocks(kernel, backward, scale), strict=True):
+                expected = reference.backward(*block[:6], block[6], scale)
+                for name, got, want in zip(("dq", "dk", "dv"), grads, expected, strict=True):
+                    if problem := _max_error(f"varlen backward {name}", got, want, grad_tol):
+                        return problem
+    except Exception as error:  # noqa: BLE001 - any failure turns varlen off, with its message
+        return f"it raised {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}".rstrip(": ")
+    finally:
+        kernel.use_varlen = checked
+    return None

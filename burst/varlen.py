@@ -1,0 +1,111 @@
+"""All rectangles of one ring step in as few kernel calls as the kernel allows.
+
+A step of the ring computes a list of blocks: row slices of a query shard against row slices of a
+key shard, one per document (or prefix-shared prompt) the plan found visible (burst/plan.py). A
+kernel call costs tens of microseconds of launch and Python on a GPU, whatever its size, so a 131K
+sequence of short documents would cost hundreds of calls per step and layer. A varlen kernel takes
+them all in one call: the rectangles' rows are packed one after another into [total, heads, dim]
+tensors, with cumulative offsets cu_seqlens_q / cu_seqlens_k (int32 [n + 1]) and the longest
+rectangle's lengths max_q / max_k; its log-sum-exp comes back [heads, total_q] and is cut back into
+burst's [b, h, s] per block. Causal and unmasked rectangles go in separate calls (one flag per call;
+causal ones are square, where the kernels' bottom-right alignment is burst's top-left).
+
+Kernels with `forward_varlen` / `backward_varlen` (burst/kernels/cuda.py, flash_attn.py) use it only
+once choice.py has checked their varlen path against the math kernel (`use_varlen`); everything else,
+the CPU kernel included (per-rectangle calls are fastest there), gets one call per block.
+
+    forward_varlen(q [Tq, hq, d], k [Tk, hk, d], v, cu_q, cu_k, max_q, max_k, causal, scale)
+        -> (out [Tq, hq, d], lse [hq, Tq] float32)
+    backward_varlen(dout, q, k, v, out, lse [hq, Tq], cu_q, cu_k, max_q, max_k, causal, scale) -> (dq, dk, dv)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from burst.kernels.contract import AttentionKernel
+
+ForwardBlock = tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]  # q, k, v [nb, len, h, d], causal
+BackwardBlock = tuple[torch.Tensor, ...]  # dout, q, k, v, out [nb, len, h, d], lse [nb, h, len], then causal
+
+
+@dataclass(frozen=True)
+class Offsets:
+    """Where each rectangle's rows lie in the packed tensors."""
+
+    cu_seqlens_q: torch.Tensor  # int32 [n + 1]
+    cu_seqlens_k: torch.Tensor  # int32 [n + 1]
+    max_q: int
+    max_k: int
+
+    @staticmethod
+    def of(q_lengths: list[int], k_lengths: list[int], device: torch.device) -> Offsets:
+        def cumulative(lengths: list[int]) -> torch.Tensor:
+            return torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
+
+        return Offsets(cumulative(q_lengths), cumulative(k_lengths), max(q_lengths), max(k_lengths))
+
+
+def pack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """[nb, len, h, d] blocks -> [sum of nb x len, h, d], batch row after batch row, block after block."""
+    return torch.cat([t.reshape(-1, *t.shape[2:]) for t in tensors])
+
+
+def unpack(packed: torch.Tensor, like: list[torch.Tensor], dim: int = 0) -> list[torch.Tensor]:
+    """Inverse of `pack` along `dim` (0 for [T, h, d]; 1 for an lse [h, T], returned as [nb, h, len])."""
+    sizes = [t.shape[0] * t.shape[1] for t in like]
+    parts = packed.split(sizes, dim=dim)
+    if dim == 0:
+        return [p.view(t.shape[0], t.shape[1], *p.shape[1:]) for p, t in zip(parts, like, strict=True)]
+    return [p.view(p.shape[0], t.shape[0], t.shape[1]).transpose(0, 1) for p, t in zip(parts, like, strict=True)]
+
+
+def _lengths(blocks: list[torch.Tensor]) -> list[int]:
+    return [t.shape[1] for t in blocks for _ in range(t.shape[0])]
+
+
+def _varlen_groups(kernel: AttentionKernel, causal_flags: list[bool]) -> list[list[int]]:
+    """Indices of the blocks to pack together: per causal flag, when the kernel's varlen path is
+    checked and packing saves a call; otherwise one group per block."""
+    if not getattr(kernel, "use_varlen", False):
+        return [[i] for i in range(len(causal_flags))]
+    groups = [[i for i, c in enumerate(causal_flags) if c == flag] for flag in (True, False)]
+    return [g for g in groups if g]
+
+
+def forward_blocks(kernel: AttentionKernel, blocks: list[ForwardBlock], scale: float
+                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(out [nb, len, hq, d], lse [nb, hq, len] float32) of every block, in the blocks' order."""
+    results: list = [None] * len(blocks)
+    for group in _varlen_groups(kernel, [b[3] for b in blocks]):
+        if len(group) == 1:
+            results[group[0]] = kernel.forward(*blocks[group[0]][:3], blocks[group[0]][3], scale)
+            continue
+        qs, ks, vs = ([blocks[i][j] for i in group] for j in range(3))
+        offsets = Offsets.of(_lengths(qs), _lengths(ks), qs[0].device)
+        out, lse = kernel.forward_varlen(pack(qs), pack(ks), pack(vs), offsets.cu_seqlens_q, offsets.cu_seqlens_k,
+                                         offsets.max_q, offsets.max_k, blocks[group[0]][3], scale)
+        for i, o, s in zip(group, unpack(out, qs), unpack(lse, qs, dim=1), strict=True):
+            results[i] = (o, s)
+    return results
+
+
+def backward_blocks(kernel: AttentionKernel, blocks: list[BackwardBlock], scale: float
+                    ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(dq, dk, dv) of every block (dout, q, k, v, out, lse, causal), each shaped like its input."""
+    results: list = [None] * len(blocks)
+    for group in _varlen_groups(kernel, [b[6] for b in blocks]):
+        if len(group) == 1:
+            results[group[0]] = kernel.backward(*blocks[group[0]][:6], blocks[group[0]][6], scale)
+            continue
+        douts, qs, ks, vs, outs, lses = ([blocks[i][j] for i in group] for j in range(6))
+        offsets = Offsets.of(_lengths(qs), _lengths(ks), qs[0].device)
+        packed_lse = torch.cat([s.transpose(0, 1).reshape(s.shape[1], -1) for s in lses], dim=1)  # [hq, Tq]
+        dq, dk, dv = kernel.backward_varlen(pack(douts), pack(qs), pack(ks), pack(vs), pack(outs), packed_lse,
+                                            offsets.cu_seqlens_q, offsets.cu_seqlens_k, offsets.max_q, offsets.max_k,
+                                            blocks[group[0]][6], scale)
+        for i, q_grad, k_grad, v_grad in zip(group, unpack(dq, qs), unpack(dk, ks), unpack(dv, vs), strict=True):
+            results[i] = (q_grad, k_grad, v_grad)
+    return results
