@@ -62,11 +62,27 @@ def estimate(config: TrainConfig, model_config: ModelConfig, hardware: Hardware,
     CPU machine's memory (default: all of the config's, at most gpus_per_node); doc_len: the packed documents'
     length for --doc-mask (None: one document per sequence)."""
     model = footprint(model_config)
-    parts = memory_parts(config, model, hardware, forward_only=forward_only)
-    capacity = hardware.memory_bytes
-    if hardware.shared_memory:
-        capacity //= local_ranks or min(config.world_size, hardware.gpus_per_node)
+    parts, capacity = memory_estimate(config, model_config, hardware, local_ranks=local_ranks,
+                                      forward_only=forward_only)
     prefix = config.doc_mask and config.objective != "nll" and config.prefix_sharing
     times = time_parts(config, model, hardware, doc_len, prefix)
     return Estimate(parts, capacity, times, config.batch_size * config.seq_len * config.grad_accum * config.dp,
                     config.world_size, model_flops(config, model, doc_len, prefix), hardware.matmul_tflops)
+
+
+def memory_estimate(config: TrainConfig, model_config: ModelConfig, hardware: Hardware, *,
+                    local_ranks: int | None = None, forward_only: bool = False) -> tuple[dict[str, int], int]:
+    """(bytes by part, bytes one rank may use) of `config` on `hardware`: the memory half of `estimate`, which
+    `burst train`'s and `burst eval`'s preflight check (no rates needed)."""
+    parts = memory_parts(config, footprint(model_config), hardware, forward_only=forward_only)
+    capacity = hardware.memory_bytes
+    if hardware.shared_memory:
+        capacity //= local_ranks or min(config.world_size, hardware.gpus_per_node)
+    return parts, capacity
+
+
+def fits(config: TrainConfig, model_config: ModelConfig, hardware: Hardware, *, local_ranks: int | None = None,
+         forward_only: bool = False) -> bool:
+    parts, capacity = memory_estimate(config, model_config, hardware, local_ranks=local_ranks,
+                                      forward_only=forward_only)
+    return sum(parts.values()) <= capacity

@@ -127,3 +127,9 @@ def cpu_model() -> str:
             return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "cpu")
     except OSError:
         return "cpu"
+
+
+def memory_only(device: str, memory_bytes: int, gpus_per_node: int = 1) -> Hardware:
+    """Hardware known by its memory alone, for checks that need no rates (the preflight's)."""
+    return Hardware(f"this {'GPU' if device == 'cuda' else 'machine'}", device, memory_bytes, 0.0, 0.0, 0.0, 0.0, 0.0,
+                    gpus_per_node, 1, "torch.cuda total memory" if device == "cuda" else "MemAvailable")
