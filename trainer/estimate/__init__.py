@@ -59,7 +59,7 @@ class Estimate:
 def estimate(config: TrainConfig, model_config: ModelConfig, hardware: Hardware, *, local_ranks: int | None = None,
              doc_len: int | None = None, forward_only: bool = False) -> Estimate:
     """Memory and step time of `config` training `model_config` on `hardware`. local_ranks: ranks sharing one
-    CPU machine's memory (default: all of the config's, at most gpus_per_node); doc_len: the packed documents'
+    CPU machine's memory (default: the config's ranks over the nodes); doc_len: the packed documents'
     length for --doc-mask (None: one document per sequence)."""
     model = footprint(model_config)
     parts, capacity = memory_estimate(config, model_config, hardware, local_ranks=local_ranks,
@@ -76,8 +76,8 @@ def memory_estimate(config: TrainConfig, model_config: ModelConfig, hardware: Ha
     `burst train`'s and `burst eval`'s preflight check (no rates needed)."""
     parts = memory_parts(config, footprint(model_config), hardware, forward_only=forward_only)
     capacity = hardware.memory_bytes
-    if hardware.shared_memory:
-        capacity //= local_ranks or min(config.world_size, hardware.gpus_per_node)
+    if hardware.shared_memory:  # every rank of a node is a process of this machine
+        capacity //= local_ranks or -(-config.world_size // hardware.nodes)
     return parts, capacity
 
 
