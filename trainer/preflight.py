@@ -238,6 +238,13 @@ def check_memory(config: TrainConfig, model_config: ModelConfig, local_ranks: in
                      f"more machines with torchrun (`burst plan --search` ranks what fits by speed)")
 
 
+def check_eval_memory(seq_len: int, cp: int, precision: str, model_config: ModelConfig) -> None:
+    """Refuse an evaluation whose ranks cannot fit, from the same estimate as training's (forward only: the weights
+    in `precision`, one block's activations, attention's buffers and the loss's chunk), before any rank starts."""
+    config = TrainConfig(seq_len=seq_len, cp=cp, precision=precision)
+    check_memory(config, model_config, int(os.environ.get("LOCAL_WORLD_SIZE", cp)), forward_only=True)
+
+
 def restart_count() -> int:
     """How many times the elastic agent (our launcher or torchrun) has restarted this process's workers."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))

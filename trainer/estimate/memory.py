@@ -69,9 +69,10 @@ def memory_parts(config: TrainConfig, model: Footprint, hardware: Hardware, mode
     mode = mode or config.activation_checkpointing
     world = config.world_size
     width = compute_width(config, hardware)
-    weights = (width if forward_only else 4) * model.parameters // world
+    weights = 4 * model.parameters // world
     gathered = (2 * model.block + model.outer) * width if world > 1 else 0
-    if forward_only:
+    if forward_only:  # evaluation: every rank holds the whole model in its dtype, unsharded
+        weights, gathered = width * model.parameters, 0
         tokens = config.batch_size * config.seq_len // config.cp
         activations = int(tokens * calibration.BLOCK_BYTES_PER_VALUE[hardware.device] * model.block_width * width / 2)
         parts = {"weights": weights, "gathered weights": gathered, "activations": activations,

@@ -24,13 +24,14 @@ def layouts(config: TrainConfig, gpus: int) -> list[TrainConfig]:
 
 def fitting(config: TrainConfig, model_config: ModelConfig, hardware: Hardware, gpus: int, *,
             local_ranks: int | None = None, forward_only: bool = False) -> list[TrainConfig]:
-    """The configs of `layouts` that fit, in the order of `layouts` (fewest cp ranks, least recomputation first)."""
-    candidates = [config] if forward_only else layouts(config, gpus)
-    if forward_only:  # evaluation: only the context-parallel ranks change what a rank holds
-        candidates = [dataclasses.replace(config, cp=cp) for cp in range(1, gpus + 1)
+    """The configs of `layouts` that fit, in the order of `layouts` (fewest cp ranks, least recomputation first);
+    forward_only (evaluation): --cp 1, 2, 4 or 8, a local process each."""
+    if forward_only:  # evaluation: more context-parallel ranks (each a local process) split the sequence further
+        candidates = [dataclasses.replace(config, cp=cp, dp=1) for cp in (1, 2, 4, 8)
                       if config.seq_len % (2 * cp if cp > 1 else 1) == 0]
-    return [c for c in candidates if fits(c, model_config, hardware, local_ranks=local_ranks and min(
-        local_ranks, c.world_size), forward_only=forward_only)]
+        return [c for c in candidates if fits(c, model_config, hardware, forward_only=True)]
+    return [c for c in layouts(config, gpus) if fits(c, model_config, hardware, local_ranks=local_ranks and min(
+        local_ranks, c.world_size))]
 
 
 def longest_sequence(config: TrainConfig, model_config: ModelConfig, hardware: Hardware, *,
