@@ -221,8 +221,9 @@ def check_memory(config: TrainConfig, model_config: ModelConfig, local_ranks: in
         return
     ranks = 1 if cuda else local_ranks
     shown = ", ".join(f"{name} {size / 2**30:,.2f}" for name, size in parts.items() if size)
-    options = fitting(config, model_config, hardware, config.world_size, local_ranks=local_ranks,
-                      forward_only=forward_only)
+    options = sorted(fitting(config, model_config, hardware, config.world_size, local_ranks=local_ranks,
+                             forward_only=forward_only),
+                     key=lambda c: (c.cp, c.dp) != (config.cp, config.dp))  # the same layout first, then others
 
     def need(candidate: TrainConfig) -> str:
         size = sum(memory_estimate(candidate, model_config, hardware, local_ranks=local_ranks,

@@ -17,17 +17,17 @@ from __future__ import annotations
 
 # Bytes one token keeps per value of a block's `block_width` (models/footprint.py) when the block is not
 # recomputed: the saved inputs of its matmuls, norms, rotary embedding and SwiGLU, in their dtypes.
-BLOCK_BYTES_PER_VALUE = {"cuda": 4.66, "cpu": 6.0}
+BLOCK_BYTES_PER_VALUE = {"cuda": 4.66, "cpu": 2.126}
 # Bytes per token per dim kept outside the blocks (embedding output, final norm, the loss's hidden rows).
-OUTER_BYTES_PER_DIM = {"cuda": 10.0, "cpu": 16.0}
+OUTER_BYTES_PER_DIM = {"cuda": 10.0, "cpu": 68.73}
 # Fraction of the dense matmul peak the model's matmuls reach (bf16 on CUDA; on CPU, of the measured rate).
-MATMUL_EFFICIENCY = {"cuda": 0.5, "cpu": 0.55}
+MATMUL_EFFICIENCY = {"cuda": 0.5, "cpu": 1.0}
 # CPU attention kernel rate against the measured matmul rate (PyTorch's flash kernel for CPU).
-CPU_ATTENTION_FRACTION = 0.25
+CPU_ATTENTION_FRACTION = 2.082
 # What the process holds beyond its tensors: the CUDA context (not in max_memory_allocated), or a CPU rank's
 # Python, torch and libraries (peak RSS before the first tensor, measured ~350 MiB).
 PROCESS_BYTES = {"cuda": 600 * 2**20, "cpu": 400 * 2**20}
 # The caching allocator's reserve beyond what is allocated (CUDA), or malloc's on CPU.
 ALLOCATOR_OVERHEAD = {"cuda": 0.06, "cpu": 0.10}
 # Seconds of fixed work per step outside the model (data, logging, Python): measured on each device.
-STEP_OVERHEAD_S = {"cuda": 0.05, "cpu": 0.05}
+STEP_OVERHEAD_S = {"cuda": 0.05, "cpu": 0.0}
