@@ -7,10 +7,12 @@ tiny without recomputation at 32,768 tokens, 8,099 MiB; steps of 11.8 s and 1.26
 bytes (fp32 block input + bf16 attention output) plus one recomputed block: what fixes BLOCK_BYTES_PER_VALUE
 on CUDA; tiny's point then checks it (8,099 measured).
 
-CPU (fp32, peak resident set size of each rank): `python benchmarks/plan_calibration.py --fit` runs the
-grid, fits these constants on its calibration half and reports the other half; it rewrites
-benchmarks/plan_calibration.json, from which tests/test_plan.py checks that these constants reproduce
-the stored table.
+CPU (fp32, peak resident set size of each rank): `python benchmarks/plan_calibration.py` runs the grid (16
+configurations, ~8 minutes on 2 shared cores), rewrites benchmarks/plan_calibration.json, fits these constants on
+its even rows and reports the odd ones (`--report`: from the stored table, running nothing); tests/test_plan.py
+checks that the constants here are that fit. What a block keeps per value on CPU comes from tiny at 8K and 16K
+tokens (28.3 KB a token a block), the allocator's share is fixed at 10%; step times on 2 shared cores vary
+3-7x between steps, so the CPU time constants are a rough fit (docs/plan.md).
 """
 
 from __future__ import annotations
