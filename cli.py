@@ -175,8 +175,20 @@ def eval_command(
                  passkey_depths=_number_list(passkey_depths, float, "--passkey-depths"),
                  cp=cp, precision=precision, json_path=json_path, reference=reference, beta=beta)
     with _exits(failed=(EvaluationFailed,)):
-        evaluate(EvalConfig(checkpoint=checkpoint, force=force,
-                            **{name: v for name, v in flags.items() if v is not None}))
+        eval_config = EvalConfig(checkpoint=checkpoint, force=force,
+                                 **{name: v for name, v in flags.items() if v is not None})
+        _check_eval_memory(eval_config)
+        evaluate(eval_config)
+
+
+def _check_eval_memory(config) -> None:
+    """Refuse an evaluation that cannot fit before any rank starts or any data is read, from the estimate training's
+    preflight and `burst plan` use (here: evaluation may not import the trainer)."""
+    from evaluation.checkpoint import load_for_eval
+    from trainer.preflight import check_eval_memory
+
+    longest = max([config.seq_len] + (config.passkey_lengths if config.passkey_trials else []))
+    check_eval_memory(longest, config.cp, config.precision, load_for_eval(config.checkpoint).config)
 
 
 @bench_app.command("attention")

@@ -46,7 +46,6 @@ from runtime.directories import check_writable, write_atomically
 from runtime.failure import WriteFailed, writing
 from runtime.launch import first_failure, run_local, under_torchrun
 from runtime.precision import resolve_precision
-from trainer.preflight import check_eval_memory
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -186,8 +185,6 @@ def available_val_sequences(config: EvalConfig, store: TokenStore) -> int:
 def open_inputs(config: EvalConfig) -> EvalInputs:
     """Open checkpoint and data and check that they fit each other and the config."""
     checkpoint = load_for_eval(config.checkpoint)
-    longest = max([config.seq_len] + (config.passkey_lengths if config.passkey_trials else []))
-    check_eval_memory(longest, config.cp, config.precision, checkpoint.config)  # before any data is read
     store = TokenStore(config.data if config.data is not None else default_store())
     check_tokenizer(checkpoint, store)
     if config.reference is not None:
@@ -206,6 +203,7 @@ def open_inputs(config: EvalConfig) -> EvalInputs:
         warnings.append(f"the validation split holds {available} {held} {config.seq_len:,} tokens; "
                         f"scoring {available}, not --batches {config.batches}")
     max_seq_len = checkpoint.config.max_seq_len
+    longest = max([config.seq_len] + (config.passkey_lengths if config.passkey_trials else []))
     if longest > max_seq_len:
         warnings.append(f"sequences of up to {longest:,} tokens are longer than the model's max_seq_len "
                         f"{max_seq_len:,}: positions past it were never trained, so expect worse results there")
