@@ -183,7 +183,19 @@ def eval_command(
                  cp=cp, precision=precision, json_path=json_path, reference=reference, beta=beta, device=device)
     with _exits(failed=(EvaluationFailed,)):
         given = {name: v for name, v in flags.items() if v is not None}
-        evaluate(EvalConfig(checkpoint=checkpoint, force=force, given=frozenset(given), **given))
+        eval_config = EvalConfig(checkpoint=checkpoint, force=force, given=frozenset(given), **given)
+        _check_eval_memory(eval_config)
+        evaluate(eval_config)
+
+
+def _check_eval_memory(config) -> None:
+    """Refuse an evaluation that cannot fit before any rank starts or any data is read, from the estimate training's
+    preflight and `burst plan` use (here: evaluation may not import the trainer)."""
+    from evaluation.checkpoint import load_for_eval
+    from trainer.preflight import check_eval_memory
+
+    longest = max([config.seq_len] + (config.passkey_lengths if config.passkey_trials else []))
+    check_eval_memory(longest, config.cp, config.precision, load_for_eval(config.checkpoint).config, config.device)
 
 
 @bench_app.command("attention")
@@ -337,6 +349,58 @@ _train_command.__signature__ = inspect.Signature([
                       default=typer.Option(None, "--val-sequences", hidden=True)),
 ])
 app.command("train")(_train_command)
+
+
+def _plan_command(config: Path | None = None, gpu: str | None = None, gpus_per_node: int | None = None,
+                  nodes: int = 1, search: bool = False, json_path: Path | None = None, vocab_size: int | None = None,
+                  doc_len: int | None = None, **flags: Any) -> None:
+    """What a training run needs per rank (memory by part, fits or not) and how fast it goes (step time by part,
+    tokens/s per GPU, MFU), before it starts: for this machine, or --gpu NAME. Takes `burst train`'s settings.
+    With --search: the cp x dp x recomputation settings of the GPUs that fit, fastest first."""
+    from trainer.config import load_config
+    from trainer.plan import PlanRequest, format_plan, format_search, plan, to_json, write_json
+    from trainer.plan import search as search_settings
+
+    flags.pop("val_sequences", None)
+    overrides = {name: value for name, value in flags.items() if value is not None}
+    with _exits():
+        request = PlanRequest(load_config(config, overrides), gpu, gpus_per_node, nodes, vocab_size, doc_len)
+        settings, result, hardware = plan(request)
+        found = None
+        if search:
+            found, longest, hardware = search_settings(request)
+            typer.echo(format_search(settings, found, longest, hardware))
+            if found:
+                settings, result = found[0].config, found[0].estimate
+        else:
+            typer.echo(format_plan(settings, result, hardware))
+        if json_path is not None:
+            write_json(json_path, to_json(settings, result, hardware, found))
+
+
+_plan_command.__signature__ = inspect.Signature([
+    *list(_train_command.__signature__.parameters.values())[:1],
+    inspect.Parameter("gpu", inspect.Parameter.KEYWORD_ONLY, annotation=str | None,
+                      default=typer.Option(None, "--gpu", help="Plan for a GPU of the table: h100, h200, a100, b200 "
+                                                               "(default: this machine).")),
+    inspect.Parameter("gpus_per_node", inspect.Parameter.KEYWORD_ONLY, annotation=int | None,
+                      default=typer.Option(None, "--gpus-per-node", help="GPUs per node (the table's 8, or this "
+                                                                         "machine's).")),
+    inspect.Parameter("nodes", inspect.Parameter.KEYWORD_ONLY, annotation=int,
+                      default=typer.Option(1, "--nodes", help="Nodes.")),
+    inspect.Parameter("search", inspect.Parameter.KEYWORD_ONLY, annotation=bool,
+                      default=typer.Option(False, "--search", help="Rank the settings that fit by tokens/s per GPU.")),
+    inspect.Parameter("json_path", inspect.Parameter.KEYWORD_ONLY, annotation=Path | None,
+                      default=typer.Option(None, "--json", help="Also write the plan to this JSON file.")),
+    inspect.Parameter("vocab_size", inspect.Parameter.KEYWORD_ONLY, annotation=int | None,
+                      default=typer.Option(None, "--vocab-size", help="The tokenizer's vocabulary, replacing the "
+                                                                      "preset's.")),
+    inspect.Parameter("doc_len", inspect.Parameter.KEYWORD_ONLY, annotation=int | None,
+                      default=typer.Option(None, "--doc-len", help="With --doc-mask: the packed documents' length "
+                                                                   "(default: one per sequence).")),
+    *list(_train_command.__signature__.parameters.values())[1:],
+])
+app.command("plan")(_plan_command)
 
 
 def main() -> None:

@@ -9,7 +9,6 @@ is checked the same way.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import sys
 import time
@@ -30,7 +29,7 @@ from checkpoints.training import (
 from data import SequenceLoader, TokenStore, default_store
 from data.mixture import Source, open_sources, parse_mixture
 from models import PRESETS, ModelConfig
-from models.checkpoint import expected_shapes, is_native_checkpoint
+from models.checkpoint import is_native_checkpoint
 from models.convert import is_hf_checkpoint, read_checkpoint
 from models.rope import ORIGINAL_LENGTH, parse_rope_scaling
 from runtime.device import Device, resolve_device
@@ -38,6 +37,9 @@ from runtime.directories import check_writable, read_marker
 from runtime.precision import Precision, resolve_precision
 from trainer.checkpoint import check_model_config, metrics_rows
 from trainer.config import TrainConfig, run_identity
+from trainer.estimate import memory_estimate
+from trainer.estimate.hardware import available_memory_bytes, memory_only
+from trainer.estimate.search import describe, fitting, longest_sequence
 from trainer.preference import check_preferences, check_reference_kept
 from trainer.rundir import check_run_dir
 
@@ -216,88 +218,52 @@ def check_conversations(config: TrainConfig, sources: list[Source]) -> None:
             SequenceLoader(source.val, train_on_prompt=config.train_on_prompt, **loader)
 
 
-# A CPU worker's memory before its first tensor: Python, torch and its libraries (about 350 MiB measured).
-PROCESS_BASE_BYTES = 400 * 2**20
-
-
-def activation_bytes(config: TrainConfig, model_config: ModelConfig, mode: str | None = None) -> int:
-    """What one rank's activations take at their largest, in backward, under --activation-checkpointing `mode`
-    (the config's by default). Without recomputation each block keeps, per token, about 6 x dim + 2 x the
-    key-value width + 2 x the MLP's hidden width values; with recomputation each block keeps its input (and,
-    selective, its attention's output) while one block at a time is recomputed and differentiated. Measured on
-    `tiny` in float32 (peak resident memory at 8K and 16K tokens, one process), these are 92% (none), 80%
-    (selective) and 85% (full) of what a token really adds: lower bounds, as the rest of memory_per_rank."""
-    mode = mode or config.activation_checkpointing
-    tokens = config.batch_size * config.seq_len // config.cp
-    width = 2 if config.precision == "bf16" else 4
-    dim, layers = model_config.dim, model_config.n_layers
-    kv_width = dim // model_config.n_heads * model_config.n_kv_heads
-    block = width * (6 * dim + 2 * kv_width + 2 * model_config.ffn_hidden_dim)  # one token of one block
-    kept = {"none": layers * block, "selective": layers * 2 * width * dim + block,
-            "full": layers * width * dim + 2 * block}[mode]
-    return tokens * kept
-
-
-def memory_per_rank(config: TrainConfig, model_config: ModelConfig, mode: str | None = None) -> dict[str, int]:
-    """Lower bounds, in bytes, of what one rank holds while training: its shards of the float32 weights,
-    gradients and AdamW's two moments (FSDP shards them over every rank), the largest unsharded block FSDP
-    gathers, and the activations backward keeps (`activation_bytes`, under `mode` or the config's)."""
-    shapes = expected_shapes(model_config)
-    count = {name: math.prod(shape) for name, shape in shapes.items()}
-    parameters = sum(count.values())
-    block = max(sum(n for name, n in count.items() if name.startswith(f"layers.{i}.")) for i in
-                range(model_config.n_layers))
-    outer = sum(n for name, n in count.items() if not name.startswith("layers."))  # embeddings, norm, output
-    return {"weights": 4 * parameters // config.world_size, "gradients": 4 * parameters // config.world_size,
-            "optimizer state": 8 * parameters // config.world_size,
-            "gathered weights": 4 * max(block, outer) if config.world_size > 1 else 0,
-            "activations": activation_bytes(config, model_config, mode)}
-
-
-def check_memory(config: TrainConfig, model_config: ModelConfig, local_ranks: int, device_kind: str = "cpu") -> None:
-    """Refuse a run whose ranks cannot fit: one rank's device on CUDA; on CPU, every local rank (a process
-    each, sharing this machine's memory), so too many local ranks are refused before any process starts. Where
-    recomputing activations would make it fit, the refusal says so, with that mode's need."""
+def check_memory(config: TrainConfig, model_config: ModelConfig, local_ranks: int, device_kind: str = "cpu",
+                 forward_only: bool = False) -> None:
+    """Refuse a run whose ranks cannot fit, from the estimate `burst plan` prints (trainer/estimate/): one rank's
+    GPU on CUDA; on CPU every local rank (a process each, sharing this machine's memory), so too many local ranks
+    are refused before any process starts. The refusal names the settings of the same ranks that fit (cp x dp,
+    recomputation) and the longest --seq-len that fits as set. forward_only: evaluation (no gradients or
+    optimizer)."""
     cuda = device_kind == "cuda"
-
-    def needed(mode: str | None = None) -> int:
-        per_rank = sum(memory_per_rank(config, model_config, mode).values())
-        return per_rank if cuda else local_ranks * (PROCESS_BASE_BYTES + per_rank)
-
     if cuda:
-        available, what = torch.cuda.get_device_properties(0).total_memory, "one rank's GPU"
+        hardware = memory_only("cuda", torch.cuda.get_device_properties(0).total_memory, local_ranks)
+        what = "one rank's GPU"
     else:
-        available = available_memory_bytes()
+        hardware = memory_only("cpu", available_memory_bytes(), local_ranks)
         what = f"{local_ranks} local rank{'s' if local_ranks > 1 else ''} on this machine"
-    if needed() <= available:
+    parts, capacity = memory_estimate(config, model_config, hardware, local_ranks=local_ranks,
+                                      forward_only=forward_only)
+    needed = sum(parts.values())
+    if needed <= capacity:
         return
-    parts = ", ".join(f"{name} {size / 2**30:,.2f}" for name, size in memory_per_rank(config, model_config).items()
-                      if size)
-    mode = config.activation_checkpointing
-    further = RECOMPUTING[RECOMPUTING.index(mode) + 1:] if mode in RECOMPUTING else RECOMPUTING
-    lighter = [mode for mode in further if needed(mode) <= available]
-    recompute = f"--activation-checkpointing {lighter[0]} (about {needed(lighter[0]) / 2**30:,.1f} GiB, at the " \
-                f"cost of recomputing in backward), " if lighter else ""
-    raise ValueError(f"{what} would need at least {needed() / 2**30:,.1f} GiB (per rank, GiB: {parts}"
-                     f"{'' if cuda else f', process {PROCESS_BASE_BYTES / 2**30:.2f}'}) but "
-                     f"{available / 2**30:,.1f} GiB are available; use {recompute}lower --seq-len, --batch-size or "
+    ranks = 1 if cuda else local_ranks
+    shown = ", ".join(f"{name} {size / 2**30:,.2f}" for name, size in parts.items() if size)
+    options = sorted(fitting(config, model_config, hardware, config.world_size, local_ranks=local_ranks,
+                             forward_only=forward_only),
+                     key=lambda c: (c.cp, c.dp) != (config.cp, config.dp))  # the same layout first, then others
+
+    def need(candidate: TrainConfig) -> str:
+        size = sum(memory_estimate(candidate, model_config, hardware, local_ranks=local_ranks,
+                                   forward_only=forward_only)[0].values())
+        return f"{describe(candidate, forward_only)} (about {ranks * size / 2**30:,.1f} GiB)"
+
+    use = f"use {' or '.join(need(c) for c in options[:3])}, " if options else ""
+    longest = longest_sequence(config, model_config, hardware, local_ranks=local_ranks, forward_only=forward_only)
+    lower = f"lower --seq-len (to {longest:,} as set)" if longest else "lower --seq-len"
+    raise ValueError(f"{what} would need about {ranks * needed / 2**30:,.1f} GiB (per rank, GiB: {shown}) but "
+                     f"{ranks * capacity / 2**30:,.1f} GiB are available; {use}{lower}, --batch-size or "
                      f"--dp x --cp on one machine, raise --cp to split sequences further, or spread the ranks over "
-                     f"more machines with torchrun")
+                     f"more machines with torchrun (`burst plan --search` ranks what fits by speed)")
 
 
-RECOMPUTING = ("selective", "full")  # --activation-checkpointing modes, from the least recomputation
-
-
-def available_memory_bytes() -> int:
-    """Memory this machine can still give: MemAvailable (Linux), else its RAM."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+def check_eval_memory(seq_len: int, cp: int, precision: str, model_config: ModelConfig,
+                      device_kind: str = "cpu") -> None:
+    """Refuse an evaluation whose ranks cannot fit, from the same estimate as training's (forward only: the weights
+    in `precision`, one block's activations, attention's buffers and the loss's chunk), before any rank starts."""
+    config = TrainConfig(seq_len=seq_len, cp=cp, precision=precision)
+    check_memory(config, model_config, int(os.environ.get("LOCAL_WORLD_SIZE", cp)), device_kind,
+                 forward_only=True)
 
 
 def restart_count() -> int:

@@ -1,0 +1,135 @@
+"""The hardware a plan is made for: this machine (measured), or a GPU from a small table of datasheet figures.
+
+Rates are what a run can reach, not marketing peaks: `matmul_tflops` is the dense bf16 (fp32 on CPU) peak
+the MFU is measured against, `attention_tflops` what a fused attention kernel achieves in training
+(forward + backward), links are one direction's bandwidth per GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+MIB, GIB = 2**20, 2**30
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    device: str  # "cuda" or "cpu"
+    memory_bytes: int  # what one rank may use: the GPU's memory, or this machine's available RAM (all ranks share it)
+    matmul_tflops: float  # dense peak per GPU (the MFU's denominator), or measured on this CPU (all cores)
+    attention_tflops: float  # a fused attention kernel's achieved rate, forward + backward
+    nvlink_gbps: float  # GB/s one way, per GPU, inside a node
+    network_gbps: float  # GB/s one way, per GPU, between nodes
+    memory_gbps: float  # GB/s of device memory (the optimizer's pass)
+    gpus_per_node: int = 1
+    nodes: int = 1
+    source: str = ""
+
+    @property
+    def shared_memory(self) -> bool:
+        """Whether the ranks of one node share `memory_bytes` (processes on one CPU) instead of having it each."""
+        return self.device == "cpu"
+
+
+# Figures and their sources. Memory is what torch.cuda reports as total (a little below the marketing GB).
+GPUS: dict[str, Hardware] = {
+    "h100": Hardware("H100 SXM 80GB", "cuda", 81_559 * MIB, 989.0, 320.0, 450.0, 50.0, 3350.0, 8, 1,
+                     "NVIDIA H100 datasheet: 989 TFLOP/s dense bf16, 3.35 TB/s HBM3, NVLink 900 GB/s both ways; "
+                     "ConnectX-7 400 Gb/s per GPU; attention as measured on the H200 (same GH100 compute)"),
+    "h200": Hardware("H200 141GB", "cuda", 143_771 * MIB, 989.0, 320.0, 450.0, 50.0, 4800.0, 8, 1,
+                     "NVIDIA H200 datasheet: 989 TFLOP/s dense bf16, 4.8 TB/s HBM3e, NVLink 900 GB/s both ways; "
+                     "attention 320 TFLOP/s measured on one H200 (issue 36)"),
+    "a100": Hardware("A100 SXM 80GB", "cuda", 81_251 * MIB, 312.0, 225.0, 300.0, 25.0, 2039.0, 8, 1,
+                     "NVIDIA A100 datasheet: 312 TFLOP/s dense bf16, 2.0 TB/s HBM2e, NVLink 600 GB/s both ways; "
+                     "HDR 200 Gb/s per GPU (DGX A100); attention: FlashAttention-2 paper, up to 225 TFLOP/s "
+                     "training on A100"),
+    "b200": Hardware("B200 192GB", "cuda", 183_359 * MIB, 2250.0, 730.0, 900.0, 50.0, 8000.0, 8, 1,
+                     "NVIDIA B200 datasheet: 2.25 PFLOP/s dense bf16 (4.5 with sparsity), 8 TB/s HBM3e, NVLink 5 "
+                     "1.8 TB/s both ways; ConnectX-7 400 Gb/s per GPU (DGX B200); attention: the H200's measured "
+                     "fraction of peak (320 / 989), not measured"),
+}
+
+
+def gpu(name: str, gpus_per_node: int | None = None, nodes: int = 1) -> Hardware:
+    """The table's GPU `name` (h100, h200, a100, b200; case and a "-80gb"-like tail ignored)."""
+    key = name.lower().replace(" ", "").split("-")[0].split("sxm")[0]
+    if key not in GPUS:
+        raise ValueError(f"--gpu {name!r} is not in the table; known: {', '.join(GPUS)} (or leave --gpu out to plan "
+                         f"for this machine)")
+    known = GPUS[key]
+    return Hardware(**{**asdict(known), "gpus_per_node": gpus_per_node or known.gpus_per_node, "nodes": nodes})
+
+
+def local_hardware(gpus_per_node: int | None = None, nodes: int = 1) -> Hardware:
+    """This machine: its first GPU (matched to the table by name for the rates), else its CPU, whose matmul rate is
+    measured once and cached."""
+    import torch
+
+    if torch.cuda.is_available():
+        properties = torch.cuda.get_device_properties(0)
+        named = next((GPUS[key] for key in GPUS if key in properties.name.lower()), GPUS["h100"])
+        return Hardware(**{**asdict(named), "name": properties.name, "memory_bytes": properties.total_memory,
+                           "gpus_per_node": gpus_per_node or torch.cuda.device_count(), "nodes": nodes,
+                           "source": f"torch.cuda for memory; rates of the table's {named.name}"})
+    tflops = cpu_matmul_tflops()
+    return Hardware("this CPU", "cpu", available_memory_bytes(), tflops, tflops, 5.0, 1.0, 10.0, gpus_per_node or 1,
+                    nodes, f"MemAvailable; fp32 matmul {tflops:.3f} TFLOP/s measured on {os.cpu_count()} cores")
+
+
+def available_memory_bytes() -> int:
+    """Memory this machine can still give: MemAvailable (Linux), else its RAM."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def cpu_matmul_tflops(cache: Path | None = None) -> float:
+    """fp32 matmul TFLOP/s of this CPU with torch's threads, measured once (0.3 s) and kept in `cache`
+    (~/.cache/burst/cpu_matmul.json, keyed by the CPU model and thread count)."""
+    import torch
+
+    cache = cache or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "burst" / "cpu_matmul.json"
+    key = f"{cpu_model()}|{torch.get_num_threads()}"
+    try:
+        known = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if isinstance(known.get(key), float):
+        return known[key]
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    a @ b  # warm the kernels
+    started, runs = time.perf_counter(), 0
+    while time.perf_counter() - started < 0.3:
+        a @ b
+        runs += 1
+    tflops = 2 * 512**3 * runs / (time.perf_counter() - started) / 1e12
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps({**known, key: tflops}))
+    except OSError:
+        pass  # a read-only home: measured again next time
+    return tflops
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "cpu")
+    except OSError:
+        return "cpu"
+
+
+def memory_only(device: str, memory_bytes: int, gpus_per_node: int = 1) -> Hardware:
+    """Hardware known by its memory alone, for checks that need no rates (the preflight's)."""
+    return Hardware(f"this {'GPU' if device == 'cuda' else 'machine'}", device, memory_bytes, 0.0, 0.0, 0.0, 0.0, 0.0,
+                    gpus_per_node, 1, "torch.cuda total memory" if device == "cuda" else "MemAvailable")

@@ -1,0 +1,152 @@
+"""`burst plan`: what a run needs per rank and how fast it goes, before it starts, from trainer/estimate/.
+
+`plan(request)` estimates one configuration; `search(request)` ranks the cp x dp x recomputation settings of
+the hardware's GPUs that fit by tokens per second, or finds the longest sequence that fits. Both print
+through `format_*` and write JSON through `to_json`; the CLI only parses flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from models import PRESETS, ModelConfig
+from models.convert import read_checkpoint
+from trainer.config import TrainConfig
+from trainer.estimate import Estimate, estimate
+from trainer.estimate.hardware import Hardware, gpu, local_hardware
+from trainer.estimate.search import describe, layouts, longest_sequence
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    config: TrainConfig  # the settings `burst train` would get
+    gpu: str | None = None  # a GPU of the table (trainer/estimate/hardware.py); None: this machine
+    gpus_per_node: int | None = None
+    nodes: int = 1
+    vocab_size: int | None = None  # replace the preset's vocabulary (a store prepared with another tokenizer)
+    doc_len: int | None = None  # with --doc-mask: the packed documents' length (None: one per sequence)
+
+
+def hardware_of(request: PlanRequest) -> Hardware:
+    if request.gpu is not None:
+        return gpu(request.gpu, request.gpus_per_node, request.nodes)
+    return local_hardware(request.gpus_per_node, request.nodes)
+
+
+def model_config_of(request: PlanRequest) -> ModelConfig:
+    """The model `burst train` would build: a preset (with --vocab-size) or a model directory's config, the context
+    raised to --seq-len."""
+    config = request.config
+    name = config.model or "tiny"
+    if name in PRESETS:
+        model = ModelConfig.from_name(name)
+    elif Path(name).is_dir():
+        model = read_checkpoint(Path(name)).config
+    else:
+        raise ValueError(f"--model {name!r} is neither a preset ({', '.join(PRESETS)}) nor a model directory")
+    if request.vocab_size is not None:
+        model = dataclasses.replace(model, vocab_size=request.vocab_size)
+    return dataclasses.replace(model, max_seq_len=max(model.max_seq_len, config.seq_len))
+
+
+def resolved(config: TrainConfig, hardware: Hardware) -> TrainConfig:
+    """`config` with --precision auto resolved as the hardware would: bf16 on GPUs; on this CPU, its own choice."""
+    if config.precision != "auto":
+        return config
+    if hardware.device == "cuda":
+        return dataclasses.replace(config, precision="bf16")
+    import torch
+
+    from runtime.precision import resolve_precision
+
+    return dataclasses.replace(config, precision=resolve_precision("auto", torch.device("cpu")).name)
+
+
+def plan(request: PlanRequest) -> tuple[TrainConfig, Estimate, Hardware]:
+    """The estimate of the request's own settings."""
+    hardware = hardware_of(request)
+    config = resolved(request.config, hardware)
+    gpus = hardware.gpus_per_node * hardware.nodes
+    if hardware.device == "cuda" and config.world_size > gpus:
+        raise ValueError(f"--cp {config.cp} x --dp {config.dp} = {config.world_size} ranks, but {hardware.nodes} "
+                         f"node(s) of {hardware.gpus_per_node} GPUs have {gpus}; raise --gpus-per-node or --nodes")
+    return config, estimate(config, model_config_of(request), hardware, doc_len=request.doc_len), hardware
+
+
+@dataclass(frozen=True)
+class Candidate:
+    config: TrainConfig
+    estimate: Estimate
+
+
+def search(request: PlanRequest, top: int = 8) -> tuple[list[Candidate], int | None, Hardware]:
+    """The settings of every GPU (cp x dp = gpus_per_node x nodes, each recomputation mode) that fit, fastest first
+    (tokens/s per GPU), at most `top`; and when none fits, the longest sequence that fits with cp over every GPU
+    and full recomputation (None: not even 1,024 tokens)."""
+    hardware = hardware_of(request)
+    config = resolved(request.config, hardware)
+    model = model_config_of(request)
+    gpus = hardware.gpus_per_node * hardware.nodes if hardware.device == "cuda" else config.world_size
+    found = [Candidate(c, e) for c in layouts(config, gpus)
+             if (e := estimate(c, model, hardware, doc_len=request.doc_len)).fits]
+    found.sort(key=lambda candidate: -candidate.estimate.tokens_per_s)
+    longest = None
+    if not found:
+        most = max(c for c in range(1, gpus + 1) if gpus % c == 0)
+        longest = longest_sequence(dataclasses.replace(config, cp=most, dp=gpus // most,
+                                                       activation_checkpointing="full"), model, hardware)
+    return found[:top], longest, hardware
+
+
+def format_plan(config: TrainConfig, result: Estimate, hardware: Hardware) -> str:
+    lines = [f"plan: {config.model or 'tiny'}, --seq-len {config.seq_len:,}, {describe(config)}, --batch-size "
+             f"{config.batch_size}, --precision {config.precision}, on {hardware.name} "
+             f"({hardware.nodes} x {hardware.gpus_per_node})", "memory per rank (GiB):"]
+    lines += [f"  {name:<18} {size / GIB:10,.2f}" for name, size in result.memory_bytes.items()]
+    verdict = "fits" if result.fits else "does NOT fit"
+    lines.append(f"  {'peak':<18} {result.peak_memory_bytes / GIB:10,.2f}  of {result.capacity_bytes / GIB:,.1f}: "
+                 f"{verdict}")
+    lines.append("step time (s):")
+    lines += [f"  {name:<20} {seconds:10.3f}" for name, seconds in result.step_time_parts.items()]
+    lines.append(f"  {'step':<20} {result.step_time_s:10.3f}")
+    lines.append(f"tokens/s per GPU {result.tokens_per_s:,.0f}; MFU {result.mfu:.1%}")
+    return "\n".join(lines)
+
+
+def format_search(config: TrainConfig, found: list[Candidate], longest: int | None, hardware: Hardware) -> str:
+    gpus = hardware.gpus_per_node * hardware.nodes
+    head = f"settings that fit {config.model or 'tiny'} at --seq-len {config.seq_len:,} on {gpus} x {hardware.name}"
+    if not found:
+        return (f"nothing fits {config.model or 'tiny'} at --seq-len {config.seq_len:,} on {gpus} x {hardware.name}; "
+                + (f"the longest sequence that fits (--cp over every GPU, full recomputation) is {longest:,}"
+                   if longest else "not even 1,024 tokens fit"))
+    rows = [head + ", fastest first:",
+            f"  {'cp':>3} {'dp':>3} {'recompute':<10} {'peak GiB':>9} {'step s':>8} {'tok/s/GPU':>10} {'MFU':>6}"]
+    rows += [f"  {c.config.cp:>3} {c.config.dp:>3} {c.config.activation_checkpointing:<10} "
+             f"{c.estimate.peak_memory_bytes / GIB:9.1f} {c.estimate.step_time_s:8.2f} "
+             f"{c.estimate.tokens_per_s:10,.0f} {c.estimate.mfu:6.1%}" for c in found]
+    return "\n".join(rows)
+
+
+def to_json(config: TrainConfig, result: Estimate, hardware: Hardware,
+            found: list[Candidate] | None = None) -> dict:
+    """The plan as one JSON object (see docs/plan.md for the keys)."""
+    document = {**result.to_json(), "settings": {"model": config.model, "seq_len": config.seq_len, "cp": config.cp,
+                                                 "dp": config.dp, "batch_size": config.batch_size,
+                                                 "activation_checkpointing": config.activation_checkpointing,
+                                                 "precision": config.precision},
+                "hardware": dataclasses.asdict(hardware)}
+    if found is not None:
+        document["search"] = [{"cp": c.config.cp, "dp": c.config.dp,
+                               "activation_checkpointing": c.config.activation_checkpointing, **c.estimate.to_json()}
+                              for c in found]
+    return document
+
+
+def write_json(path: Path, document: dict) -> None:
+    path.write_text(json.dumps(document, indent=2) + "\n")
