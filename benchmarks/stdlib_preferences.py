@@ -8,8 +8,8 @@ characters of the module. Each becomes one preference row in TRL's format, one J
     chosen:    the line that comes next, as written
     rejected:  a line of the same length class from another module (never one the module itself holds)
 
-The chosen answer is the continuation of the code in the prompt; the rejected one fits no context. The README's
-preference example uses it:
+The chosen answer is the continuation of the code in the prompt; the rejected one fits no context. The DPO example
+of docs/preference-tuning.md uses it:
 
     python benchmarks/stdlib_preferences.py --out stdlib-prefs.jsonl
     burst prepare stdlib-prefs.jsonl --preference --tokenizer runs/pretrain --out stores/prefs --val-fraction 0.1

@@ -1,8 +1,11 @@
 """README.md and the pages in docs/ stay navigable and true to the command line.
 
-- README.md starts with its two copy-paste commands, one line each (.ci/run runs them);
-- its contents list is its sections' headers, in order;
-- no section (a header's body, up to the next header of any level) runs past MAX_SECTION_LINES lines;
+- README.md starts with its two copy-paste commands, one line each (.ci/run runs them): burst's main job, then
+  the tests;
+- it stays readable in one sitting: at most MAX_README_LINES lines, no section (a header's body, up to the next
+  header of any level) past MAX_SECTION_LINES, each task shown by a command and a link to its page in docs/;
+- its contents list is its ## and ### headers, in order;
+- every page in docs/ can be reached from README.md by following links;
 - every relative link, in README.md and docs/*.md, names a file that exists, and an anchor that exists in it;
 - every `burst` command they show uses options that command has, and every `python benchmarks/X.py` command
   options its script declares; an option named in prose belongs to some command.
@@ -26,6 +29,7 @@ import cli
 REPO = Path(__file__).parents[1]
 README = REPO / "README.md"
 PAGES = [README, *sorted((REPO / "docs").glob("*.md"))]
+MAX_README_LINES = 360
 MAX_SECTION_LINES = 80
 # Options of the other tools the pages show (pip, torchrun, docker, and ../shared/bench's harness), which
 # prose may name too.
@@ -95,21 +99,66 @@ def test_readme_starts_with_its_two_one_line_commands():
     first_section = min(i for i, level, _ in headers(README) if level == 2)
     second_block_end = text.index(blocks[1]) + len(blocks[1])
     assert text[:second_block_end].count("\n") < first_section, "the two commands come before any ## section"
+    assert blocks[0].strip().endswith("burst train"), "README command 1 installs burst and runs `burst train`"
+    assert blocks[1].strip().endswith("pytest -q"), "README command 2 installs the test tools and runs `pytest -q`"
+
+
+def test_readme_is_short_enough_to_read_in_one_sitting():
+    length = len(README.read_text().splitlines())
+    assert length <= MAX_README_LINES, f"README.md has {length} lines, more than {MAX_README_LINES}: move the " \
+                                       f"details to a page in docs/ and link to it"
+
+
+def contents_list(path: Path) -> list[tuple[int, str, str]]:
+    """(level, title, anchor) of each entry of the file's ## Contents list, its indentation giving the level."""
+    found = headers(path)
+    start = next(n for n, (_, level, title) in enumerate(found) if level == 2 and title == "Contents")
+    end = found[start + 1][0] if start + 1 < len(found) else len(prose(path))
+    return [(2 + len(m[1]) // 2, m[2], m[3]) for line in prose(path)[found[start][0] + 1:end]
+            if (m := re.match(r"^( *)- \[(.+)\]\(#([^)]+)\)$", line))]
 
 
 def test_contents_lists_every_section_in_order():
+    expected = [(level, title, slug(title)) for _, level, title in headers(README)
+                if level in (2, 3) and title != "Contents"]
+    assert contents_list(README) == expected, "the ## Contents list must name every ## and ### section, in order, " \
+                                              "nested"
+
+
+def test_each_task_shows_a_command_and_links_its_page():
+    """Under ## Tasks, every ### section holds a code block and links to the page in docs/ that says the rest."""
     found = headers(README)
-    start = next(n for n, (_, level, title) in enumerate(found) if level == 2 and title == "Contents")
-    lines = prose(README)[found[start][0] + 1:found[start + 1][0]]
-    listed = []
-    for line in lines:
-        if m := re.match(r"^( *)- \[(.+)\]\(#([^)]+)\)$", line):
-            listed.append((2 + len(m[1]) // 2, m[2], m[3]))
-    expected = [(level, title, slug(title)) for _, level, title in found[start + 1:] if level <= 3]
-    assert listed == expected, "the ## Contents list must name every ## and ### section, in order, nested"
+    lines = README.read_text().splitlines()
+    start = next(n for n, (_, level, title) in enumerate(found) if level == 2 and title == "Tasks")
+    tasks = []
+    for n in range(start + 1, len(found)):
+        if found[n][1] <= 2:
+            break
+        end = found[n + 1][0] if n + 1 < len(found) else len(lines)
+        tasks.append((found[n][2], "\n".join(lines[found[n][0] + 1:end])))
+    assert len(tasks) >= 8, f"## Tasks shows {len(tasks)} tasks; train, extend, instruction- and preference-tune, " \
+                            f"evaluate, convert, several machines and GPU each need one"
+    for title, body in tasks:
+        assert re.search(r"^```", body, re.M), f"task '{title}' shows no command"
+        assert re.search(r"\]\(docs/[\w-]+\.md(#[\w-]+)?\)", body), f"task '{title}' links no page in docs/"
 
 
-def test_no_section_runs_past_80_lines():
+def test_every_page_in_docs_is_reachable_from_the_readme():
+    reached, todo = {README}, [README]
+    while todo:
+        page = todo.pop()
+        for target in relative_links(page):
+            file = target.partition("#")[0]
+            linked = (page.parent / file).resolve()
+            if file.endswith(".md") and linked.exists() and linked not in reached:
+                reached.add(linked)
+                todo.append(linked)
+    orphans = sorted(str(page.relative_to(REPO)) for page in PAGES if page.resolve() not in reached)
+    assert not orphans, f"pages no link from README.md leads to (link them from README.md or a page it links): " \
+                        f"{orphans}"
+
+
+def test_no_section_runs_past_max_section_lines():
     found = headers(README)
     ends = [i for i, _, _ in found[1:]] + [len(prose(README))]
     lengths = {title: end - i - 1 for (i, _, title), end in zip(found, ends, strict=True)}
@@ -222,6 +271,8 @@ def test_the_checks_catch_what_they_are_for(tmp_path: Path):
     assert [title for _, _, title in headers(page)] == ["Title", "A `b`: c, d"]
     assert anchors(page) == {"title", "a-b-c-d"}
     assert relative_links(page) == ["#a-b-c-d", "#missing"]
+    page.write_text("# T\n\n## Contents\n\n- [A](#a)\n  - [B c](#b-c)\n\n## A\n\n### B c\n")
+    assert contents_list(page) == [(2, "A", "a"), (3, "B c", "b-c")]
     burst = burst_options()
     assert unknown_options("burst train --cp 2 --no-such-flag 3  # --comment", burst) == ["--no-such-flag"]
     assert unknown_options("burst trian --cp 2", burst) == ["`burst trian` is no command"]
