@@ -37,6 +37,27 @@ def check_backward_mode(backward: str, name: str = "backward mode") -> None:
         raise ValueError(f"unknown {name} {backward!r}; choose one of {', '.join(BACKWARD_MODES)}")
 
 
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel: str, seq: str = "seq") -> None:
+    """Raise a ValueError naming what is wrong with q, k, v [batch, `seq`, heads, head_dim] or the kernel's name:
+    the checks the ring and the one-process attention (burst/local.py) share."""
+    if kernel not in KERNEL_NAMES:
+        raise ValueError(f"unknown attention kernel {kernel!r}; choose one of {', '.join(KERNEL_NAMES)}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be [batch, {seq}, heads, head_dim], got shape {tuple(t.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch, {seq} and head_dim")
+    if q.shape[2] % k.shape[2] != 0:
+        raise ValueError(f"q heads ({q.shape[2]}) must be a multiple of kv heads ({k.shape[2]}) "
+                         "for grouped-query attention")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them first")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+
+
 def validate_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, world_size: int, backward: str,
                     kernel: str) -> None:
     """Raise a ValueError naming the problem; called before any communication.
@@ -45,22 +66,7 @@ def validate_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, world_siz
     input fails on every rank at once and none is left waiting in a send.
     """
     check_backward_mode(backward)
-    if kernel not in KERNEL_NAMES:
-        raise ValueError(f"unknown attention kernel {kernel!r}; choose one of {', '.join(KERNEL_NAMES)}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be [batch, local_seq, heads, head_dim], got shape {tuple(t.shape)}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1] or q.shape[3] != k.shape[3]:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch, local_seq and head_dim")
-    if q.shape[2] % k.shape[2] != 0:
-        raise ValueError(f"q heads ({q.shape[2]}) must be a multiple of kv heads ({k.shape[2]}) "
-                         "for grouped-query attention")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them first")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    check_qkv(q, k, v, kernel, "local_seq")
     local = q.shape[1]
     if local == 0 or local % 2 != 0:
         raise ValueError(

@@ -11,31 +11,16 @@ from __future__ import annotations
 
 import torch
 
-from burst.attention import ONE_PROCESS, boundaries_tensor, sees_tensor
-from burst.kernels import KERNEL_NAMES, default_scale
+from burst.attention import ONE_PROCESS, boundaries_tensor, check_qkv, sees_tensor
+from burst.kernels import default_scale
 from burst.plan import sees_by_row
 
 
 def check_local_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel: str) -> None:
     """Raise a ValueError naming what is wrong with q, k, v (shapes as `local_attn` takes them)."""
-    if kernel not in KERNEL_NAMES:
-        raise ValueError(f"unknown attention kernel {kernel!r}; choose one of {', '.join(KERNEL_NAMES)}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be [batch, seq, heads, head_dim], got shape {tuple(t.shape)}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1] or q.shape[3] != k.shape[3]:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch, seq and head_dim")
+    check_qkv(q, k, v, kernel)
     if q.shape[1] == 0:
         raise ValueError("the sequence is empty: q, k and v need at least one position")
-    if q.shape[2] % k.shape[2] != 0:
-        raise ValueError(f"q heads ({q.shape[2]}) must be a multiple of kv heads ({k.shape[2]}) "
-                         "for grouped-query attention")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them first")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
 
 
 def local_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,

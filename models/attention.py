@@ -18,7 +18,15 @@ from burst.local import local_attn
 
 
 class LocalAttention(nn.Module):
-    """Causal grouped-query attention over the whole sequence held by this process."""
+    """Causal grouped-query attention over the whole sequence held by this process.
+
+    kernel: the local kernel, as `burst.select_kernel` names it ("auto": the fastest that passes its self-check);
+    the trainer's parallelize step sets it from --attention-kernel.
+    """
+
+    def __init__(self, kernel: str = "auto") -> None:
+        super().__init__()
+        self.kernel = kernel
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 doc_boundaries: Sequence[torch.Tensor] | None = None,
@@ -30,4 +38,5 @@ class LocalAttention(nn.Module):
         doc_sees: None, or per batch row an int tensor [n_docs]: the earlier document each document
         also sees whole (prefix sharing), or -1.
         """
-        return local_attn(q, k, v, causal=True, doc_boundaries=doc_boundaries, doc_sees=doc_sees)
+        return local_attn(q, k, v, causal=True, kernel=self.kernel, doc_boundaries=doc_boundaries,
+                          doc_sees=doc_sees)

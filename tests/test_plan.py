@@ -137,13 +137,12 @@ def test_eval_is_refused_up_front_when_its_sequence_cannot_fit(tmp_path, monkeyp
     assert "1 local rank on this machine would need about" in result.output
     assert "lower --seq-len (to 524,288 as set)" in result.output and "Traceback" not in result.output
     # on a GPU each rank has its own memory: more ranks fit (a GPU of 90% of what one rank would need)
-    monkeypatch.setattr(preflight.torch.cuda, "is_available", lambda: True)
     on_gpu = sum(memory_estimate(TrainConfig(seq_len=2**20, precision="fp32"), debug, memory_only("cuda", 2**40),
                                  forward_only=True)[0].values())
     device = type("Properties", (), {"total_memory": int(on_gpu * 0.9)})
     monkeypatch.setattr(preflight.torch.cuda, "get_device_properties", lambda index: device)
     with pytest.raises(ValueError, match=r"one rank's GPU would need about .* use --cp 2 \(about"):
-        preflight.check_eval_memory(2**20, 1, "fp32", debug)
+        preflight.check_eval_memory(2**20, 1, "fp32", debug, "cuda")
 
 
 def test_the_estimate_is_linear_in_the_sequence_for_forward_only():

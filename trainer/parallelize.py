@@ -56,6 +56,9 @@ def parallelize(model: Transformer, mesh: DeviceMesh | None, config: TrainConfig
                                                                       kernel=config.attention_kernel,
                                                                       topology=config.cp_topology,
                                                                       layout=config.sequence_layout)
+    else:
+        for block in model.layers:
+            block.attention.core_attention.kernel = config.attention_kernel
 
     if config.activation_checkpointing != "none":
         for index, block in enumerate(model.layers):
