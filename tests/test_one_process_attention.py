@@ -191,12 +191,14 @@ model = init_model(config)
 tokens = torch.randint(0, 64, (1, seq_len))
 docs, sees = triples(seq_len, 1024)
 def peak(): return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+def now(): return int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()
 with torch.no_grad():
     model.loss(tokens[:, :2048], tokens[:, :2048], None, *triples(2048, 1024))  # warm up the kernels' buffers
-    before = peak()
+    # from what the process holds now, not its high-water mark: start-up's peak may be above this run's
+    before = now()
     loss, count = model.loss(tokens, tokens, None, docs, sees)
 assert torch.isfinite(loss) and int(count) == seq_len
-print(peak() - before)
+print(max(peak() - before, 0))
 """
 
 
@@ -210,4 +212,4 @@ def test_memory_is_linear_in_the_sequence_length_where_a_mask_could_not_fit():
         assert result.returncode == 0, result.stderr[-2000:]
         grown[seq_len] = int(result.stdout.split()[-1])
     assert grown[131_072] < 2**30, grown  # a [seq, seq] bool mask would be 16 GiB
-    assert grown[131_072] < 6 * max(grown[32_768], 2**20), grown  # linear: 4x the tokens, not 16x the bytes
+    assert grown[131_072] < 6 * max(grown[32_768], 16 * 2**20), grown  # linear: 4x the tokens, not 16x the bytes
