@@ -131,9 +131,20 @@ def config_to_hf(config: ModelConfig, dtype: torch.dtype) -> dict:
     max_length = config.max_seq_len
     if isinstance(config.rope_scaling, DynamicRope):
         max_length = rope_scaling.pop(ORIGINAL_LENGTH)
+    longrope = {}
+    if rope_scaling is not None and rope_scaling.get("rope_type") == "longrope":
+        # transformers 4.x reads a longrope's original length only beside rope_scaling (else it takes
+        # max_position_embeddings), and there replaces `factor` by max_position_embeddings / that length
+        original = rope_scaling[ORIGINAL_LENGTH]
+        longrope = {ORIGINAL_LENGTH: original}
+        factor = rope_scaling.get("factor")
+        if rope_scaling.get("attention_factor") is None and factor is not None and factor != max_length / original:
+            # a factor 4.x would not compute: give the attention factor it implies, which both releases read
+            scale = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+            rope_scaling["attention_factor"] = scale
     specials = {name: getattr(config, name) for name in SPECIAL_IDS if getattr(config, name) is not None}
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+        **longrope, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
         "hidden_size": config.dim, "intermediate_size": config.ffn_hidden_dim,
         "num_hidden_layers": config.n_layers, "num_attention_heads": config.n_heads,
         "num_key_value_heads": config.n_kv_heads, "head_dim": config.head_dim, "vocab_size": config.vocab_size,

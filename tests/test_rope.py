@@ -43,7 +43,7 @@ ROPES = {
     "yarn-all-parameters": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": ORIGINAL,
                             "beta_fast": 16.0, "beta_slow": 2.0, "mscale": 1.0, "mscale_all_dim": 0.5,
                             "truncate": False},
-    "longrope": {"rope_type": "longrope", "original_max_position_embeddings": ORIGINAL, "factor": 3.0,
+    "longrope": {"rope_type": "longrope", "original_max_position_embeddings": ORIGINAL, "factor": 4.0,
                  "short_factor": [1.0 + i / 16 for i in range(HEAD_DIM // 2)],
                  "long_factor": [1.0 + i for i in range(HEAD_DIM // 2)]},
     "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -54,12 +54,14 @@ ROPES = {
 def hf_model(rope: dict) -> LlamaForCausalLM:
     """A tiny random LlamaForCausalLM (float32) with `rope`, theta 500; max_position_embeddings is ORIGINAL for
     dynamic (its growth starts there), 4 x ORIGINAL for the others. RoPE is given as 4.x takes it, as 5.x does too
-    (4.x would ignore 5.x's rope_parameters)."""
+    (4.x would ignore 5.x's rope_parameters). A longrope's original length also stands beside it, the one place 4.x
+    reads it (Phi-3's form; 4.x then sets factor to max_position_embeddings / it, here the factor given)."""
     torch.manual_seed(0)
     max_length = ORIGINAL if rope["rope_type"] == "dynamic" else 4 * ORIGINAL
+    beside = {"original_max_position_embeddings": ORIGINAL} if rope["rope_type"] == "longrope" else {}
     config = LlamaConfig(hidden_size=4 * HEAD_DIM, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=300, max_position_embeddings=max_length, rope_theta=500.0,
-                         rope_scaling=None if rope["rope_type"] == "default" else rope)
+                         rope_scaling=None if rope["rope_type"] == "default" else rope, **beside)
     return LlamaForCausalLM(config).eval()
 
 
