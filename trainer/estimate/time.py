@@ -86,9 +86,11 @@ def time_parts(config: TrainConfig, model: Footprint, hardware: Hardware, doc_le
     device = hardware.device
     tokens = config.batch_size * config.seq_len // config.cp * config.grad_accum  # per rank per step
     mode = config.activation_checkpointing
-    matmul_rate = hardware.matmul_tflops * 1e12 * calibration.MATMUL_EFFICIENCY[device]
+    # A CPU's rates are measured on all its cores; the ranks of one machine share them (a GPU is a rank's own)
+    sharing = max(1, config.world_size // hardware.nodes) if device == "cpu" else 1
+    matmul_rate = hardware.matmul_tflops * 1e12 * calibration.MATMUL_EFFICIENCY[device] / sharing
     attention_rate = hardware.attention_tflops * 1e12 * (calibration.CPU_ATTENTION_FRACTION if device == "cpu"
-                                                        else 1.0)
+                                                        else 1.0) / sharing
     recompute = 0 if mode == "none" else 2 * model.matmul  # the recomputed forward of the matmuls
     matmul = tokens * (matmul_flops_per_token(model) + recompute) / matmul_rate
     plan = attention_plan(config, doc_len, prefix_sharing)
