@@ -317,13 +317,12 @@ def test_activations_too_large_to_keep_are_refused_naming_the_recomputation_that
     monkeypatch.setattr(preflight.torch.cuda, "is_available", lambda: False)
     config = TrainConfig(seq_len=131072, cp=2)
     parts, _ = memory_estimate(config, tiny, memory_only("cpu", 23 * 2**30, 2), local_ranks=2)
-    assert parts["activations"] >= 12 * 2**30  # measured: 28.3 KB a token a block
+    assert parts["activations"] >= 12 * 2**30  # fitted: 37 KB a token a block (benchmarks/plan_calibration.py)
     with pytest.raises(ValueError, match=r"2 local ranks on this machine would need about \d\d\.\d GiB .* use "
                                          r"--cp \d --dp \d --activation-checkpointing (selective|full) "
                                          r"\(about \d+\.\d GiB"):
         preflight.check_memory(config, tiny, 2)
-    preflight.check_memory(dataclasses.replace(config, activation_checkpointing="selective"), tiny, 2)  # fits
-    preflight.check_memory(dataclasses.replace(config, activation_checkpointing="full"), tiny, 2)
+    preflight.check_memory(dataclasses.replace(config, activation_checkpointing="full"), tiny, 2)  # fits
     nothing_fits = r"but 23\.0 GiB are available; lower --seq-len \(to \d+,\d+ as set\)"
     with pytest.raises(ValueError, match=nothing_fits):
         preflight.check_memory(dataclasses.replace(config, seq_len=1048576), tiny, 2)

@@ -164,6 +164,42 @@ def test_document_masks_and_prefix_sharing_cut_attention_as_the_plan_runs_them()
     assert shared.step_time_parts["attention"] > documents  # answers also see their prompt whole
 
 
+def test_a_mix_of_document_lengths_counts_attention_by_its_length_weighted_mean():
+    from trainer.estimate.time import attention_plan, busiest_rank_pairs, document_boundaries, effective_doc_len
+
+    assert effective_doc_len([100] * 10, 4096) == 100
+    assert effective_doc_len([10, 90], 4096) == 82  # (10^2 + 90^2) / 100: the long one holds most pairs
+    assert effective_doc_len([300], 100) == 100  # cut into three sequence-long pieces
+    with pytest.raises(ValueError, match="no documents"):
+        effective_doc_len([], 100)
+    # a pattern repeats across the sequence: a preference pair's prompt and two answers
+    assert document_boundaries(20, [8, 2, 2]) == [0, 8, 10, 12, 20]
+    assert document_boundaries(20, 6) == [0, 6, 12, 18, 20]
+    assert document_boundaries(20, 20) is None
+    # the pairs the plan counts for documents of the weighted length come near the real mix's (causal: l(l+1)/2
+    # each; the sequence's last document is cut short), where the plain mean's count half of them
+    lengths = [64, 448, 64, 448]
+    config = TrainConfig(seq_len=1024, doc_mask=True)
+    real = sum(n * (n + 1) // 2 for n in lengths)
+    weighted = busiest_rank_pairs(attention_plan(config, effective_doc_len(lengths, 1024)))
+    mean = busiest_rank_pairs(attention_plan(config, sum(lengths) // len(lengths)))
+    assert weighted == pytest.approx(real, rel=0.10) and mean < 0.7 * real
+
+
+def test_the_plan_takes_the_document_length_from_the_stores_it_would_train_on(tmp_path, monkeypatch):
+    from tests.test_data_loader import make_store
+    from trainer.plan import documents_length
+
+    make_store(tmp_path / "short", [30] * 40)
+    make_store(tmp_path / "long", [900, 100])
+    config = TrainConfig(model="debug", seq_len=1024, doc_mask=True, data=[f"a={tmp_path / 'short'}:0.5",
+                                                                         f"b={tmp_path / 'long'}:0.5"])
+    lengths = {"short": 32, "long": round((902**2 + 102**2) / 1004)}  # each document framed by BOS and EOS
+    assert documents_length(PlanRequest(config)) == round(0.5 * lengths["short"] + 0.5 * lengths["long"])
+    assert documents_length(PlanRequest(config, doc_len=500)) == 500  # --doc-len wins
+    assert documents_length(PlanRequest(dataclasses.replace(config, doc_mask=False))) is None
+
+
 def test_the_gpu_table_names_its_sources_and_refuses_unknown_gpus():
     for name in ("h100", "h200", "a100", "b200"):
         assert gpu(name).source and gpu(name).memory_bytes > 70 * 2**30
@@ -173,26 +209,27 @@ def test_the_gpu_table_names_its_sources_and_refuses_unknown_gpus():
         plan(PlanRequest(TrainConfig(model="tiny", cp=4, dp=4, seq_len=8192), gpu="h100", gpus_per_node=8))
 
 
-def test_the_calibration_constants_are_the_fit_of_the_stored_table_and_reproduce_its_memory():
+def test_the_calibration_constants_are_the_fit_of_the_stored_table_and_reproduce_its_measurements():
     """The CPU constants in trainer/estimate/calibration.py are what benchmarks/plan_calibration.py fits on the stored
-    measurements' calibration half (no run repeated here). On the held-out half, as measured on a quiet 2-core
-    machine (docs/plan.md): peak memory within 15% on every row and 10% on 6 of 8 (the same configuration's
-    peak RSS moved 10% between two runs); step time within 45% on every row and 25% on 6 of 8. The issue's
-    targets (10% and 25% on every row) are not met on the CPU; these bounds keep what is."""
+    measurements' calibration half (no run repeated here). As measured on a quiet 2-core machine (docs/plan.md):
+    step time within 25% on every row, fitted or held out (the issue's target); peak memory within 10% on all
+    but 3 of the 14 held-out rows and within 20% on all of them (the issue's 10% is missed there: peak RSS creeps
+    5-15% over a run's first steps as malloc fragments, and full recomputation holds more than the model counts)."""
     from benchmarks.plan_calibration import fit, report
 
     table = json.loads(TABLE.read_text())
-    assert len(table["rows"]) >= 12
+    assert len(table["rows"]) >= 24 and max(row["seq_len"] for row in table["rows"]) >= 131072
+    assert {row["documents"] for row in table["rows"]} == {"one", "packed", "pairs"}
     fitted = fit(table)
-    assert calibration.BLOCK_BYTES_PER_VALUE["cpu"] == pytest.approx(fitted["BLOCK_BYTES_PER_VALUE"], abs=1e-3)
-    assert calibration.OUTER_BYTES_PER_DIM["cpu"] == pytest.approx(fitted["OUTER_BYTES_PER_DIM"], abs=1e-2)
-    assert calibration.PROCESS_BYTES["cpu"] == fitted["PROCESS_BYTES"]
-    assert calibration.ALLOCATOR_OVERHEAD["cpu"] == pytest.approx(fitted["ALLOCATOR_OVERHEAD"], abs=1e-3)
-    assert calibration.CPU_ATTENTION_FRACTION == pytest.approx(fitted["CPU_ATTENTION_FRACTION"], abs=1e-3)
-    assert calibration.MATMUL_EFFICIENCY["cpu"] == pytest.approx(fitted["MATMUL_EFFICIENCY"], abs=1e-3)
-    assert calibration.STEP_OVERHEAD_S["cpu"] == pytest.approx(fitted["STEP_OVERHEAD_S"], abs=1e-3)
-    held_out = [line for line in report(table) if line["held_out"]]
-    assert all(abs(line["memory_error"]) <= 0.15 for line in held_out), held_out
-    assert sum(abs(line["memory_error"]) <= 0.10 for line in held_out) >= len(held_out) - 2
-    assert all(abs(line["time_error"]) <= 0.45 for line in held_out), held_out
-    assert sum(abs(line["time_error"]) <= 0.25 for line in held_out) >= len(held_out) - 2
+    for name, value in fitted.items():
+        code = getattr(calibration, name)
+        code = code["cpu"] if isinstance(code, dict) else code
+        if name == "PROCESS_BYTES":
+            assert code == value
+        else:
+            assert code == pytest.approx(value, rel=1e-3, abs=1e-12), name
+    lines = report(table)
+    assert all(abs(line["time_error"]) <= 0.25 for line in lines), [line["time_error"] for line in lines]
+    held_out = [line for line in lines if line["held_out"]]
+    assert all(abs(line["memory_error"]) <= 0.20 for line in held_out), held_out
+    assert sum(abs(line["memory_error"]) <= 0.10 for line in held_out) >= len(held_out) - 3

@@ -18,6 +18,7 @@ from trainer.config import TrainConfig
 from trainer.estimate import Estimate, estimate
 from trainer.estimate.hardware import Hardware, gpu, local_hardware
 from trainer.estimate.search import describe, layouts, longest_sequence
+from trainer.estimate.time import effective_doc_len
 
 GIB = 2**30
 
@@ -54,6 +55,31 @@ def model_config_of(request: PlanRequest) -> ModelConfig:
     return dataclasses.replace(model, max_seq_len=max(model.max_seq_len, config.seq_len))
 
 
+def documents_length(request: PlanRequest) -> int | None:
+    """The packed documents' length the attention term counts: --doc-len, else with --doc-mask (nll) that of the
+    stores `burst train` would read (--data, by share, or the embedded corpus): `store_doc_len` of each."""
+    config = request.config
+    if request.doc_len is not None or not config.doc_mask or config.objective != "nll":
+        return request.doc_len
+    from data import default_store
+    from data.mixture import parse_mixture
+
+    sources = parse_mixture(config.data) if config.data else None
+    stores = [(default_store(progress=False), 1.0, 0)] if sources is None else [
+        (Path(s.path), s.share, s.min_doc or 0) for s in sources]
+    return round(sum(share * store_doc_len(path, config.seq_len, min_doc) for path, share, min_doc in stores))
+
+
+def store_doc_len(path: Path, seq_len: int, min_doc: int = 0) -> int:
+    """A token store's documents as the loader packs them into `seq_len` (each framed by BOS and EOS), in the one
+    length that counts their attention pairs (trainer/estimate/time.py's effective_doc_len)."""
+    from data import TokenStore
+
+    store = TokenStore(path)
+    lengths = store.document_lengths[store.document_lengths >= min_doc]
+    return effective_doc_len(lengths + len(store.document_prefix) + 1, seq_len)
+
+
 def resolved(config: TrainConfig, hardware: Hardware) -> TrainConfig:
     """`config` with --precision auto resolved as the hardware would: bf16 on GPUs; on this CPU, its own choice."""
     if config.precision != "auto":
@@ -75,7 +101,7 @@ def plan(request: PlanRequest) -> tuple[TrainConfig, Estimate, Hardware]:
     if hardware.device == "cuda" and config.world_size > gpus:
         raise ValueError(f"--cp {config.cp} x --dp {config.dp} = {config.world_size} ranks, but {hardware.nodes} "
                          f"node(s) of {hardware.gpus_per_node} GPUs have {gpus}; raise --gpus-per-node or --nodes")
-    return config, estimate(config, model_config_of(request), hardware, doc_len=request.doc_len), hardware
+    return config, estimate(config, model_config_of(request), hardware, doc_len=documents_length(request)), hardware
 
 
 @dataclass(frozen=True)
@@ -92,8 +118,9 @@ def search(request: PlanRequest, top: int = 8) -> tuple[list[Candidate], int | N
     config = resolved(request.config, hardware)
     model = model_config_of(request)
     gpus = hardware.gpus_per_node * hardware.nodes if hardware.device == "cuda" else config.world_size
+    doc_len = documents_length(request)
     found = [Candidate(c, e) for c in layouts(config, gpus)
-             if (e := estimate(c, model, hardware, doc_len=request.doc_len)).fits]
+             if (e := estimate(c, model, hardware, doc_len=doc_len)).fits]
     found.sort(key=lambda candidate: -candidate.estimate.tokens_per_s)
     longest = None
     if not found:

@@ -29,6 +29,7 @@ class Hardware:
     gpus_per_node: int = 1
     nodes: int = 1
     source: str = ""
+    cores: int = 0  # a CPU's cores, which its ranks share (0: a GPU, each rank has its own)
 
     @property
     def shared_memory(self) -> bool:
@@ -76,9 +77,11 @@ def local_hardware(gpus_per_node: int | None = None, nodes: int = 1) -> Hardware
         return Hardware(**{**asdict(named), "name": properties.name, "memory_bytes": properties.total_memory,
                            "gpus_per_node": gpus_per_node or torch.cuda.device_count(), "nodes": nodes,
                            "source": f"torch.cuda for memory; rates of the table's {named.name}"})
-    tflops = cpu_matmul_tflops()
+    from runtime.launch import available_cores
+
+    tflops, cores = cpu_matmul_tflops(), available_cores()
     return Hardware("this CPU", "cpu", available_memory_bytes(), tflops, tflops, 5.0, 1.0, 10.0, gpus_per_node or 1,
-                    nodes, f"MemAvailable; fp32 matmul {tflops:.3f} TFLOP/s measured on {os.cpu_count()} cores")
+                    nodes, f"MemAvailable; fp32 matmul {tflops:.3f} TFLOP/s measured on {cores} cores", cores)
 
 
 def available_memory_bytes() -> int:

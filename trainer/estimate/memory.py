@@ -27,19 +27,25 @@ def residual_width(config: TrainConfig, hardware: Hardware) -> int:
     return 2 if config.precision == "bf16" and hardware.device == "cuda" and config.world_size > 1 else 4
 
 
-def activation_bytes(config: TrainConfig, model: Footprint, hardware: Hardware, mode: str) -> int:
-    """Activations one rank holds at the start of backward under recomputation `mode` (none, selective, full):
-    none keeps every block's saved tensors; full keeps each block's input and recomputes one block at a time;
-    selective keeps the input and attention's output (and its log-sum-exp) of each block, and recomputes the
-    rest of one block at a time."""
+def activation_bytes(config: TrainConfig, model: Footprint, hardware: Hardware, mode: str) -> tuple[int, int]:
+    """(kept, working): the activations one rank's layers keep for backward under recomputation `mode` (none,
+    selective, full), and the working set of the block backward is in, held from its first block to its last.
+
+    kept: none, every other block's saved tensors; full, each block's input; selective, each block's input and
+    attention's output (and its log-sum-exp; on CPU more stays, SELECTIVE_VALUES_PER_DIM). working: the block's
+    saved tensors (recomputed, or its own), the gradients in flight through it, and what lies outside the blocks
+    (embedding output, final norm, the loss's hidden rows)."""
     tokens = config.batch_size * config.seq_len // config.cp
     width, residual = compute_width(config, hardware), residual_width(config, hardware)
-    block = calibration.BLOCK_BYTES_PER_VALUE[hardware.device] * model.block_width * width / 2
-    kept = {"none": model.layers * block,
-            "selective": model.layers * (residual * model.dim + width * model.dim + 4 * model.heads) + block,
-            "full": model.layers * residual * model.dim + block}[mode]
-    outer = calibration.OUTER_BYTES_PER_DIM[hardware.device] * model.dim
-    return int(tokens * (kept + outer))
+    device = hardware.device
+    block = calibration.BLOCK_BYTES_PER_VALUE[device] * model.block_width * width / 2
+    selective = residual * model.dim + calibration.SELECTIVE_VALUES_PER_DIM[device] * width * model.dim
+    kept = {"none": (model.layers - 1) * block,
+            "selective": model.layers * (selective + 4 * model.heads),
+            "full": model.layers * residual * model.dim}[mode]
+    working = (block + calibration.BACKWARD_BYTES_PER_VALUE[device] * model.block_width * width / 2
+               + calibration.OUTER_BYTES_PER_DIM[device] * model.dim)
+    return int(tokens * kept), int(tokens * working)
 
 
 def attention_buffer_bytes(config: TrainConfig, model: Footprint, hardware: Hardware, forward_only: bool) -> int:
@@ -79,24 +85,25 @@ def memory_parts(config: TrainConfig, model: Footprint, hardware: Hardware, mode
                  "attention buffers": attention_buffer_bytes(config, model, hardware, True),
                  "loss chunk": loss_bytes(config, model)}
     else:
-        activations = activation_bytes(config, model, hardware, mode)
+        # early in backward every layer's kept activations are held and few gradients; late, the whole gradient
+        # and none of them; the block being differentiated, its buffers and the outer activations at both
+        kept, working = activation_bytes(config, model, hardware, mode)
+        buffers = attention_buffer_bytes(config, model, hardware, False)
         early = 4 * (model.block + model.outer) // (world if world > 1 else 1)  # gradients held early in backward
         late = 4 * model.parameters // world
-        transient = activations + attention_buffer_bytes(config, model, hardware, False) + loss_bytes(config, model)
-        early_peak = transient + early >= late
+        early_peak = kept + loss_bytes(config, model) + early >= late
         parts = {"weights": weights, "gradients": early if early_peak else late,
                  "optimizer state": 8 * model.parameters // world, "gathered weights": gathered,
-                 "activations": activations if early_peak else 0,
-                 "attention buffers": attention_buffer_bytes(config, model, hardware, False) if early_peak else 0,
-                 "loss chunk": loss_bytes(config, model) if early_peak else 0}
+                 "activations": kept if early_peak else 0, "backward working set": working,
+                 "attention buffers": buffers, "loss chunk": loss_bytes(config, model) if early_peak else 0}
     tensors = sum(parts.values())
     parts["allocator"] = int(tensors * calibration.ALLOCATOR_OVERHEAD[hardware.device])
     parts["process"] = calibration.PROCESS_BYTES[hardware.device]
     return parts
 
 
-TENSOR_PARTS = ("weights", "gradients", "optimizer state", "gathered weights", "activations", "attention buffers",
-                "loss chunk")
+TENSOR_PARTS = ("weights", "gradients", "optimizer state", "gathered weights", "activations", "backward working set",
+                "attention buffers", "loss chunk")
 
 
 def allocated_bytes(parts: dict[str, int]) -> int:
