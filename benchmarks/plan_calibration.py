@@ -63,6 +63,10 @@ GRID = [
     ("tiny", 2048, 1, 2, "full", "one"), ("tiny", 8192, 2, 1, "selective", "packed"),
     ("debug", 8192, 2, 1, "none", (7168, 512)), ("tiny", 4096, 1, 1, "none", (3072, 512)),
     ("tiny", 2048, 1, 1, "selective", "one"), ("tiny", 4096, 1, 1, "full", (2048, 1024)),
+    # tiny on one process from 2K to 8K tokens in each mode: the slopes that fix a block's bytes
+    ("tiny", 8192, 1, 1, "full", "one"), ("tiny", 2048, 1, 1, "full", "one"),
+    ("tiny", 2048, 1, 1, "none", "one"), ("tiny", 8192, 1, 1, "none", "one"),
+    ("tiny", 4096, 1, 1, "full", "one"), ("tiny", 8192, 1, 1, "selective", "one"),
 ]
 
 
@@ -158,7 +162,8 @@ PINNED = {"MATMUL_EFFICIENCY": 1.0, "CPU_ATTENTION_FRACTION": 1.0}
 # The memory constants the fit finds beside the process's bytes; the allocator's share is fixed (below), and what
 # lies outside the blocks (OUTER_BYTES_PER_DIM) is left at 0: a block's width is 13 dims on both presets, so the
 # fit cannot tell it from a block's gradients in flight.
-MEMORY_TERMS = ("BLOCK_BYTES_PER_VALUE", "BACKWARD_BYTES_PER_VALUE", "SELECTIVE_VALUES_PER_DIM")
+MEMORY_TERMS = ("BLOCK_BYTES_PER_VALUE", "BACKWARD_BYTES_PER_VALUE", "FULL_RECOMPUTE_BYTES_PER_VALUE",
+                "SELECTIVE_VALUES_PER_DIM")
 
 
 def time_bases(row: dict, table: dict) -> tuple[list[float], float]:
@@ -198,11 +203,19 @@ def fit(table: dict) -> dict:
     # late peak: fitted around the code's constants, then around the fit's, until the sides stop changing.
     scale, measured = 1 + CPU_ALLOCATOR_OVERHEAD, np.array([row["peak_mib"] for row in rows])
     at = {name: getattr(calibration, name)["cpu"] for name in MEMORY_TERMS}
+    # Beside each row, each pair of rows that differ only in --seq-len gives its slope, free of the process's
+    # bytes and of what malloc holds at start-up: what carries the estimate to long sequences
+    key = lambda row: tuple(row[k] for k in ("model", "cp", "dp", "mode", "documents"))  # noqa: E731
+    pairs = [(i, j) for i in range(len(rows)) for j in range(len(rows))
+             if key(rows[i]) == key(rows[j]) and rows[i]["seq_len"] > rows[j]["seq_len"]]
     for _ in range(4):
         bases = [memory_bases(row, table, at) for row in rows]
         x = np.array([[1.0, *(scale * c for c in columns)] for columns, _ in bases])
         rest = measured - scale * np.array([fixed for _, fixed in bases])
-        process, *values = non_negative_fit(x / measured[:, None], list(rest / measured))
+        grown = np.array([measured[i] - measured[j] for i, j in pairs])
+        x_all = np.concatenate([x / measured[:, None], np.array([x[i] - x[j] for i, j in pairs]) / grown[:, None]])
+        y_all = np.concatenate([rest / measured, np.array([rest[i] - rest[j] for i, j in pairs]) / grown])
+        process, *values = non_negative_fit(x_all, list(y_all))
         at = {name: float(value) for name, value in zip(MEMORY_TERMS, values, strict=True)}
     found = {"PROCESS_BYTES": round(process) * MIB, "ALLOCATOR_OVERHEAD": CPU_ALLOCATOR_OVERHEAD,
              **{name: round(value, 3) for name, value in at.items()}}
@@ -248,6 +261,18 @@ def report(table: dict) -> list[dict]:
     return lines
 
 
+def markdown(lines: list[dict]) -> str:
+    """The report as a Markdown table (docs/plan.md)."""
+    out = ["| model | seq | cp | dp | recompute | documents | MiB measured | MiB estimated | error | step s | "
+           "estimated s | error | held out |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for line in lines:
+        out.append(f"| {line['model']} | {line['seq_len']} | {line['cp']} | {line['dp']} | {line['mode']} | "
+                   f"{line['documents']} | {line['peak_mib']:.0f} | {line['est_mib']:.0f} | "
+                   f"{line['memory_error']:+.1%} | {line['step_s']:.2f} | {line['est_s']:.2f} | "
+                   f"{line['time_error']:+.1%} | {'yes' if line['held_out'] else 'no'} |")
+    return "\n".join(out)
+
+
 def gpu_fixtures() -> list[dict]:
     """Issue 36's H200 measurements against `burst plan --gpu h200`."""
     from trainer.estimate import estimate
@@ -267,6 +292,7 @@ def gpu_fixtures() -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--report", action="store_true", help="fit and report from the stored table only")
+    parser.add_argument("--markdown", action="store_true", help="print the report as docs/plan.md's table")
     args = parser.parse_args()
     if not args.report:
         with tempfile.TemporaryDirectory() as tmp:  # measured now, on the quiet machine: not a cached rate
@@ -282,6 +308,9 @@ def main() -> None:
                                      "cpu_capability":
                                      torch.backends.cpu.get_cpu_capability(), "rows": rows}, indent=1) + "\n")
     table = json.loads(TABLE.read_text())
+    if args.markdown:
+        print(markdown(report(table)))
+        return
     print("fitted on the even rows:", fit(table))
     print(f"{'model':<6} {'seq':>6} cp dp {'mode':<9} {'docs':<6} {'MiB':>7} {'est':>7} {'err':>6}  {'s':>6} "
           f"{'est':>6} {'err':>6}  held out")

@@ -315,9 +315,9 @@ def test_activations_too_large_to_keep_are_refused_naming_the_recomputation_that
     tiny = ModelConfig.from_name("tiny")
     monkeypatch.setattr(preflight, "available_memory_bytes", lambda: 23 * 2**30)
     monkeypatch.setattr(preflight.torch.cuda, "is_available", lambda: False)
-    config = TrainConfig(seq_len=131072, cp=2)
+    config = TrainConfig(seq_len=65536, cp=2)  # at 131,072 on 23 GiB nothing fits any more
     parts, _ = memory_estimate(config, tiny, memory_only("cpu", 23 * 2**30, 2), local_ranks=2)
-    assert parts["activations"] >= 12 * 2**30  # fitted: 37 KB a token a block (benchmarks/plan_calibration.py)
+    assert parts["activations"] >= 10 * 2**30  # fitted: 55 KB a token a block (benchmarks/plan_calibration.py)
     with pytest.raises(ValueError, match=r"2 local ranks on this machine would need about \d\d\.\d GiB .* use "
                                          r"--cp \d --dp \d --activation-checkpointing (selective|full) "
                                          r"\(about \d+\.\d GiB"):

@@ -107,12 +107,12 @@ def test_a_run_that_cannot_fit_is_refused_before_any_process_starts_naming_setti
     started = []
     monkeypatch.setattr("trainer.launch.run_local", lambda *a, **k: started.append(a), raising=False)
     out = tmp_path / "run"
-    result = invoke("train", "--model", "tiny", "--seq-len", 131072, "--cp", 2, "--precision", "fp32", "--out", out)
+    result = invoke("train", "--model", "tiny", "--seq-len", 65536, "--cp", 2, "--precision", "fp32", "--out", out)
     assert result.exit_code == 2, result.output
     assert "would need about" in result.output and "use --cp " in result.output
     assert not started and not (out / "metrics.jsonl").exists()
     suggested = result.output.split("use ")[1].split(" (about")[0].split()
-    config = TrainConfig(model="tiny", seq_len=131072, cp=int(suggested[1]), dp=int(suggested[3]),
+    config = TrainConfig(model="tiny", seq_len=65536, cp=int(suggested[1]), dp=int(suggested[3]),
                          activation_checkpointing=suggested[5], precision="fp32")
     assert sum(memory_estimate(config, ModelConfig.from_name("tiny"), memory_only("cpu", 24 * 2**30),
                                local_ranks=2)[0].values()) <= 12 * 2**30
@@ -212,13 +212,13 @@ def test_the_gpu_table_names_its_sources_and_refuses_unknown_gpus():
 def test_the_calibration_constants_are_the_fit_of_the_stored_table_and_reproduce_its_measurements():
     """The CPU constants in trainer/estimate/calibration.py are what benchmarks/plan_calibration.py fits on the stored
     measurements' calibration half (no run repeated here). As measured on a quiet 2-core machine (docs/plan.md):
-    step time within 25% on every row, fitted or held out (the issue's target); peak memory within 10% on all
-    but 3 of the 14 held-out rows and within 20% on all of them (the issue's 10% is missed there: peak RSS creeps
-    5-15% over a run's first steps as malloc fragments, and full recomputation holds more than the model counts)."""
+    step time within 25% and peak memory within 10% on every held-out row (the issue's targets); on the rows
+    fitted, time within 25% and memory within 25% (tiny at dp 2 with full recomputation: -21%; peak RSS moves
+    5-10% between runs of one configuration as malloc fragments)."""
     from benchmarks.plan_calibration import fit, report
 
     table = json.loads(TABLE.read_text())
-    assert len(table["rows"]) >= 24 and max(row["seq_len"] for row in table["rows"]) >= 131072
+    assert len(table["rows"]) >= 34 and max(row["seq_len"] for row in table["rows"]) >= 131072
     assert {row["documents"] for row in table["rows"]} == {"one", "packed", "pairs"}
     fitted = fit(table)
     for name, value in fitted.items():
@@ -230,6 +230,6 @@ def test_the_calibration_constants_are_the_fit_of_the_stored_table_and_reproduce
             assert code == pytest.approx(value, rel=1e-3, abs=1e-12), name
     lines = report(table)
     assert all(abs(line["time_error"]) <= 0.25 for line in lines), [line["time_error"] for line in lines]
+    assert all(abs(line["memory_error"]) <= 0.25 for line in lines), [line["memory_error"] for line in lines]
     held_out = [line for line in lines if line["held_out"]]
-    assert all(abs(line["memory_error"]) <= 0.20 for line in held_out), held_out
-    assert sum(abs(line["memory_error"]) <= 0.10 for line in held_out) >= len(held_out) - 3
+    assert all(abs(line["memory_error"]) <= 0.10 for line in held_out), held_out

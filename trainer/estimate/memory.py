@@ -33,8 +33,8 @@ def activation_bytes(config: TrainConfig, model: Footprint, hardware: Hardware, 
 
     kept: none, every other block's saved tensors; full, each block's input; selective, each block's input and
     attention's output (and its log-sum-exp; on CPU more stays, SELECTIVE_VALUES_PER_DIM). working: the block's
-    saved tensors (recomputed, or its own), the gradients in flight through it, and what lies outside the blocks
-    (embedding output, final norm, the loss's hidden rows)."""
+    saved tensors (recomputed, or its own), the gradients in flight through it (more when the whole block is
+    recomputed), and what lies outside the blocks (embedding output, final norm, the loss's hidden rows)."""
     tokens = config.batch_size * config.seq_len // config.cp
     width, residual = compute_width(config, hardware), residual_width(config, hardware)
     device = hardware.device
@@ -43,8 +43,9 @@ def activation_bytes(config: TrainConfig, model: Footprint, hardware: Hardware, 
     kept = {"none": (model.layers - 1) * block,
             "selective": model.layers * (selective + 4 * model.heads),
             "full": model.layers * residual * model.dim}[mode]
-    working = (block + calibration.BACKWARD_BYTES_PER_VALUE[device] * model.block_width * width / 2
-               + calibration.OUTER_BYTES_PER_DIM[device] * model.dim)
+    in_flight = calibration.BACKWARD_BYTES_PER_VALUE[device] + (
+        calibration.FULL_RECOMPUTE_BYTES_PER_VALUE[device] if mode == "full" else 0.0)
+    working = block + in_flight * model.block_width * width / 2 + calibration.OUTER_BYTES_PER_DIM[device] * model.dim
     return int(tokens * kept), int(tokens * working)
 
 
