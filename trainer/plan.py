@@ -142,6 +142,10 @@ def format_plan(config: TrainConfig, result: Estimate, hardware: Hardware) -> st
     lines += [f"  {name:<20} {seconds:10.3f}" for name, seconds in result.step_time_parts.items()]
     lines.append(f"  {'step':<20} {result.step_time_s:10.3f}")
     lines.append(f"tokens/s per GPU {result.tokens_per_s:,.0f}; MFU {result.mfu:.1%}")
+    if hardware.device == "cpu" and config.precision == "bf16":
+        lines.append("note: on a CPU the estimate is calibrated in fp32 (docs/plan.md); in bf16 its memory is that of "
+                     "fp32 (autocast keeps most saved tensors in float32) and its step time is not calibrated "
+                     "(--precision fp32 plans what was measured)")
     return "\n".join(lines)
 
 
