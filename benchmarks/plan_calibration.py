@@ -68,9 +68,22 @@ GRID = [
     ("tiny", 2048, 1, 1, "none", "one"), ("tiny", 8192, 1, 1, "none", "one"),
     ("tiny", 4096, 1, 1, "full", "one"), ("tiny", 8192, 1, 1, "selective", "one"),
 ]
+# The same in bf16 (autocast), where the CPU computes it natively (--precision auto picks it there): its own
+# constants, fitted and checked the same way.
+BF16_GRID = [
+    ("debug", 2048, 1, 1, "none", "one"), ("debug", 8192, 1, 1, "none", "one"),
+    ("debug", 8192, 1, 1, "full", "one"), ("debug", 4096, 1, 1, "selective", "one"),
+    ("debug", 8192, 2, 1, "none", "packed"), ("debug", 4096, 2, 1, "none", "one"),
+    ("debug", 32768, 2, 1, "selective", "one"), ("debug", 8192, 4, 1, "none", "packed"),
+    ("tiny", 2048, 1, 1, "none", "one"), ("tiny", 4096, 1, 1, "none", "one"),
+    ("tiny", 4096, 1, 1, "selective", "one"), ("tiny", 2048, 1, 1, "full", "one"),
+    ("tiny", 8192, 1, 1, "full", "one"), ("tiny", 4096, 2, 1, "selective", "one"),
+    ("tiny", 2048, 1, 2, "none", "one"), ("tiny", 4096, 1, 1, "none", (3072, 512)),
+]
 
 
-def run_one(model: str, seq_len: int, cp: int, dp: int, mode: str, documents, workdir: Path) -> dict:
+def run_one(model: str, seq_len: int, cp: int, dp: int, mode: str, documents, workdir: Path,
+            precision: str = "fp32") -> dict:
     """Train a few steps; the largest rank's peak memory (MiB) and the step seconds."""
     steps = 3 if seq_len >= 32768 else 4
     with tempfile.TemporaryDirectory() as tmp:
@@ -85,7 +98,7 @@ def run_one(model: str, seq_len: int, cp: int, dp: int, mode: str, documents, wo
             store = make_pairs(Path(tmp), prompt, answer, steps * dp)
             data = ["--data", str(store), "--objective", "simpo", "--doc-mask", "--prefix-sharing"]
         command = [sys.executable, "-m", "cli", "train", "--model", model, "--seq-len", str(seq_len), "--cp", str(cp),
-                   "--dp", str(dp), "--activation-checkpointing", mode, "--steps", str(steps), "--precision", "fp32",
+                   "--dp", str(dp), "--activation-checkpointing", mode, "--steps", str(steps), "--precision", precision,
                    "--out", str(out), *data]
         subprocess.run(command, cwd=workdir, check=True, capture_output=True,
                        env={**os.environ, "PYTHONPATH": str(workdir)})
@@ -114,23 +127,29 @@ def document_pattern(seq_len: int, documents) -> list[int] | None:
 def config_of(row: dict) -> tuple[TrainConfig, ModelConfig]:
     pairs = row["documents"] == "pairs"
     config = TrainConfig(model=row["model"], seq_len=row["seq_len"], cp=row["cp"], dp=row["dp"],
-                         activation_checkpointing=row["mode"], doc_mask=row["documents"] != "one", precision="fp32",
+                         activation_checkpointing=row["mode"], doc_mask=row["documents"] != "one",
+                         precision=row.get("precision", "fp32"),
                          objective="simpo" if pairs else "nll", prefix_sharing=pairs)
     return config, ModelConfig.from_name(row["model"])
 
 
-def cpu_hardware(table: dict) -> Hardware:
-    tflops = table["cpu_matmul_tflops"]
+def row_key(row: dict) -> str:
+    """The calibration entry a row measures: "cpu" (fp32) or "cpu-bf16"."""
+    return calibration.key("cpu", row.get("precision", "fp32"))
+
+
+def cpu_hardware(table: dict, precision: str = "fp32") -> Hardware:
+    tflops = table["cpu_bf16_matmul_tflops" if precision == "bf16" else "cpu_matmul_tflops"]
     return Hardware("this CPU", "cpu", 2**40, tflops, tflops, 5.0, 1.0, 10.0, 1, 1, "calibration", table["cores"])
 
 
 @contextlib.contextmanager
-def constants(**values):
-    """Set calibration constants (their CPU entries, or plain values) for the duration."""
+def constants(key: str, **values):
+    """Set calibration constants (their `key` entries: "cpu" or "cpu-bf16") for the duration."""
     saved = {name: getattr(calibration, name) for name in values}
     for name, value in values.items():
         old = saved[name]
-        setattr(calibration, name, {**old, "cpu": value} if isinstance(old, dict) else value)
+        setattr(calibration, name, {**old, key: value})
     try:
         yield
     finally:
@@ -140,13 +159,14 @@ def constants(**values):
 
 def row_times(row: dict, table: dict) -> dict[str, float]:
     config, model = config_of(row)
-    return time_parts(config, footprint(model), cpu_hardware(table), row["doc_pattern"], row["documents"] == "pairs")
+    return time_parts(config, footprint(model), cpu_hardware(table, config.precision), row["doc_pattern"],
+                      row["documents"] == "pairs")
 
 
 def predict(row: dict, table: dict) -> tuple[float, float]:
     """(peak MiB, step seconds) the estimate gives for a stored row, with the code's constants."""
     config, model = config_of(row)
-    parts = memory_parts(config, footprint(model), cpu_hardware(table))
+    parts = memory_parts(config, footprint(model), cpu_hardware(table, config.precision))
     return sum(parts.values()) / MIB, step_seconds(row_times(row, table))
 
 
@@ -155,10 +175,12 @@ def predict(row: dict, table: dict) -> tuple[float, float]:
 # measured on this CPU (on two presets the fit cannot tell them from the memory-bound work that grows with them,
 # and a fitted rate would not carry to larger models, where the matmuls dominate); the rest is fitted.
 TIME_TERMS = [("STEP_OVERHEAD_S", "overhead"), ("MATMUL_EFFICIENCY", "matmuls"),
-              ("CPU_ATTENTION_FRACTION", "attention"), ("ATTENTION_SCORE_S", "attention"),
+              ("ATTENTION_FRACTION", "attention"), ("ATTENTION_SCORE_S", "attention"),
               ("ELEMENTWISE_S_PER_VALUE", "elementwise"), ("RING_STEP_S", "ring hand-offs")]
-INVERSE_RATES = ("MATMUL_EFFICIENCY", "CPU_ATTENTION_FRACTION")
-PINNED = {"MATMUL_EFFICIENCY": 1.0, "CPU_ATTENTION_FRACTION": 1.0}
+INVERSE_RATES = ("MATMUL_EFFICIENCY", "ATTENTION_FRACTION")
+PINNED = {"MATMUL_EFFICIENCY": 1.0, "ATTENTION_FRACTION": 1.0}
+# gloo's hand-offs do not change with the kernels' dtype: bf16 takes fp32's (its grid is half the size)
+SAME_IN_BF16 = ("RING_STEP_S",)
 # The memory constants the fit finds beside the process's bytes; the allocator's share is fixed (below), and what
 # lies outside the blocks (OUTER_BYTES_PER_DIM) is left at 0: a block's width is 13 dims on both presets, so the
 # fit cannot tell it from a block's gradients in flight.
@@ -172,9 +194,9 @@ def time_bases(row: dict, table: dict) -> tuple[list[float], float]:
     off = {name: float("inf") if name in INVERSE_RATES else 0.0 for name, _ in TIME_TERMS}
     columns = []
     for name, part in TIME_TERMS:
-        with constants(**{**off, name: 1.0}):
+        with constants(row_key(row), **{**off, name: 1.0}):
             columns.append(row_times(row, table)[part])
-    with constants(**off):
+    with constants(row_key(row), **off):
         fixed = step_seconds(row_times(row, table))
     return columns, fixed
 
@@ -183,10 +205,10 @@ def memory_bases(row: dict, table: dict, at: dict) -> tuple[list[float], float]:
     """The tensors' MiB as linear in MEMORY_TERMS around the constants `at` (the peak is early or late in backward,
     whichever is larger: linear on each side): one column a constant, and the MiB at none of them."""
     config, model = config_of(row)
-    shape, hardware = footprint(model), cpu_hardware(table)
+    shape, hardware = footprint(model), cpu_hardware(table, config.precision)
 
     def tensors(**values) -> float:
-        with constants(**{**at, **values}):
+        with constants(row_key(row), **{**at, **values}):
             return allocated_bytes(memory_parts(config, shape, hardware)) / MIB
 
     here = tensors()
@@ -194,15 +216,22 @@ def memory_bases(row: dict, table: dict, at: dict) -> tuple[list[float], float]:
     return columns, here - sum(c * at[name] for c, name in zip(columns, MEMORY_TERMS, strict=True))
 
 
-def fit(table: dict) -> dict:
-    """Least-squares constants from the even rows, each row weighted by 1 / its measurement: relative errors are
-    what the targets judge (else the largest rows decide the fit and a fixed term swamps the small ones)."""
-    rows = table["rows"][::2]
+def fitted_rows(table: dict, precision: str) -> list[dict]:
+    """The rows the constants of `precision` are fitted on: the even ones of its grid (the odd ones check them)."""
+    return [row for row in table["rows"] if row.get("precision", "fp32") == precision][::2]
+
+
+def fit(table: dict, precision: str = "fp32") -> dict:
+    """Least-squares constants of `precision` (the "cpu" or "cpu-bf16" entries) from the even rows of its grid, each
+    row weighted by 1 / its measurement: relative errors are what the targets judge (else the largest rows decide
+    the fit and a fixed term swamps the small ones)."""
+    rows = fitted_rows(table, precision)
+    key = calibration.key("cpu", precision)
     # Memory: peak RSS = the process + (1 + malloc's share) x the tensors. The share is not separable from the
     # process's on these shapes: 10%, as glibc's arenas hold. Linear in the constants on each side of the early /
     # late peak: fitted around the code's constants, then around the fit's, until the sides stop changing.
     scale, measured = 1 + CPU_ALLOCATOR_OVERHEAD, np.array([row["peak_mib"] for row in rows])
-    at = {name: getattr(calibration, name)["cpu"] for name in MEMORY_TERMS}
+    at = {name: getattr(calibration, name)[key] for name in MEMORY_TERMS}
     # Beside each row, each pair of rows that differ only in --seq-len gives its slope, free of the process's
     # bytes and of what malloc holds at start-up: what carries the estimate to long sequences
     key = lambda row: tuple(row[k] for k in ("model", "cp", "dp", "mode", "documents"))  # noqa: E731
@@ -212,9 +241,10 @@ def fit(table: dict) -> dict:
         bases = [memory_bases(row, table, at) for row in rows]
         x = np.array([[1.0, *(scale * c for c in columns)] for columns, _ in bases])
         rest = measured - scale * np.array([fixed for _, fixed in bases])
-        grown = np.array([measured[i] - measured[j] for i, j in pairs])
-        x_all = np.concatenate([x / measured[:, None], np.array([x[i] - x[j] for i, j in pairs]) / grown[:, None]])
-        y_all = np.concatenate([rest / measured, np.array([rest[i] - rest[j] for i, j in pairs]) / grown])
+        grown = np.array([measured[i] - measured[j] for i, j in pairs]).reshape(-1, 1)
+        slopes = np.array([x[i] - x[j] for i, j in pairs]).reshape(-1, x.shape[1])
+        x_all = np.concatenate([x / measured[:, None], slopes / grown])
+        y_all = np.concatenate([rest / measured, np.array([rest[i] - rest[j] for i, j in pairs]) / grown[:, 0]])
         process, *values = non_negative_fit(x_all, list(y_all))
         at = {name: float(value) for name, value in zip(MEMORY_TERMS, values, strict=True)}
     found = {"PROCESS_BYTES": round(process) * MIB, "ALLOCATOR_OVERHEAD": CPU_ALLOCATOR_OVERHEAD,
@@ -222,13 +252,14 @@ def fit(table: dict) -> dict:
     # Time: the constants beside the pinned rates, fitted (the steps of one run agree within ~10% on a quiet machine)
     measured = np.array([row["step_s"] for row in rows])
     bases = [time_bases(row, table) for row in rows]
-    free = [i for i, (name, _) in enumerate(TIME_TERMS) if name not in PINNED]
-    pinned = np.array([sum(columns[i] / PINNED[name] for i, (name, _) in enumerate(TIME_TERMS) if name in PINNED)
-                       for columns, _ in bases])
+    pins = {**PINNED, **({} if precision == "fp32" else {name: fit(table)[name] for name in SAME_IN_BF16})}
+    free = [i for i, (name, _) in enumerate(TIME_TERMS) if name not in pins]
+    pinned = np.array([sum(columns[i] * (1 / pins[name] if name in INVERSE_RATES else pins[name])
+                           for i, (name, _) in enumerate(TIME_TERMS) if name in pins) for columns, _ in bases])
     time = np.array([[columns[i] for i in free] for columns, _ in bases])
     fixed = np.array([f for _, f in bases]) + pinned
     solution = non_negative_fit(time / measured[:, None], list((measured - fixed) / measured))
-    found.update(PINNED)
+    found.update(pins)
     for i, value in zip(free, solution, strict=True):
         found[TIME_TERMS[i][0]] = float(f"{value:.3g}")
     return found
@@ -253,20 +284,33 @@ def non_negative_fit(x: np.ndarray, y: list[float]) -> np.ndarray:
 
 def report(table: dict) -> list[dict]:
     """Estimated against measured for every row, with the code's constants; `held_out`: not in the fit."""
+    fitted = {id(row) for precision in ("fp32", "bf16") for row in fitted_rows(table, precision)}
     lines = []
-    for index, row in enumerate(table["rows"]):
+    for row in table["rows"]:
         memory, seconds = predict(row, table)
-        lines.append({**row, "held_out": index % 2 == 1, "est_mib": memory, "est_s": seconds,
-                      "memory_error": memory / row["peak_mib"] - 1, "time_error": seconds / row["step_s"] - 1})
+        lines.append({**row, "precision": row.get("precision", "fp32"), "held_out": id(row) not in fitted,
+                      "est_mib": memory, "est_s": seconds, "memory_error": memory / row["peak_mib"] - 1,
+                      "time_error": seconds / row["step_s"] - 1})
     return lines
+
+
+def run_grid(grid: list[tuple], precision: str) -> list[dict]:
+    rows = []
+    for model, seq_len, cp, dp, mode, documents in grid:
+        result = run_one(model, seq_len, cp, dp, mode, documents, ROOT, precision)
+        rows.append({"model": model, "seq_len": seq_len, "cp": cp, "dp": dp, "mode": mode, "precision": precision,
+                     "documents": documents if isinstance(documents, str) else "pairs",
+                     "doc_pattern": document_pattern(seq_len, documents), **result})
+        print(rows[-1], flush=True)
+    return rows
 
 
 def markdown(lines: list[dict]) -> str:
     """The report as a Markdown table (docs/plan.md)."""
-    out = ["| model | seq | cp | dp | recompute | documents | MiB measured | MiB estimated | error | step s | "
-           "estimated s | error | held out |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| dtype | model | seq | cp | dp | recompute | documents | MiB measured | MiB estimated | error | step s | "
+           "estimated s | error | held out |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for line in lines:
-        out.append(f"| {line['model']} | {line['seq_len']} | {line['cp']} | {line['dp']} | {line['mode']} | "
+        out.append(f"| {line['precision']} | {line['model']} | {line['seq_len']} | {line['cp']} | {line['dp']} | {line['mode']} | "
                    f"{line['documents']} | {line['peak_mib']:.0f} | {line['est_mib']:.0f} | "
                    f"{line['memory_error']:+.1%} | {line['step_s']:.2f} | {line['est_s']:.2f} | "
                    f"{line['time_error']:+.1%} | {'yes' if line['held_out'] else 'no'} |")
@@ -296,26 +340,25 @@ def main() -> None:
     args = parser.parse_args()
     if not args.report:
         with tempfile.TemporaryDirectory() as tmp:  # measured now, on the quiet machine: not a cached rate
-            tflops = cpu_matmul_tflops(Path(tmp) / "rate.json")
-        rows = []
-        for model, seq_len, cp, dp, mode, documents in GRID:
-            result = run_one(model, seq_len, cp, dp, mode, documents, ROOT)
-            rows.append({"model": model, "seq_len": seq_len, "cp": cp, "dp": dp, "mode": mode,
-                         "documents": documents if isinstance(documents, str) else "pairs",
-                         "doc_pattern": document_pattern(seq_len, documents), **result})
-            print(rows[-1], flush=True)
-        TABLE.write_text(json.dumps({"cpu_matmul_tflops": tflops, "cores": available_cores(),
-                                     "cpu_capability":
-                                     torch.backends.cpu.get_cpu_capability(), "rows": rows}, indent=1) + "\n")
+            tflops = {dtype: cpu_matmul_tflops(Path(tmp) / "rate.json", dtype) for dtype in (torch.float32,
+                                                                                             torch.bfloat16)}
+        rows = run_grid(GRID, "fp32") + run_grid(BF16_GRID, "bf16")
+        TABLE.write_text(json.dumps({"cpu_matmul_tflops": tflops[torch.float32],
+                                     "cpu_bf16_matmul_tflops": tflops[torch.bfloat16], "cores": available_cores(),
+                                     "cpu_capability": torch.backends.cpu.get_cpu_capability(), "rows": rows},
+                                    indent=1) + "\n")
     table = json.loads(TABLE.read_text())
     if args.markdown:
         print(markdown(report(table)))
         return
-    print("fitted on the even rows:", fit(table))
-    print(f"{'model':<6} {'seq':>6} cp dp {'mode':<9} {'docs':<6} {'MiB':>7} {'est':>7} {'err':>6}  {'s':>6} "
-          f"{'est':>6} {'err':>6}  held out")
+    print("fitted on the even rows, fp32:", fit(table))
+    if any(row.get("precision") == "bf16" for row in table["rows"]):
+        print("fitted on the even rows, bf16:", fit(table, "bf16"))
+    print(f"{'dtype':<5} {'model':<6} {'seq':>6} cp dp {'mode':<9} {'docs':<6} {'MiB':>7} {'est':>7} {'err':>6}  "
+          f"{'s':>6} {'est':>6} {'err':>6}  held out")
     for line in report(table):
-        print(f"{line['model']:<6} {line['seq_len']:>6} {line['cp']:>2} {line['dp']:>2} {line['mode']:<9} "
+        print(f"{line['precision']:<5} {line['model']:<6} {line['seq_len']:>6} {line['cp']:>2} {line['dp']:>2} "
+              f"{line['mode']:<9} "
               f"{line['documents']:<6} {line['peak_mib']:7.0f} {line['est_mib']:7.0f} "
               f"{line['memory_error']:+6.1%}  {line['step_s']:6.2f} {line['est_s']:6.2f} {line['time_error']:+6.1%}  "
               f"{'yes' if line['held_out'] else 'no'}")

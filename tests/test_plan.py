@@ -212,39 +212,48 @@ def test_the_gpu_table_names_its_sources_and_refuses_unknown_gpus():
 def test_the_calibration_constants_are_the_fit_of_the_stored_table_and_reproduce_its_measurements():
     """The CPU constants in trainer/estimate/calibration.py are what benchmarks/plan_calibration.py fits on the stored
     measurements' calibration half (no run repeated here). As measured on a quiet 2-core machine (docs/plan.md):
-    step time within 25% and peak memory within 10% on every held-out row (the issue's targets); on the rows
-    fitted, time within 25% and memory within 25% (tiny at dp 2 with full recomputation: -21%; peak RSS moves
-    5-10% between runs of one configuration as malloc fragments)."""
+    in fp32, step time within 25% and peak memory within 10% on every held-out row (the issue's targets); on the
+    rows fitted, time within 25% and memory within 25% (tiny at dp 2 with full recomputation: -21%; peak RSS moves
+    5-10% between runs of one configuration as malloc fragments). bf16 has its own constants and bounds below."""
     from benchmarks.plan_calibration import fit, report
 
     table = json.loads(TABLE.read_text())
-    assert len(table["rows"]) >= 34 and max(row["seq_len"] for row in table["rows"]) >= 131072
-    assert {row["documents"] for row in table["rows"]} == {"one", "packed", "pairs"}
-    fitted = fit(table)
-    for name, value in fitted.items():
-        code = getattr(calibration, name)
-        code = code["cpu"] if isinstance(code, dict) else code
-        if name == "PROCESS_BYTES":
-            assert code == value
-        else:
-            assert code == pytest.approx(value, rel=1e-3, abs=1e-12), name
+    fp32 = [row for row in table["rows"] if row.get("precision", "fp32") == "fp32"]
+    assert len(fp32) >= 34 and max(row["seq_len"] for row in fp32) >= 131072
+    assert {row["documents"] for row in fp32} == {"one", "packed", "pairs"}
+    for precision, key in (("fp32", "cpu"), ("bf16", "cpu-bf16")):
+        for name, value in fit(table, precision).items():
+            assert getattr(calibration, name)[key] == pytest.approx(value, rel=1e-3, abs=1e-12), (key, name)
     lines = report(table)
-    assert all(abs(line["time_error"]) <= 0.25 for line in lines), [line["time_error"] for line in lines]
-    assert all(abs(line["memory_error"]) <= 0.25 for line in lines), [line["memory_error"] for line in lines]
-    held_out = [line for line in lines if line["held_out"]]
-    assert all(abs(line["memory_error"]) <= 0.10 for line in held_out), held_out
+    fp32 = [line for line in lines if line["precision"] == "fp32"]
+    assert all(abs(line["time_error"]) <= 0.25 for line in fp32), [line["time_error"] for line in fp32]
+    assert all(abs(line["memory_error"]) <= 0.25 for line in fp32), [line["memory_error"] for line in fp32]
+    assert all(abs(line["memory_error"]) <= 0.10 for line in fp32 if line["held_out"])
+    # bf16 (its own constants, from a grid half the size): held-out time within 25%, memory within 10% but for one
+    # row (tiny, cp 2, selective: -22%); every row's time within 30%
+    bf16 = [line for line in lines if line["precision"] == "bf16"]
+    assert len(bf16) >= 16
+    assert all(abs(line["time_error"]) <= 0.30 for line in bf16), [line["time_error"] for line in bf16]
+    assert all(abs(line["time_error"]) <= 0.25 for line in bf16 if line["held_out"])
+    assert all(abs(line["memory_error"]) <= 0.25 for line in bf16), [line["memory_error"] for line in bf16]
+    assert sum(abs(line["memory_error"]) > 0.10 for line in bf16 if line["held_out"]) <= 1
 
 
-def test_a_cpu_plan_in_bf16_counts_float32_activations_and_says_its_time_is_not_calibrated():
-    """Measured on this repo's CPU (native bf16): tiny at 4,096 tokens held 2,252 MiB under bf16 autocast and 2,523
-    in fp32, where halving every saved tensor would have said about 1,770; bf16 steps ran 2x faster than the fp32
-    calibration says. The plan counts fp32's activations and says the time is not calibrated."""
+def test_a_cpu_plan_in_bf16_takes_the_bf16_constants_and_says_so_where_the_cpu_has_no_native_bf16(monkeypatch):
+    """bf16 on a CPU has its own constants (autocast keeps most saved tensors in float32: tiny at 4,096 tokens held
+    2,252 MiB in bf16 and 2,523 in fp32, where halving every saved tensor would say about 1,770), fitted on the
+    bf16 grid of a CPU with native bf16; where the CPU has none, the plan says its step time is not that CPU's."""
+    import trainer.plan as plan_module
     from trainer.estimate.hardware import Hardware
-    from trainer.plan import format_plan
 
     cpu = Hardware("this CPU", "cpu", 2**40, 0.4, 0.4, 5.0, 1.0, 10.0, 1, 1, "test", 2)
     tiny = ModelConfig.from_name("tiny")
-    bf16, fp32 = (estimate(TrainConfig(model="tiny", seq_len=4096, precision=p), tiny, cpu) for p in ("bf16", "fp32"))
-    assert bf16.memory_bytes["activations"] == fp32.memory_bytes["activations"]
-    assert "step time is not calibrated" in format_plan(TrainConfig(model="tiny", precision="bf16"), bf16, cpu)
-    assert "not calibrated" not in format_plan(TrainConfig(model="tiny", precision="fp32"), fp32, cpu)
+    bf16 = estimate(TrainConfig(model="tiny", seq_len=4096, precision="bf16"), tiny, cpu)
+    fp32 = estimate(TrainConfig(model="tiny", seq_len=4096, precision="fp32"), tiny, cpu)
+    assert bf16.memory_bytes["process"] == calibration.PROCESS_BYTES["cpu-bf16"]
+    assert 0.7 < bf16.peak_memory_bytes / fp32.peak_memory_bytes < 1.0  # not half: float32 is kept
+    monkeypatch.setattr(plan_module, "native_cpu_bf16", lambda: False)
+    assert "no native bf16" in plan_module.format_plan(TrainConfig(model="tiny", precision="bf16"), bf16, cpu)
+    assert "no native bf16" not in plan_module.format_plan(TrainConfig(model="tiny", precision="fp32"), fp32, cpu)
+    monkeypatch.setattr(plan_module, "native_cpu_bf16", lambda: True)
+    assert "no native bf16" not in plan_module.format_plan(TrainConfig(model="tiny", precision="bf16"), bf16, cpu)

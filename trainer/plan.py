@@ -36,7 +36,13 @@ class PlanRequest:
 def hardware_of(request: PlanRequest) -> Hardware:
     if request.gpu is not None:
         return gpu(request.gpu, request.gpus_per_node, request.nodes)
-    return local_hardware(request.gpus_per_node, request.nodes)
+    import torch
+
+    from runtime.precision import resolve_precision
+
+    # the CPU's rate is measured in the precision the run would take (bf16 with AMX runs several times fp32's)
+    precision = resolve_precision(request.config.precision, torch.device("cpu")).name
+    return local_hardware(request.gpus_per_node, request.nodes, precision)
 
 
 def model_config_of(request: PlanRequest) -> ModelConfig:
@@ -142,11 +148,19 @@ def format_plan(config: TrainConfig, result: Estimate, hardware: Hardware) -> st
     lines += [f"  {name:<20} {seconds:10.3f}" for name, seconds in result.step_time_parts.items()]
     lines.append(f"  {'step':<20} {result.step_time_s:10.3f}")
     lines.append(f"tokens/s per GPU {result.tokens_per_s:,.0f}; MFU {result.mfu:.1%}")
-    if hardware.device == "cpu" and config.precision == "bf16":
-        lines.append("note: on a CPU the estimate is calibrated in fp32 (docs/plan.md); in bf16 its memory is that of "
-                     "fp32 (autocast keeps most saved tensors in float32) and its step time is not calibrated "
-                     "(--precision fp32 plans what was measured)")
+    if hardware.device == "cpu" and config.precision == "bf16" and not native_cpu_bf16():
+        lines.append("note: this CPU has no native bf16, where bf16 runs many times slower than fp32; the estimate's "
+                     "bf16 constants come from a CPU that has it (docs/plan.md), so its step time is not this "
+                     "CPU's (--precision fp32 plans what it runs fast)")
     return "\n".join(lines)
+
+
+def native_cpu_bf16() -> bool:
+    import torch
+
+    from runtime.precision import resolve_precision
+
+    return resolve_precision("auto", torch.device("cpu")).name == "bf16"
 
 
 def format_search(config: TrainConfig, found: list[Candidate], longest: int | None, hardware: Hardware) -> str:

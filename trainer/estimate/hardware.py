@@ -66,9 +66,9 @@ def gpu(name: str, gpus_per_node: int | None = None, nodes: int = 1) -> Hardware
     return Hardware(**{**asdict(known), "gpus_per_node": gpus_per_node or known.gpus_per_node, "nodes": nodes})
 
 
-def local_hardware(gpus_per_node: int | None = None, nodes: int = 1) -> Hardware:
-    """This machine: its first GPU (matched to the table by name for the rates), else its CPU, whose matmul rate is
-    measured once and cached."""
+def local_hardware(gpus_per_node: int | None = None, nodes: int = 1, precision: str = "fp32") -> Hardware:
+    """This machine: its first GPU (matched to the table by name for the rates), else its CPU, whose matmul rate in
+    `precision` (fp32 or bf16) is measured once and cached."""
     import torch
 
     if torch.cuda.is_available():
@@ -79,9 +79,9 @@ def local_hardware(gpus_per_node: int | None = None, nodes: int = 1) -> Hardware
                            "source": f"torch.cuda for memory; rates of the table's {named.name}"})
     from runtime.launch import available_cores
 
-    tflops, cores = cpu_matmul_tflops(), available_cores()
+    tflops, cores = cpu_matmul_tflops(dtype=torch.bfloat16 if precision == "bf16" else torch.float32), available_cores()
     return Hardware("this CPU", "cpu", available_memory_bytes(), tflops, tflops, 5.0, 1.0, 10.0, gpus_per_node or 1,
-                    nodes, f"MemAvailable; fp32 matmul {tflops:.3f} TFLOP/s measured on {cores} cores", cores)
+                    nodes, f"MemAvailable; {precision} matmul {tflops:.3f} TFLOP/s measured on {cores} cores", cores)
 
 
 def available_memory_bytes() -> int:
@@ -96,21 +96,22 @@ def available_memory_bytes() -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def cpu_matmul_tflops(cache: Path | None = None) -> float:
-    """fp32 matmul TFLOP/s of this CPU with torch's threads, measured once (the best of ten
-    0.03 s bursts) and kept in `cache`
-    (~/.cache/burst/cpu_matmul.json, keyed by the CPU model and thread count)."""
+def cpu_matmul_tflops(cache: Path | None = None, dtype=None) -> float:
+    """Matmul TFLOP/s of this CPU in `dtype` (float32 by default, or bfloat16) with torch's threads, measured once
+    (the best of ten 0.03 s bursts) and kept in `cache` (~/.cache/burst/cpu_matmul.json, keyed by the CPU model,
+    thread count and, for bf16, the dtype)."""
     import torch
 
+    dtype = dtype or torch.float32
     cache = cache or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "burst" / "cpu_matmul.json"
-    key = f"{cpu_model()}|{torch.get_num_threads()}"
+    key = f"{cpu_model()}|{torch.get_num_threads()}" + ("" if dtype == torch.float32 else f"|{dtype}")
     try:
         known = json.loads(cache.read_text())
     except (OSError, ValueError):
         known = {}
     if isinstance(known.get(key), float):
         return known[key]
-    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    a, b = torch.randn(512, 512, dtype=dtype), torch.randn(512, 512, dtype=dtype)
     a @ b  # warm the kernels
     # the best of ten short bursts, not their mean: a rate measured while other work shares the cores would
     # otherwise be cached as this CPU's (one taken beside other processes read 14x low)

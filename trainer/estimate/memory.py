@@ -37,17 +37,17 @@ def activation_bytes(config: TrainConfig, model: Footprint, hardware: Hardware, 
     recomputed), and what lies outside the blocks (embedding output, final norm, the loss's hidden rows)."""
     tokens = config.batch_size * config.seq_len // config.cp
     width, residual = compute_width(config, hardware), residual_width(config, hardware)
-    device = hardware.device
+    device, key = hardware.device, calibration.key(hardware.device, config.precision)
     if device == "cpu":  # autocast on CPU saves most tensors in float32: tiny, 4K tokens, 2,252 MiB bf16, 2,523 fp32
         width = 4
-    block = calibration.BLOCK_BYTES_PER_VALUE[device] * model.block_width * width / 2
-    selective = residual * model.dim + calibration.SELECTIVE_VALUES_PER_DIM[device] * width * model.dim
+    block = calibration.BLOCK_BYTES_PER_VALUE[key] * model.block_width * width / 2
+    selective = residual * model.dim + calibration.SELECTIVE_VALUES_PER_DIM[key] * width * model.dim
     kept = {"none": (model.layers - 1) * block,
             "selective": model.layers * (selective + 4 * model.heads),
             "full": model.layers * residual * model.dim}[mode]
-    in_flight = calibration.BACKWARD_BYTES_PER_VALUE[device] + (
-        calibration.FULL_RECOMPUTE_BYTES_PER_VALUE[device] if mode == "full" else 0.0)
-    working = block + in_flight * model.block_width * width / 2 + calibration.OUTER_BYTES_PER_DIM[device] * model.dim
+    in_flight = calibration.BACKWARD_BYTES_PER_VALUE[key] + (
+        calibration.FULL_RECOMPUTE_BYTES_PER_VALUE[key] if mode == "full" else 0.0)
+    working = block + in_flight * model.block_width * width / 2 + calibration.OUTER_BYTES_PER_DIM[key] * model.dim
     return int(tokens * kept), int(tokens * working)
 
 
@@ -78,12 +78,13 @@ def memory_parts(config: TrainConfig, model: Footprint, hardware: Hardware, mode
     mode = mode or config.activation_checkpointing
     world = config.world_size
     width = compute_width(config, hardware)
+    key = calibration.key(hardware.device, config.precision)
     weights = 4 * model.parameters // world
     gathered = (2 * model.block + model.outer) * width if world > 1 else 0
     if forward_only:  # evaluation: every rank holds the whole model in its dtype, unsharded
         weights, gathered = width * model.parameters, 0
         tokens = config.batch_size * config.seq_len // config.cp
-        activations = int(tokens * calibration.BLOCK_BYTES_PER_VALUE[hardware.device] * model.block_width * width / 2)
+        activations = int(tokens * calibration.BLOCK_BYTES_PER_VALUE[key] * model.block_width * width / 2)
         parts = {"weights": weights, "gathered weights": gathered, "activations": activations,
                  "attention buffers": attention_buffer_bytes(config, model, hardware, True),
                  "loss chunk": loss_bytes(config, model)}
@@ -100,8 +101,8 @@ def memory_parts(config: TrainConfig, model: Footprint, hardware: Hardware, mode
                  "activations": kept if early_peak else 0, "backward working set": working,
                  "attention buffers": buffers, "loss chunk": loss_bytes(config, model) if early_peak else 0}
     tensors = sum(parts.values())
-    parts["allocator"] = int(tensors * calibration.ALLOCATOR_OVERHEAD[hardware.device])
-    parts["process"] = calibration.PROCESS_BYTES[hardware.device]
+    parts["allocator"] = int(tensors * calibration.ALLOCATOR_OVERHEAD[key])
+    parts["process"] = calibration.PROCESS_BYTES[key]
     return parts
 
 

@@ -104,6 +104,7 @@ def time_parts(config: TrainConfig, model: Footprint, hardware: Hardware, doc_le
                prefix_sharing: bool = False) -> dict[str, float]:
     """Seconds of one optimizer step by part, on the busiest rank."""
     device = hardware.device
+    key = calibration.key(device, config.precision)
     tokens = config.batch_size * config.seq_len // config.cp * config.grad_accum  # per rank per step
     mode = config.activation_checkpointing
     # A CPU's rates are measured on all its cores; the ranks of one machine share them (a GPU is a rank's own).
@@ -112,9 +113,8 @@ def time_parts(config: TrainConfig, model: Footprint, hardware: Hardware, doc_le
     local_ranks = max(1, config.world_size // hardware.nodes)
     sharing = local_ranks if device == "cpu" else 1
     crowding = max(1.0, local_ranks / hardware.cores) if device == "cpu" and hardware.cores else 1.0
-    matmul_rate = hardware.matmul_tflops * 1e12 * calibration.MATMUL_EFFICIENCY[device] / sharing
-    attention_rate = hardware.attention_tflops * 1e12 * (calibration.CPU_ATTENTION_FRACTION if device == "cpu"
-                                                        else 1.0) / sharing
+    matmul_rate = hardware.matmul_tflops * 1e12 * calibration.MATMUL_EFFICIENCY[key] / sharing
+    attention_rate = hardware.attention_tflops * 1e12 * calibration.ATTENTION_FRACTION[key] / sharing
     # recomputation replays the blocks' forward matmuls, not the output head's (outside the blocks)
     recompute = 0 if mode == "none" else 2 * (model.matmul - model.vocab * model.dim)
     matmul = tokens * (matmul_flops_per_token(model) + recompute) / matmul_rate
@@ -122,21 +122,21 @@ def time_parts(config: TrainConfig, model: Footprint, hardware: Hardware, doc_le
     # passes, once more when recomputed (dominant on CPU for narrow models; folded into the matmul rate on GPU)
     passes = 3 if mode == "none" else 4
     elementwise = (tokens * model.layers * model.block_width * passes * sharing
-                   * calibration.ELEMENTWISE_S_PER_VALUE[device])
+                   * calibration.ELEMENTWISE_S_PER_VALUE[key])
     plan = attention_plan(config, doc_len, prefix_sharing)
     pairs = busiest_rank_pairs(plan) * config.batch_size * config.grad_accum
     passes = 4 if mode == "full" else 3  # forward, backward's two; full recomputes the forward
     # QK^T and PV at the kernel's rate, plus the softmax's exp/max/sum per score, whatever the head's width
     scores = passes * pairs * model.heads * model.layers
     attention = (passes * attention_flops(model, pairs) / attention_rate
-                 + scores * sharing * calibration.ATTENTION_SCORE_S[device])
+                 + scores * sharing * calibration.ATTENTION_SCORE_S[key])
     intra, inter = ring_bytes(config, model, hardware, plan)
     per_layer = max(intra / (hardware.nvlink_gbps * 1e9), inter / (hardware.network_gbps * 1e9))
     ring = per_layer * model.layers * config.grad_accum * (2 if mode == "full" else 1)
     # each ring step's hand-off (a send/receive pair, forward and backward) costs a latency compute cannot hide
     # where the ranks share cores (gloo on CPU); NCCL's microseconds under a GPU's kernels are left out
     ring_steps = 2 * (config.cp - 1) * model.layers * config.grad_accum * (2 if mode == "full" else 1)
-    handoffs = ring_steps * crowding * calibration.RING_STEP_S[device]
+    handoffs = ring_steps * crowding * calibration.RING_STEP_S[key]
     world = config.world_size
     fsdp = 0.0
     if world > 1:
@@ -148,7 +148,7 @@ def time_parts(config: TrainConfig, model: Footprint, hardware: Hardware, doc_le
     return {"matmuls": matmul, "elementwise": elementwise, "attention": attention,
             "ring exposed": max(0.0, ring - attention), "ring hand-offs": handoffs,
             "fsdp exposed": max(0.0, fsdp - matmul), "optimizer": optimizer,
-            "overhead": calibration.STEP_OVERHEAD_S[device] * crowding, "ring (hidden or not)": ring,
+            "overhead": calibration.STEP_OVERHEAD_S[key] * crowding, "ring (hidden or not)": ring,
             "fsdp (hidden or not)": fsdp}
 
 
