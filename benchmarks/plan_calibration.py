@@ -310,7 +310,8 @@ def markdown(lines: list[dict]) -> str:
     out = ["| dtype | model | seq | cp | dp | recompute | documents | MiB measured | MiB estimated | error | step s | "
            "estimated s | error | held out |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for line in lines:
-        out.append(f"| {line['precision']} | {line['model']} | {line['seq_len']} | {line['cp']} | {line['dp']} | {line['mode']} | "
+        out.append(f"| {line['precision']} | {line['model']} | {line['seq_len']} | {line['cp']} | {line['dp']} | "
+                   f"{line['mode']} | "
                    f"{line['documents']} | {line['peak_mib']:.0f} | {line['est_mib']:.0f} | "
                    f"{line['memory_error']:+.1%} | {line['step_s']:.2f} | {line['est_s']:.2f} | "
                    f"{line['time_error']:+.1%} | {'yes' if line['held_out'] else 'no'} |")

@@ -198,6 +198,11 @@ def test_the_plan_takes_the_document_length_from_the_stores_it_would_train_on(tm
     assert documents_length(PlanRequest(config)) == round(0.5 * lengths["short"] + 0.5 * lengths["long"])
     assert documents_length(PlanRequest(config, doc_len=500)) == 500  # --doc-len wins
     assert documents_length(PlanRequest(dataclasses.replace(config, doc_mask=False))) is None
+    result = invoke("plan", "--model", "debug", "--seq-len", 1024, "--data", tmp_path / "long", "--doc-mask",
+                    "--precision", "fp32", "--json", tmp_path / "plan.json")
+    assert result.exit_code == 0, result.output
+    assert f"documents of {lengths['long']:,} tokens" in result.output
+    assert json.loads((tmp_path / "plan.json").read_text())["doc_len"] == lengths["long"]
 
 
 def test_the_gpu_table_names_its_sources_and_refuses_unknown_gpus():

@@ -139,7 +139,11 @@ def search(request: PlanRequest, top: int = 8) -> tuple[list[Candidate], int | N
 def format_plan(config: TrainConfig, result: Estimate, hardware: Hardware) -> str:
     lines = [f"plan: {config.model or 'tiny'}, --seq-len {config.seq_len:,}, {describe(config)}, --batch-size "
              f"{config.batch_size}, --precision {config.precision}, on {hardware.name} "
-             f"({hardware.nodes} x {hardware.gpus_per_node})", "memory per rank (GiB):"]
+             f"({hardware.nodes} x {hardware.gpus_per_node})"]
+    if isinstance(result.doc_len, int):
+        lines.append(f"documents: attention counted for documents of {result.doc_len:,} tokens (--doc-len, or the "
+                     "stores' length-weighted mean)")
+    lines.append("memory per rank (GiB):")
     lines += [f"  {name:<18} {size / GIB:10,.2f}" for name, size in result.memory_bytes.items()]
     verdict = "fits" if result.fits else "does NOT fit"
     lines.append(f"  {'peak':<18} {result.peak_memory_bytes / GIB:10,.2f}  of {result.capacity_bytes / GIB:,.1f}: "

@@ -23,6 +23,7 @@ class Estimate:
     world_size: int
     model_flops: float
     peak_tflops: float
+    doc_len: int | list[int] | None = None  # the packed documents' length attention was counted for (None: one)
 
     @property
     def peak_memory_bytes(self) -> int:
@@ -53,7 +54,7 @@ class Estimate:
         return {"peak_memory_bytes": self.peak_memory_bytes, "allocated_bytes": self.allocated_bytes,
                 "memory_bytes": self.memory_bytes, "capacity_bytes": self.capacity_bytes, "fits": self.fits,
                 "step_time_s": self.step_time_s, "step_time_parts": self.step_time_parts,
-                "tokens_per_s": self.tokens_per_s, "mfu": self.mfu}
+                "tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "doc_len": self.doc_len}
 
 
 def estimate(config: TrainConfig, model_config: ModelConfig, hardware: Hardware, *, local_ranks: int | None = None,
@@ -67,7 +68,8 @@ def estimate(config: TrainConfig, model_config: ModelConfig, hardware: Hardware,
     prefix = config.doc_mask and config.objective != "nll" and config.prefix_sharing
     times = time_parts(config, model, hardware, doc_len, prefix)
     return Estimate(parts, capacity, times, config.batch_size * config.seq_len * config.grad_accum * config.dp,
-                    config.world_size, model_flops(config, model, doc_len, prefix), hardware.matmul_tflops)
+                    config.world_size, model_flops(config, model, doc_len, prefix), hardware.matmul_tflops,
+                    doc_len if config.doc_mask else None)
 
 
 def memory_estimate(config: TrainConfig, model_config: ModelConfig, hardware: Hardware, *,
