@@ -397,7 +397,8 @@ _plan_command.__signature__ = inspect.Signature([
                                                                       "preset's.")),
     inspect.Parameter("doc_len", inspect.Parameter.KEYWORD_ONLY, annotation=int | None,
                       default=typer.Option(None, "--doc-len", help="With --doc-mask: the packed documents' length "
-                                                                   "(default: one per sequence).")),
+                                                                   "(default: the --data stores' length-weighted "
+                                                                   "mean, or the embedded corpus's).")),
     *list(_train_command.__signature__.parameters.values())[1:],
 ])
 app.command("plan")(_plan_command)
