@@ -21,6 +21,13 @@ def compute_width(config: TrainConfig, hardware: Hardware) -> int:
     return 2 if config.precision == "bf16" else 4
 
 
+def activation_width(config: TrainConfig, hardware: Hardware) -> int:
+    """Bytes per value the calibration's activation constants count in: the compute dtype's on CUDA; 4 on CPU, where
+    autocast saves most tensors in float32 (tiny at 4K tokens held 2,214 MiB in bf16, 2,523 in fp32), and bf16 has
+    constants of its own."""
+    return 4 if hardware.device == "cpu" else compute_width(config, hardware)
+
+
 def residual_width(config: TrainConfig, hardware: Hardware) -> int:
     """Bytes per value of the residual stream: bf16 only where FSDP casts the parameters (CUDA, several
     ranks); autocast over float32 parameters keeps the stream float32."""
@@ -36,10 +43,8 @@ def activation_bytes(config: TrainConfig, model: Footprint, hardware: Hardware, 
     saved tensors (recomputed, or its own), the gradients in flight through it (more when the whole block is
     recomputed), and what lies outside the blocks (embedding output, final norm, the loss's hidden rows)."""
     tokens = config.batch_size * config.seq_len // config.cp
-    width, residual = compute_width(config, hardware), residual_width(config, hardware)
-    device, key = hardware.device, calibration.key(hardware.device, config.precision)
-    if device == "cpu":  # autocast on CPU saves most tensors in float32: tiny, 4K tokens, 2,252 MiB bf16, 2,523 fp32
-        width = 4
+    width, residual = activation_width(config, hardware), residual_width(config, hardware)
+    key = calibration.key(hardware.device, config.precision)
     block = calibration.BLOCK_BYTES_PER_VALUE[key] * model.block_width * width / 2
     selective = residual * model.dim + calibration.SELECTIVE_VALUES_PER_DIM[key] * width * model.dim
     kept = {"none": (model.layers - 1) * block,
@@ -84,7 +89,8 @@ def memory_parts(config: TrainConfig, model: Footprint, hardware: Hardware, mode
     if forward_only:  # evaluation: every rank holds the whole model in its dtype, unsharded
         weights, gathered = width * model.parameters, 0
         tokens = config.batch_size * config.seq_len // config.cp
-        activations = int(tokens * calibration.BLOCK_BYTES_PER_VALUE[key] * model.block_width * width / 2)
+        activations = int(tokens * calibration.BLOCK_BYTES_PER_VALUE[key] * model.block_width
+                          * activation_width(config, hardware) / 2)
         parts = {"weights": weights, "gathered weights": gathered, "activations": activations,
                  "attention buffers": attention_buffer_bytes(config, model, hardware, True),
                  "loss chunk": loss_bytes(config, model)}
