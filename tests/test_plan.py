@@ -202,7 +202,12 @@ def test_the_plan_takes_the_document_length_from_the_stores_it_would_train_on(tm
                     "--precision", "fp32", "--json", tmp_path / "plan.json")
     assert result.exit_code == 0, result.output
     assert f"documents of {lengths['long']:,} tokens" in result.output
-    assert json.loads((tmp_path / "plan.json").read_text())["doc_len"] == lengths["long"]
+    written = json.loads((tmp_path / "plan.json").read_text())
+    assert written["doc_len"] == lengths["long"]
+    # a preset takes the store's vocabulary, as `burst train` gives it (make_store's tokenizer has 300,000)
+    assert written["vocab_size"] == 300_000 and "model: 300,000-token vocabulary\n" in result.output
+    preset = invoke("plan", "--model", "debug", "--seq-len", 1024, "--precision", "fp32")
+    assert "4,096-token vocabulary (the preset's: pass --data or --vocab-size" in preset.output
 
 
 def test_the_gpu_table_names_its_sources_and_refuses_unknown_gpus():

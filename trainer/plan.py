@@ -46,19 +46,31 @@ def hardware_of(request: PlanRequest) -> Hardware:
 
 
 def model_config_of(request: PlanRequest) -> ModelConfig:
-    """The model `burst train` would build: a preset (with --vocab-size) or a model directory's config, the context
-    raised to --seq-len."""
+    """The model `burst train` would build: a preset or a model directory's config, the context raised to --seq-len.
+    A preset takes --vocab-size, else the vocabulary of the --data store, as `burst train` gives it (without
+    --data, the preset's own: a plan for another machine's data)."""
     config = request.config
     name = config.model or "tiny"
     if name in PRESETS:
         model = ModelConfig.from_name(name)
+        vocab = request.vocab_size or store_vocab_size(config)
     elif Path(name).is_dir():
-        model = read_checkpoint(Path(name)).config
+        model, vocab = read_checkpoint(Path(name)).config, request.vocab_size
     else:
         raise ValueError(f"--model {name!r} is neither a preset ({', '.join(PRESETS)}) nor a model directory")
-    if request.vocab_size is not None:
-        model = dataclasses.replace(model, vocab_size=request.vocab_size)
+    if vocab is not None:
+        model = dataclasses.replace(model, vocab_size=vocab)
     return dataclasses.replace(model, max_seq_len=max(model.max_seq_len, config.seq_len))
+
+
+def store_vocab_size(config: TrainConfig) -> int | None:
+    """The vocabulary of the first --data store (a mixture's stores share one tokenizer), or None without --data."""
+    if not config.data:
+        return None
+    from data import TokenStore
+    from data.mixture import parse_mixture
+
+    return TokenStore(Path(parse_mixture(config.data)[0].path)).vocab_size
 
 
 def documents_length(request: PlanRequest) -> int | None:
@@ -140,6 +152,9 @@ def format_plan(config: TrainConfig, result: Estimate, hardware: Hardware) -> st
     lines = [f"plan: {config.model or 'tiny'}, --seq-len {config.seq_len:,}, {describe(config)}, --batch-size "
              f"{config.batch_size}, --precision {config.precision}, on {hardware.name} "
              f"({hardware.nodes} x {hardware.gpus_per_node})"]
+    lines.append(f"model: {result.vocab_size:,}-token vocabulary"
+                 + (" (the preset's: pass --data or --vocab-size for a store's)" if not config.data and
+                    (config.model or "tiny") in PRESETS else ""))
     if isinstance(result.doc_len, int):
         lines.append(f"documents: attention counted for documents of {result.doc_len:,} tokens (--doc-len, or the "
                      "stores' length-weighted mean)")

@@ -24,6 +24,7 @@ class Estimate:
     model_flops: float
     peak_tflops: float
     doc_len: int | list[int] | None = None  # the packed documents' length attention was counted for (None: one)
+    vocab_size: int = 0  # the model's vocabulary the estimate counted (the head, the loss's chunk)
 
     @property
     def peak_memory_bytes(self) -> int:
@@ -54,7 +55,8 @@ class Estimate:
         return {"peak_memory_bytes": self.peak_memory_bytes, "allocated_bytes": self.allocated_bytes,
                 "memory_bytes": self.memory_bytes, "capacity_bytes": self.capacity_bytes, "fits": self.fits,
                 "step_time_s": self.step_time_s, "step_time_parts": self.step_time_parts,
-                "tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "doc_len": self.doc_len}
+                "tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "doc_len": self.doc_len,
+                "vocab_size": self.vocab_size}
 
 
 def estimate(config: TrainConfig, model_config: ModelConfig, hardware: Hardware, *, local_ranks: int | None = None,
@@ -69,7 +71,7 @@ def estimate(config: TrainConfig, model_config: ModelConfig, hardware: Hardware,
     times = time_parts(config, model, hardware, doc_len, prefix)
     return Estimate(parts, capacity, times, config.batch_size * config.seq_len * config.grad_accum * config.dp,
                     config.world_size, model_flops(config, model, doc_len, prefix), hardware.matmul_tflops,
-                    doc_len if config.doc_mask else None)
+                    doc_len if config.doc_mask else None, model_config.vocab_size)
 
 
 def memory_estimate(config: TrainConfig, model_config: ModelConfig, hardware: Hardware, *,
