@@ -20,7 +20,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from models.config import PRESETS, RECIPES, ModelConfig
+from models.config import PRESETS, ModelConfig, Preset
 from trainer.config import TrainConfig
 from trainer.train import train
 
@@ -55,21 +55,21 @@ def parameters(config: ModelConfig) -> int:
 
 
 def large_presets() -> list[str]:
-    return [name for name, config in PRESETS.items() if parameters(config) >= LARGE]
+    return [name for name, preset in PRESETS.items() if parameters(preset.model) >= LARGE]
 
 
 def shrunk(name: str, dim: int, layers: int) -> str:
     """Register NAME-shrunk: preset `name` at about `dim` (a whole number of its kv groups of heads half as wide as
     its own, at least 32) and `layers`, its heads per kv head and MLP width over dim kept, with `name`'s recipe;
     returns the new name."""
-    preset = PRESETS[name]
+    preset = PRESETS[name].model
     group, head = preset.n_heads // preset.n_kv_heads, max(32, preset.head_dim // 2)
     kv_heads = max(1, round(dim / head / group))
     width = kv_heads * group * head
     ffn = round(preset.ffn_hidden_dim / preset.dim * width / 32) * 32
     small = dataclasses.replace(preset, dim=width, n_layers=layers, n_heads=kv_heads * group, n_kv_heads=kv_heads,
                                 ffn_hidden_dim=ffn, ffn_dim_multiplier=None)
-    PRESETS[f"{name}-shrunk"], RECIPES[f"{name}-shrunk"] = small, RECIPES[name]
+    PRESETS[f"{name}-shrunk"] = Preset(small, PRESETS[name].recipe)
     return f"{name}-shrunk"
 
 

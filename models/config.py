@@ -3,7 +3,7 @@
 `debug` and `tiny` run on a laptop CPU (tests, smoke runs); the others carry the published
 hyperparameters of the LLaMA-2/3 checkpoints, so a converted Hugging Face checkpoint and a
 preset describe the same model, and the optimizer settings their family was published with
-(RECIPES: `burst train --model NAME` starts from them; docs/training-defaults.md).
+(each `Preset` carries its `TrainingRecipe`: `burst train --model NAME` starts from it; docs/training-defaults.md).
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ class ModelConfig:
         """A fresh copy of the preset `name` (see PRESETS)."""
         if name not in PRESETS:
             raise ValueError(f"unknown model preset {name!r}; valid presets: {', '.join(PRESETS)}")
-        return dataclasses.replace(PRESETS[name])
+        return dataclasses.replace(PRESETS[name].model)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields (the content of a native config.json)."""
@@ -114,37 +114,6 @@ class ModelConfig:
         if unknown:
             raise ValueError(f"unknown model config keys {unknown}; valid keys: {sorted(known)}")
         return cls(**fields)
-
-
-LLAMA32_ROPE_SCALING = Llama3Rope(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                   original_max_position_embeddings=8192)
-
-PRESETS: dict[str, ModelConfig] = {
-    # GQA (4 heads share 2 kv heads) so that tests exercise it.
-    "debug": ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=4096, multiple_of=32,
-                         max_seq_len=4096),
-    "tiny": ModelConfig(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, vocab_size=4096, multiple_of=256,
-                        max_seq_len=131072),
-    "llama2-7b": ModelConfig(dim=4096, n_layers=32, n_heads=32, vocab_size=32000, multiple_of=256,
-                             norm_eps=1e-5, max_seq_len=4096),
-    "llama2-13b": ModelConfig(dim=5120, n_layers=40, n_heads=40, vocab_size=32000, multiple_of=256,
-                              norm_eps=1e-5, max_seq_len=4096),
-    "llama3-8b": ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, multiple_of=1024,
-                             ffn_dim_multiplier=1.3, norm_eps=1e-5, rope_theta=500000.0, max_seq_len=8192),
-    "llama3.1-8b": ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, multiple_of=1024,
-                               ffn_dim_multiplier=1.3, norm_eps=1e-5, rope_theta=500000.0,
-                               rope_scaling=Llama3Rope(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                                        original_max_position_embeddings=8192),
-                               max_seq_len=131072),
-    # The small LLaMA-3.2 models people fine-tune for long context on few GPUs: tied embeddings and
-    # the LLaMA-3 rope scaling stretched 32-fold (from 8K to 128K positions).
-    "llama3.2-1b": ModelConfig(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256,
-                               ffn_hidden_dim=8192, norm_eps=1e-5, rope_theta=500000.0,
-                               rope_scaling=LLAMA32_ROPE_SCALING, max_seq_len=131072, tie_embeddings=True),
-    "llama3.2-3b": ModelConfig(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, vocab_size=128256,
-                               ffn_hidden_dim=8192, norm_eps=1e-5, rope_theta=500000.0,
-                               rope_scaling=LLAMA32_ROPE_SCALING, max_seq_len=131072, tie_embeddings=True),
-}
 
 
 @dataclass(frozen=True)
@@ -184,18 +153,50 @@ QUICK = TrainingRecipe(lr=2e-3, warmup=5, min_lr_ratio=0.1, weight_decay=0.1, be
                        max_grad_norm=1.0, source="burst's own for quick CPU runs of a small model, not a published "
                                              "recipe")
 
-RECIPES: dict[str, TrainingRecipe] = {
-    "debug": QUICK,
-    "tiny": QUICK,
-    "llama2-7b": LLAMA2,
-    "llama2-13b": LLAMA2,
-    "llama3-8b": LLAMA3,
-    "llama3.1-8b": LLAMA3,
-    # Meta published no pretraining recipe for Llama 3.2 (its 1B and 3B were pruned from and distilled by 3.1 8B).
-    "llama3.2-1b": dataclasses.replace(LLAMA3, source="Meta published no pretraining recipe for Llama 3.2: the Llama "
-                                                      "3.1 8B one. " + LLAMA3_SOURCE),
-    "llama3.2-3b": dataclasses.replace(LLAMA3, source="Meta published no pretraining recipe for Llama 3.2: the Llama "
-                                                      "3.1 8B one. " + LLAMA3_SOURCE),
+LLAMA32_ROPE_SCALING = Llama3Rope(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                   original_max_position_embeddings=8192)
+# Meta published no pretraining recipe for Llama 3.2 (its 1B and 3B were pruned from and distilled by 3.1 8B).
+LLAMA32 = dataclasses.replace(LLAMA3, source="Meta published no pretraining recipe for Llama 3.2: the Llama 3.1 8B "
+                                             "one. " + LLAMA3_SOURCE)
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A named model: its shape and the training recipe its family was published with (`burst train --model NAME`
+    starts from both)."""
+
+    model: ModelConfig
+    recipe: TrainingRecipe
+
+
+PRESETS: dict[str, Preset] = {
+    # GQA (4 heads share 2 kv heads) so that tests exercise it.
+    "debug": Preset(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=4096, multiple_of=32,
+                                max_seq_len=4096), QUICK),
+    "tiny": Preset(ModelConfig(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, vocab_size=4096, multiple_of=256,
+                               max_seq_len=131072), QUICK),
+    "llama2-7b": Preset(ModelConfig(dim=4096, n_layers=32, n_heads=32, vocab_size=32000, multiple_of=256,
+                                    norm_eps=1e-5, max_seq_len=4096), LLAMA2),
+    "llama2-13b": Preset(ModelConfig(dim=5120, n_layers=40, n_heads=40, vocab_size=32000, multiple_of=256,
+                                     norm_eps=1e-5, max_seq_len=4096), LLAMA2),
+    "llama3-8b": Preset(ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256,
+                                    multiple_of=1024, ffn_dim_multiplier=1.3, norm_eps=1e-5, rope_theta=500000.0,
+                                    max_seq_len=8192), LLAMA3),
+    "llama3.1-8b": Preset(ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256,
+                                      multiple_of=1024, ffn_dim_multiplier=1.3, norm_eps=1e-5, rope_theta=500000.0,
+                                      rope_scaling=Llama3Rope(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                                              original_max_position_embeddings=8192),
+                                      max_seq_len=131072), LLAMA3),
+    # The small LLaMA-3.2 models people fine-tune for long context on few GPUs: tied embeddings and
+    # the LLaMA-3 rope scaling stretched 32-fold (from 8K to 128K positions).
+    "llama3.2-1b": Preset(ModelConfig(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256,
+                                      ffn_hidden_dim=8192, norm_eps=1e-5, rope_theta=500000.0,
+                                      rope_scaling=LLAMA32_ROPE_SCALING, max_seq_len=131072, tie_embeddings=True),
+                          LLAMA32),
+    "llama3.2-3b": Preset(ModelConfig(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, vocab_size=128256,
+                                      ffn_hidden_dim=8192, norm_eps=1e-5, rope_theta=500000.0,
+                                      rope_scaling=LLAMA32_ROPE_SCALING, max_seq_len=131072, tie_embeddings=True),
+                          LLAMA32),
 }
 
 # Fine-tuning a trained model (--model DIR, --init-from): a rate two orders below pretraining's, so that the

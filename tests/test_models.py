@@ -46,7 +46,7 @@ def test_config_errors_and_round_trip():
         ModelConfig(dim=64, n_heads=4, n_kv_heads=3)
     # The trainer swaps in the tokenizer's vocabulary; the preset itself stays untouched.
     assert dataclasses.replace(ModelConfig.from_name("tiny"), vocab_size=32000).vocab_size == 32000
-    assert PRESETS["tiny"].vocab_size == 4096
+    assert PRESETS["tiny"].model.vocab_size == 4096
 
 
 def test_meta_build_and_documented_init():

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from models.config import FINE_TUNING, PRESETS, RECIPES, TrainingRecipe
+from models.config import FINE_TUNING, PRESETS, TrainingRecipe
 from tests.test_preference import SEQ_LEN, make_pair_store
 from tests.test_train import burst_train
 from tests.test_train import store as store  # noqa: F401
@@ -27,7 +27,7 @@ FLAG_VALUES = {"lr": 5e-5, "warmup": 3, "min_lr_ratio": 0.3, "weight_decay": 0.0
 
 
 def test_every_preset_has_a_recipe_with_its_source_and_the_small_ones_keep_todays():
-    assert set(RECIPES) == set(PRESETS)
+    RECIPES = {name: preset.recipe for name, preset in PRESETS.items()}
     for name, recipe in RECIPES.items():
         assert isinstance(recipe, TrainingRecipe) and len(recipe.source) > 40, name
     for name in ("debug", "tiny"):
@@ -43,7 +43,7 @@ def test_every_preset_has_a_recipe_with_its_source_and_the_small_ones_keep_today
 
 @pytest.mark.parametrize("name", RECIPE_FIELDS)
 def test_each_setting_comes_from_the_flag_then_the_config_file_then_the_recipe(name, tmp_path):
-    recipe = RECIPES["llama3.2-3b"]
+    recipe = PRESETS["llama3.2-3b"].recipe
     file = tmp_path / "run.toml"
     file.write_text(f'model = "llama3.2-3b"\nsteps = 100\n{name} = {FILE_VALUES[name]!r}\n')
     preset = load_config(None, {"model": "llama3.2-3b", "steps": 100})
@@ -82,7 +82,9 @@ def test_a_resume_keeps_the_recorded_values_when_the_recipe_changed(tmp_path, mo
     out.mkdir()
     first = load_config(None, {"model": "debug", "steps": 20, "out": str(out)})
     save_config(first, out / "config.toml")
-    monkeypatch.setitem(RECIPES, "debug", dataclasses.replace(RECIPES["debug"], lr=1e-4, warmup=2, beta2=0.99))
+    debug = PRESETS["debug"]
+    monkeypatch.setitem(PRESETS, "debug", dataclasses.replace(debug, recipe=dataclasses.replace(
+        debug.recipe, lr=1e-4, warmup=2, beta2=0.99)))
     resumed = load_run_config(out, {"resume": True, "out": str(out)})
     assert all(getattr(resumed, name) == getattr(first, name) for name in RECIPE_FIELDS)
     assert resumed.lr == 2e-3 and recipe_origin(resumed, "lr") == "the run's config.toml"
@@ -125,13 +127,14 @@ def test_a_preference_store_turns_the_document_mask_on_and_refuses_it_off(pair_s
 def test_a_shrunk_large_preset_does_not_blow_up_in_its_first_steps(tmp_path):
     from preset_stability import parameters, run, shrunk
 
-    assert parameters(PRESETS["llama3.2-1b"]) == pytest.approx(1.236e9, rel=0.01)  # its published size
+    assert parameters(PRESETS["llama3.2-1b"].model) == pytest.approx(1.236e9, rel=0.01)  # its published size
     name = shrunk("llama3.2-1b", dim=64, layers=2)
     try:
-        assert PRESETS[name].n_heads // PRESETS[name].n_kv_heads == 4 and PRESETS[name].tie_embeddings
+        model = PRESETS[name].model
+        assert model.n_heads // model.n_kv_heads == 4 and model.tie_embeddings
         rows = run(name, steps=4, seq_len=128, batch_size=1, out=tmp_path / "run")
     finally:
-        del PRESETS[name], RECIPES[name]
+        del PRESETS[name]
     losses = [row["loss"] for row in rows]
     assert len(losses) == 4 and all(math.isfinite(loss) for loss in losses)
     assert max(losses[1:]) < losses[0] + 0.1 and rows[-1]["lr"] == pytest.approx(3e-4)

@@ -85,7 +85,7 @@ class TrainConfig:
     batch_size: int = setting(1, "Sequences per data-parallel rank per micro-batch.")
     grad_accum: int = setting(1, "Micro-batches per optimizer step.")
     steps: int = setting(40, "Optimizer steps of the whole run (the LR schedule spans them).")
-    # The optimizer's settings default to the model's training recipe (models/config.py RECIPES; `resolve_recipe`).
+    # The optimizer's settings default to the training recipe of the model's preset (`resolve_recipe`).
     lr: float | None = setting(None, "Peak learning rate.", shown=RECIPE_SHOWN)
     min_lr_ratio: float | None = setting(None, "The cosine decays to lr x min_lr_ratio at the last step.",
                                          shown=RECIPE_SHOWN)
@@ -275,9 +275,9 @@ class TrainConfig:
     def recipe(self) -> TrainingRecipe:
         """The training recipe of the model this run starts from: its preset's (default tiny), or fine-tuning's
         for weights trained already (--model DIR, --init-from)."""
-        from models.config import FINE_TUNING, RECIPES  # here: `burst --help` reads this module without torch
+        from models.config import FINE_TUNING, PRESETS  # here: `burst --help` reads this module without torch
 
-        return FINE_TUNING if self.starts_trained else RECIPES[self.model or "tiny"]
+        return FINE_TUNING if self.starts_trained else PRESETS[self.model or "tiny"].recipe
 
     @property
     def recipe_name(self) -> str:
@@ -287,9 +287,9 @@ class TrainConfig:
     @property
     def starts_trained(self) -> bool:
         """Whether the run starts from trained weights (--init-from, --model DIR) rather than a preset's fresh ones."""
-        from models.config import RECIPES
+        from models.config import PRESETS
 
-        return self.init_from is not None or (self.model or "tiny") not in RECIPES
+        return self.init_from is not None or (self.model or "tiny") not in PRESETS
 
     @property
     def sequence_layout(self) -> str:
@@ -485,7 +485,7 @@ def _run_value(saved: TrainConfig, name: str, out: Path) -> str:
     from models.config import PRESETS
 
     complete = complete_checkpoints(out)
-    model = read_config(complete[-1]) if complete else PRESETS.get(saved.model or "")
+    model = read_config(complete[-1]) if complete else getattr(PRESETS.get(saved.model or ""), "model", None)
     if model is None:
         return f"(unset: the model's own {name})"
     own = model.rope_theta if name == "rope_theta" else model.rope_scaling and model.rope_scaling.to_dict()
