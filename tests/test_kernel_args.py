@@ -1,7 +1,10 @@
-"""Each CUDA kernel's argument building, checked on CPU: the ops and flash modules are replaced by fakes
+"""Each CUDA kernel's argument building, checked on CPU: the ops and flash-attn 2 are replaced by fakes
 that assert what the real ones need (layout, contiguity, the log-sum-exp's shape, GQA native or repeated)
-and compute with the math kernel's semantics. The wrapper must then give the math kernel's results on the
-row slices the ring passes, with burst's [b, h, s] float32 log-sum-exp."""
+and compute with the math kernel's semantics, causal aligned as each aligns it (FlashAttention's
+bottom-right, cuDNN's and memory-efficient's top-left). The wrapper must then give the math kernel's
+(top-left) results on the row slices the ring passes, with burst's [b, h, s] float32 log-sum-exp.
+FlashAttention-3 and -4, as their releases are: tests/test_kernel_packages.py; the ops' argument order
+against torch's own meta functions: tests/test_kernel_meta.py."""
 
 import importlib.machinery
 import sys
@@ -13,16 +16,15 @@ import torch.distributed.tensor  # noqa: F401  (loaded before the fakes: it regi
 import torch.nn.functional as F
 
 from burst.kernels import (
-    FlashAttn3Kernel,
-    FlashAttn4Kernel,
     FlashAttnKernel,
     MathKernel,
     TorchCUDAEfficientKernel,
     TorchCUDAFlashKernel,
     TorchCUDNNKernel,
 )
+from tests.test_kernel_choice import BottomRightKernel
 
-MATH = MathKernel()
+MATH, BOTTOM_RIGHT = MathKernel(), BottomRightKernel()
 received_kv_heads: list[int] = []
 
 
@@ -64,7 +66,7 @@ def fake_cudnn_backward(dout, q, k, v, out, lse, philox_seed, philox_offset, att
 def fake_flash_forward(q, k, v, dropout_p, is_causal, return_debug_mask, *, scale=None):
     _assert_last_dim(q=q, k=k, v=v)
     received_kv_heads.append(k.shape[1])
-    out, lse = MATH.forward(*_seq_major(q, k, v), is_causal, scale)
+    out, lse = BOTTOM_RIGHT.forward(*_seq_major(q, k, v), is_causal, scale)
     return out.transpose(1, 2), lse, None, None, q.shape[2], k.shape[2], None, None, None
 
 
@@ -73,7 +75,7 @@ def fake_flash_backward(dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, dro
     _assert_last_dim(dout=dout, q=q, k=k, v=v, out=out)
     _assert_dense(lse=lse)
     assert lse.shape == q.shape[:3] and (max_q, max_k) == (q.shape[2], k.shape[2])
-    grads = MATH.backward(*_seq_major(dout, q, k, v, out), lse, is_causal, scale)
+    grads = BOTTOM_RIGHT.backward(*_seq_major(dout, q, k, v, out), lse, is_causal, scale)
     return tuple(g.transpose(1, 2) for g in grads)
 
 
@@ -96,61 +98,37 @@ def fake_efficient_backward(dout, q, k, v, bias, out, cu_q, cu_k, max_q, max_k, 
     return dq, dk, dv, None
 
 
-# --- the flash-attn packages: sequence-major, GQA native, lse [b, h, s] ---
+# --- the flash-attn packages: sequence-major, GQA native, causal bottom-right, lse [b, h, s] ---
 
-def _fake_module(name: str, **functions) -> types.ModuleType:
+def fake_module(name: str, **functions) -> types.ModuleType:
     module = types.ModuleType(name)
     module.__spec__ = importlib.machinery.ModuleSpec(name, None)
     module.__dict__.update(functions)
     return module
 
 
-def _package_forward(q, k, v, scale, causal):
+def package_forward(q, k, v, scale, causal):
     _assert_last_dim(q=q, k=k, v=v)
     received_kv_heads.append(k.shape[2])
-    return MATH.forward(q, k, v, causal, scale)
+    return BOTTOM_RIGHT.forward(q, k, v, causal, scale)
 
 
-def _package_backward(dout, q, k, v, out, lse, scale, causal):
+def package_backward(dout, q, k, v, out, lse, scale, causal):
     _assert_dense(lse=lse)
     assert lse.shape == (q.shape[0], q.shape[2], q.shape[1])
-    return MATH.backward(dout, q, k, v, out, lse, causal, scale)
+    return BOTTOM_RIGHT.backward(dout, q, k, v, out, lse, causal, scale)
 
 
 def fa2_forward(q, k, v, *, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
                 alibi_slopes, return_softmax):
-    return (*_package_forward(q, k, v, softmax_scale, causal), None, None)
+    return (*package_forward(q, k, v, softmax_scale, causal), None, None)
 
 
 def fa2_backward(dout, q, k, v, out, lse, dq, dk, dv, *, dropout_p, softmax_scale, causal, window_size_left,
                  window_size_right, softcap, alibi_slopes, deterministic, rng_state):
-    for target, grad in zip((dq, dk, dv), _package_backward(dout, q, k, v, out, lse, softmax_scale, causal),
+    for target, grad in zip((dq, dk, dv), package_backward(dout, q, k, v, out, lse, softmax_scale, causal),
                             strict=True):
         target.copy_(grad)
-
-
-def fa3_forward(q, k, v, k_new, v_new, qv, out, cu_seqlens_q, cu_seqlens_k, cu_seqlens_k_new, seqused_q, seqused_k,
-                max_seqlen_q, max_seqlen_k, page_table, kv_batch_idx, leftpad_k, rotary_cos, rotary_sin,
-                seqlens_rotary, q_descale, k_descale, v_descale, softmax_scale=None, causal=False):
-    assert all(x is None for x in (k_new, v_new, out, cu_seqlens_q, cu_seqlens_k, page_table))
-    return (*_package_forward(q, k, v, softmax_scale, causal), None)
-
-
-def fa3_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, sequed_q, sequed_k, max_seqlen_q,
-                 max_seqlen_k, dq, dk, dv, softmax_scale, causal, window_size=(-1, -1), softcap=0.0):
-    for target, grad in zip((dq, dk, dv), _package_backward(dout, q, k, v, out, softmax_lse, softmax_scale, causal),
-                            strict=True):
-        target.copy_(grad)
-    return dq, dk, dv, None
-
-
-def fa4_forward(q, k, v, softmax_scale=None, causal=False, return_lse=False):
-    assert return_lse, "without return_lse FA4 returns no log-sum-exp"
-    return _package_forward(q, k, v, softmax_scale, causal)
-
-
-def fa4_backward(q, k, v, out, dout, lse, softmax_scale=None, causal=False):
-    return _package_backward(dout, q, k, v, out, lse, softmax_scale, causal)
 
 
 @pytest.fixture
@@ -163,41 +141,42 @@ def fake_kernels(monkeypatch):
                      ("_efficient_attention_forward", fake_efficient_forward),
                      ("_efficient_attention_backward", fake_efficient_backward)):
         monkeypatch.setattr(torch.ops.aten, op, fake)
-    for name, module in (
-            ("flash_attn.flash_attn_interface", _fake_module("flash_attn.flash_attn_interface",
-                                                             _flash_attn_forward=fa2_forward,
-                                                             _flash_attn_backward=fa2_backward)),
-            ("flash_attn_interface", _fake_module("flash_attn_interface", _flash_attn_forward=fa3_forward,
-                                                  _flash_attn_backward=fa3_backward)),
-            ("flash_attn.cute.interface", _fake_module("flash_attn.cute.interface", _flash_attn_fwd=fa4_forward,
-                                                       _flash_attn_bwd=fa4_backward))):
-        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface",
+                        fake_module("flash_attn.flash_attn_interface", _flash_attn_forward=fa2_forward,
+                                    _flash_attn_backward=fa2_backward))
     received_kv_heads.clear()
 
 
-KERNELS = [TorchCUDNNKernel, TorchCUDAFlashKernel, TorchCUDAEfficientKernel, FlashAttnKernel, FlashAttn3Kernel,
-           FlashAttn4Kernel]
+KERNELS = [TorchCUDNNKernel, TorchCUDAFlashKernel, TorchCUDAEfficientKernel, FlashAttnKernel]
+BLOCKS = {  # (query rows, key rows, causal) of a shard of two 40-row chunks
+    "causal": (slice(40, None), slice(40, None), True), "full": (slice(40, None), slice(0, 40), False),
+    "causal-fewer-queries": (slice(40, None), slice(None), True),
+    "causal-more-queries": (slice(None), slice(40, None), True)}
 
 
 @pytest.mark.parametrize("kernel_class", KERNELS, ids=lambda c: c.name)
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2)], ids=["mha", "gqa"])
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_kernel_builds_the_arguments_its_op_needs(fake_kernels, kernel_class, heads, causal):
-    """Row slices of sequence-major shards, as the ring passes them; lse sliced from the shard's and made dense."""
-    chunk, g = 40, torch.Generator().manual_seed(0)
-    shard = lambda h: torch.randn(2, 2 * chunk, h, 16, generator=g)  # noqa: E731
+@pytest.mark.parametrize("block", BLOCKS)
+def test_kernel_builds_the_arguments_its_op_needs(fake_kernels, kernel_class, heads, block):
+    check_on_ring_slices(kernel_class(), heads, *BLOCKS[block])
+
+
+def check_on_ring_slices(kernel, heads: tuple[int, int], rows: slice, cols: slice, causal: bool) -> None:
+    """Row slices of sequence-major shards, as the ring passes them; lse sliced from the shard's and made dense.
+    The kernel's results must be the math kernel's (causal top-left, also on a rectangle)."""
+    g = torch.Generator().manual_seed(0)
+    shard = lambda h: torch.randn(2, 80, h, 16, generator=g)  # noqa: E731
     q_shard, k_shard, v_shard, dout_shard = shard(heads[0]), shard(heads[1]), shard(heads[1]), shard(heads[0])
-    rows, cols = slice(chunk, None), slice(chunk, None) if causal else slice(0, chunk)
     q, k, v, dout = q_shard[:, rows], k_shard[:, cols], v_shard[:, cols], dout_shard[:, rows]
-    kernel = kernel_class()
+    received_kv_heads.clear()
 
     out, lse = kernel.forward(q, k, v, causal, 0.3)
     ref_out, ref_lse = MATH.forward(q, k, v, causal, 0.3)
-    assert lse.shape == (2, heads[0], chunk) and lse.dtype == torch.float32
+    assert lse.shape == (2, heads[0], q.shape[1]) and lse.dtype == torch.float32
     torch.testing.assert_close(out, ref_out)
     torch.testing.assert_close(lse, ref_lse)
     grads = kernel.backward(dout, q, k, v, ref_out, ref_lse, causal, 0.3)
     for got, expected in zip(grads, MATH.backward(dout, q, k, v, ref_out, ref_lse, causal, 0.3), strict=True):
         torch.testing.assert_close(got, expected)
-    repeated = kernel_class.contract.gqa == "repeated"
-    assert received_kv_heads == [heads[0] if repeated else heads[1]]  # K/V repeated only where the contract says
+    repeated = kernel.contract.gqa == "repeated"
+    assert set(received_kv_heads) == {heads[0] if repeated else heads[1]}  # K/V repeated only where the contract says

@@ -81,6 +81,37 @@ class WrongGradientKernel(TorchCPUKernel):
         return dq, dk * 1.1, dv
 
 
+class BottomRightKernel(MathKernel):
+    """Causal aligned bottom-right, as FlashAttention's own kernels are: right on squares only."""
+
+    @staticmethod
+    def _probabilities_and_lse(q, k, causal, scale):
+        scores, _ = MathKernel._probabilities_and_lse(q, k, False, scale)
+        if causal:
+            q_len, kv_len = scores.shape[-2:]
+            mask = torch.ones(q_len, kv_len, dtype=torch.bool).triu(1 + kv_len - q_len)
+            scores = scores.masked_fill(mask, float("-inf"))
+        return scores, torch.logsumexp(scores, dim=-1)
+
+
+class ScaleIgnoringKernel(TorchCPUKernel):
+    """Always the default scale 1/sqrt(head_dim), whatever it is given."""
+
+    def forward(self, q, k, v, causal, scale):
+        return super().forward(q, k, v, causal, q.shape[-1] ** -0.5)
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale):
+        return super().backward(dout, q, k, v, out, lse, causal, q.shape[-1] ** -0.5)
+
+
+class LseRecomputingKernel(TorchCPUKernel):
+    """A backward that recomputes the block's own log-sum-exp instead of taking the merged one it is given."""
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale):
+        _, own_lse = self.forward(q, k, v, causal, scale)
+        return super().backward(dout, q, k, v, out, own_lse, causal, scale)
+
+
 class RaisingKernel(TorchCPUKernel):
     def forward(self, q, k, v, causal, scale):
         raise RuntimeError("FlashAttention only supports Ampere GPUs or newer.\nsecond line")
@@ -97,7 +128,11 @@ def test_self_check_accepts_a_correct_kernel(dtype, groups):
                          r"square block$"),
     (WrongGradientKernel(), r"^backward dk differs from the math kernel by .* on a causal square block$"),
     (RaisingKernel(), r"^it raised RuntimeError: FlashAttention only supports Ampere GPUs or newer.$"),
-])
+    (BottomRightKernel(), r"^forward out differs from the math kernel by .* on a causal block of fewer queries than "
+                          r"keys$"),
+    (ScaleIgnoringKernel(), r"^forward out differs from the math kernel by .* on a causal square block$"),
+    (LseRecomputingKernel(), r"^backward dq differs from the math kernel by .* on a causal square block$"),
+], ids=["wrong-scale", "wrong-gradient", "raising", "bottom-right", "scale-ignoring", "lse-recomputing"])
 def test_self_check_refuses_a_wrong_kernel_in_one_line(kernel, reason):
     problem = self_check(kernel, torch.device("cpu"), torch.bfloat16, 32, 2)
     assert problem is not None and "\n" not in problem

@@ -33,6 +33,7 @@ from burst.kernels.cpu import TorchCPUKernel
 from burst.kernels.cuda import TorchCUDAEfficientKernel, TorchCUDAFlashKernel, TorchCUDNNKernel
 from burst.kernels.flash_attn import (
     FLASH_ATTN_MIN_VERSION,
+    INSTALL_HINTS,
     FlashAttn3Kernel,
     FlashAttn4Kernel,
     FlashAttnKernel,
@@ -41,7 +42,7 @@ from burst.kernels.flash_attn import (
     installed_flash_attn_version,
 )
 from burst.kernels.math import MathKernel
-from burst.kernels.selfcheck import self_check, varlen_self_check
+from burst.kernels.selfcheck import one_line, self_check, varlen_self_check
 
 log = logging.getLogger("burst.kernels")
 
@@ -64,6 +65,14 @@ class Machine:
     installed: frozenset[str]
 
 
+def installed_packages() -> frozenset[str]:
+    """The kernel packages installed here ("flash-attn", "fa3", "fa4"), found without importing any (each
+    is imported when its kernel is built, and a failing import refuses that kernel in one line)."""
+    version = installed_flash_attn_version()
+    return frozenset({"flash-attn"} if version is not None and version >= FLASH_ATTN_MIN_VERSION else set()) | \
+        frozenset({"fa3"} if fa3_installed() else set()) | frozenset({"fa4"} if fa4_installed() else set())
+
+
 def detect_machine(device: torch.device) -> Machine:
     """The Machine of `device`, without importing any optional package."""
     if device.type != "cuda":
@@ -73,14 +82,7 @@ def detect_machine(device: torch.device) -> Machine:
         installed.add("flash")
     if torch.backends.cudnn.is_available() and hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention"):
         installed.add("cudnn")
-    version = installed_flash_attn_version()
-    if version is not None and version >= FLASH_ATTN_MIN_VERSION:
-        installed.add("flash-attn")
-    if fa3_installed():
-        installed.add("fa3")
-    if fa4_installed():
-        installed.add("fa4")
-    return Machine("cuda", torch.cuda.get_device_capability(device), frozenset(installed))
+    return Machine("cuda", torch.cuda.get_device_capability(device), frozenset(installed) | installed_packages())
 
 
 def check_kernel_name(name: str, setting: str = "attention kernel") -> None:
@@ -120,10 +122,8 @@ def why_not(name: str, machine: Machine, dtype: torch.dtype, head_dim: int) -> l
 
 
 def _install_hint(name: str) -> str:
-    return {"flash-attn": f"pip install 'burst-attention[cuda]' (flash-attn>={FLASH_ATTN_MIN_VERSION})",
-            "fa3": "build FlashAttention-3 from flash-attention's hopper/ folder",
-            "fa4": "pip install flash-attn-4",
-            "flash": "a PyTorch built with FlashAttention", "cudnn": "a PyTorch with cuDNN attention"}.get(name, name)
+    return {**INSTALL_HINTS, "flash": "a PyTorch built with FlashAttention",
+            "cudnn": "a PyTorch with cuDNN attention"}.get(name, name)
 
 
 def candidates(machine: Machine, dtype: torch.dtype, head_dim: int, name: str = "auto") -> list[str]:
@@ -158,9 +158,13 @@ def choose_kernel(machine: Machine, device: torch.device, dtype: torch.dtype, he
     for candidate in candidates(machine, dtype, head_dim, name):
         try:
             kernel = KERNEL_CLASSES[candidate]()
+        except Exception as error:  # noqa: BLE001 - any failure to import or bind a package refuses it
+            problem = f"it could not be loaded ({one_line(error)})"
+            if name not in ("auto", "torch"):
+                raise ValueError(f"attention kernel {name!r} could not be loaded ({one_line(error)}); "
+                                 f"{_install_hint(candidate)}, or use --attention-kernel auto") from None
+        else:
             problem = None if candidate == "math" else self_check(kernel, device, dtype, head_dim, groups)
-        except Exception as error:  # noqa: BLE001 - e.g. a package that fails to import
-            problem = f"it could not be loaded ({type(error).__name__}: {error})"
         if problem is None:
             enable_varlen(kernel, device, dtype, head_dim, groups, candidate)
             return kernel

@@ -12,8 +12,8 @@ backward(dout, q, k, v, out, lse, causal, scale) -> (dq, dk, dv), each like its 
 
 `out` in backward is only used through D = rowsum(dout * out); `lse` is the log-sum-exp of the
 *whole* row (all blocks merged), so the block gradients come out already normalised. `causal` is
-top-left aligned and the ring only asks for it on square blocks, where top-left and bottom-right
-(FlashAttention 2/3/4's alignment) agree.
+top-left aligned on any block, square or not: query row i sees key rows 0..i. FlashAttention 2/3/4
+align it bottom-right, which agrees only on squares; `BottomRightCausal` adapts them.
 
 Each kernel class states what it needs of its arguments in a `KernelContract` (`contract`): the
 ring passes row slices of larger tensors, and a CUDA kernel that takes a raw pointer reads a slice
@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
 Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -48,8 +49,8 @@ class KernelContract:
     head_dim_multiple, max_head_dim: the head dims the kernel takes.
     gqa: "native" (K/V with fewer heads go to the kernel as they are) or "repeated" (the wrapper
         repeats K/V heads locally, in memory only, and sums their gradients back).
-    causal: the kernel's own mask alignment, "top-left" or "bottom-right"; the wrappers only pass
-        causal on square blocks, where the two agree.
+    causal: the kernel's own mask alignment, "top-left" or "bottom-right"; a bottom-right kernel's
+        wrapper is a `BottomRightCausal`, so every kernel's forward and backward are top-left.
     lse: the log-sum-exp's shape as the kernel returns it, converted to [b, h, s] by the wrapper.
     min_capability: the oldest CUDA compute capability it runs on (None: not a CUDA kernel).
     """
@@ -113,6 +114,41 @@ class AttentionKernel(Protocol):
 
     def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float) -> Grads: ...
+
+
+class BottomRightCausal:
+    """The top-left causal mask (burst's) from a kernel that aligns it bottom-right (FlashAttention 2/3/4);
+    the two differ on rectangular blocks. With fewer queries than keys, top-left, no query reaches the keys
+    past the last query row: they are cut off and get zero gradients. With more queries than keys, the rows
+    past the last key see every key: a causal square and an unmasked block, one call each. Subclasses give
+    the kernel's own calls as `block_forward` and `block_backward` (the `AttentionKernel` signatures)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        q_len, kv_len = q.shape[1], k.shape[1]
+        if not causal or q_len == kv_len:
+            return self.block_forward(q, k, v, causal, scale)
+        if q_len < kv_len:
+            return self.block_forward(q, k[:, :q_len], v[:, :q_len], True, scale)
+        (square_out, square_lse), (rest_out, rest_lse) = (self.block_forward(q[:, :kv_len], k, v, True, scale),
+                                                          self.block_forward(q[:, kv_len:], k, v, False, scale))
+        return torch.cat([square_out, rest_out], 1), torch.cat([square_lse, rest_lse], 2)
+
+    def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor, causal: bool, scale: float) -> Grads:
+        q_len, kv_len = q.shape[1], k.shape[1]
+        if not causal or q_len == kv_len:
+            return self.block_backward(dout, q, k, v, out, lse, causal, scale)
+        if q_len < kv_len:
+            dq, dk, dv = self.block_backward(dout, q, k[:, :q_len], v[:, :q_len], out, lse, True, scale)
+            unseen = (0, 0, 0, 0, 0, kv_len - q_len)  # [b, s, h, d]: zero rows after the last seen key
+            return dq, F.pad(dk, unseen), F.pad(dv, unseen)
+        square, rest = slice(0, kv_len), slice(kv_len, None)
+        dq_square, dk_square, dv_square = self.block_backward(
+            dout[:, square], q[:, square], k, v, out[:, square], lse[:, :, square].contiguous(), True, scale)
+        dq_rest, dk_rest, dv_rest = self.block_backward(
+            dout[:, rest], q[:, rest], k, v, out[:, rest], lse[:, :, rest].contiguous(), False, scale)
+        return torch.cat([dq_square, dq_rest], 1), dk_square + dk_rest, dv_square + dv_rest
 
 
 def repeat_heads(x: torch.Tensor, groups: int) -> torch.Tensor:

@@ -9,7 +9,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from burst.kernels.contract import FLASH_ATTN_CONTRACT, HALF_DTYPES, KernelContract, repeat_heads, sum_head_groups
+from burst.kernels.contract import (
+    FLASH_ATTN_CONTRACT,
+    HALF_DTYPES,
+    BottomRightCausal,
+    KernelContract,
+    repeat_heads,
+    sum_head_groups,
+)
 
 
 def _no_rng(device: torch.device) -> torch.Tensor:
@@ -17,7 +24,7 @@ def _no_rng(device: torch.device) -> torch.Tensor:
     return torch.empty(0, dtype=torch.int64, device=device)
 
 
-class TorchCUDAFlashKernel:
+class TorchCUDAFlashKernel(BottomRightCausal):
     """`_scaled_dot_product_flash_attention` (+ `_backward`): PyTorch's FlashAttention-2.
 
     Contract: flash-attn's (the same kernel): fp16/bf16, head dim a multiple of 8 up to 256,
@@ -28,12 +35,12 @@ class TorchCUDAFlashKernel:
     name = "flash"
     contract = FLASH_ATTN_CONTRACT
 
-    def forward(self, q, k, v, causal, scale):
+    def block_forward(self, q, k, v, causal, scale):
         out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, False, scale=scale)
         return out.transpose(1, 2), lse  # [b, s, h, d], [b, h, s] float32
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale):
+    def block_backward(self, dout, q, k, v, out, lse, causal, scale):
         no_rng = _no_rng(q.device)
         grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
             dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out.transpose(1, 2),

@@ -1,13 +1,17 @@
-"""Tri Dao's FlashAttention packages, each imported only when its kernel is built:
-flash-attn 2 (`flash_attn`: pip install 'burst-attention[cuda]'), FlashAttention-3 (`flash_attn_3` /
-`flash_attn_interface`, built from source for Hopper) and FlashAttention-4
-(`flash_attn.cute`, the `flash-attn-4` wheel, CuTe DSL).
+"""Tri Dao's FlashAttention packages, each imported only when its kernel is built: flash-attn 2
+(`flash_attn`), FlashAttention-3 (`flash_attn_interface` / `flash_attn_3`, built from source for Hopper) and
+FlashAttention-4 (`flash_attn.cute`, the `flash-attn-4` wheel, CuTe DSL; pre-releases only).
 
-All take the library's sequence-major [b, s, h, d] layout with any strides but the last, GQA
-natively, and align causal masks bottom-right (the ring passes causal only on square blocks,
-where that equals top-left). Their private entry points change between releases: every call
-passes keywords, so a changed signature raises, and a kernel that raises is refused by the
-self-check before the ring uses it (burst/kernels/selfcheck.py).
+All take the library's sequence-major [b, s, h, d] layout with any strides but the last, GQA natively, and
+align causal masks bottom-right (`BottomRightCausal` makes them top-left, burst's convention).
+
+Finding them imports nothing: a parent package's __init__ may load a CUDA extension that fails on this
+machine, and the FA4 wheel installs `flash_attn/cute` alone, with no `flash_attn/__init__.py` and so no
+`flash_attn.__version__`. Their private entry points change between releases (FA3's forward `out` became
+`out_` in Nov 2025, its backward `causal` became `is_causal` in July 2025), so each call is built from the
+function's own parameter names (`LibraryFunction`), never from a version string; a function that lacks a
+parameter burst needs is refused in one line when the kernel is built, and a kernel that raises or
+disagrees with the math kernel is refused by the self-check (burst/kernels/selfcheck.py).
 """
 
 from __future__ import annotations
@@ -15,49 +19,134 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import importlib.util
+import inspect
+import re
+from pathlib import Path
+from types import ModuleType
 
 import torch
 from torch.torch_version import TorchVersion
 
-from burst.kernels.contract import FLASH_ATTN_CONTRACT, HALF_DTYPES, KernelContract
+from burst.kernels.contract import FLASH_ATTN_CONTRACT, HALF_DTYPES, BottomRightCausal, KernelContract
 from burst.kernels.cuda import packed_lse
 
 FLASH_ATTN_MIN_VERSION = "2.7"
+FA4_TESTED_VERSION = "4.0.0b40"  # the FA4 pre-release whose signatures tests/test_kernel_packages.py reads
+FA3_MODULES = ("flash_attn_3.flash_attn_interface", "flash_attn_interface")
+FA4_MODULE = "flash_attn.cute.interface"
+FA2_MODULE = "flash_attn.flash_attn_interface"
+
+# What to run when a kernel is missing; each works as written (FA4 has pre-releases only, so a plain
+# `pip install flash-attn-4` finds nothing).
+INSTALL_HINTS = {
+    "flash-attn": f"pip install 'flash-attn>={FLASH_ATTN_MIN_VERSION}' --no-build-isolation (it compiles, for about "
+                  "an hour, unless a prebuilt wheel matches this torch and CUDA)",
+    "fa3": "FlashAttention-3 has no wheel: build it in flash-attention's hopper/ folder "
+           "(pip install . --no-build-isolation)",
+    "fa4": f"pip install 'flash-attn-4=={FA4_TESTED_VERSION}' (pre-releases only; 'flash-attn-4[cu13]=="
+           f"{FA4_TESTED_VERSION}' on CUDA 13)",
+}
+
+
+def module_file(dotted: str) -> Path | None:
+    """The source file of module `dotted` (a.b.c -> .../a/b/c.py) when it is installed, found without
+    importing anything (None when it is not)."""
+    top, *rest = dotted.split(".")
+    try:
+        spec = importlib.util.find_spec(top)  # a top-level name: nothing is executed
+    except (ImportError, ValueError):  # ValueError: a module in sys.modules without a spec
+        return None
+    if spec is None:
+        return None
+    if not rest:
+        return Path(spec.origin) if spec.origin and Path(spec.origin).is_file() else None
+    for location in spec.submodule_search_locations or ():
+        candidate = Path(location, *rest[:-1], rest[-1] + ".py")
+        if candidate.is_file():
+            return candidate
+    return None
 
 
 def installed_flash_attn_version() -> TorchVersion | None:
-    """flash-attn's version when it is installed, else None (without importing it)."""
-    if importlib.util.find_spec("flash_attn") is None:
+    """flash-attn 2's version when it is installed, else None; from its package metadata, or from a source
+    tree's `flash_attn/__init__.py`, never by importing it. A `flash_attn` package without
+    `flash_attn_interface` is the FA4 wheel's alone, not flash-attn 2."""
+    interface = module_file(FA2_MODULE)
+    if interface is None:
         return None
     try:
-        return TorchVersion(importlib.metadata.version("flash_attn"))
-    except importlib.metadata.PackageNotFoundError:  # importable without package metadata (a source tree)
-        import flash_attn
-
-        return TorchVersion(flash_attn.__version__)
-
-
-def _module_installed(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except ModuleNotFoundError:  # a dotted name whose parent is missing
-        return False
-
-
-FA3_MODULES = ("flash_attn_3.flash_attn_interface", "flash_attn_interface")
-FA4_MODULE = "flash_attn.cute.interface"
+        return TorchVersion(importlib.metadata.version("flash-attn"))
+    except importlib.metadata.PackageNotFoundError:  # a source tree on the path, without metadata
+        init = interface.with_name("__init__.py")
+        found = init.is_file() and re.search(r"""^__version__\s*=\s*["']([^"']+)["']""", init.read_text(), re.MULTILINE)
+        return TorchVersion(found.group(1)) if found else None
 
 
 def fa3_installed() -> bool:
-    return any(_module_installed(name) for name in FA3_MODULES)
+    return any(module_file(name) is not None for name in FA3_MODULES)
 
 
 def fa4_installed() -> bool:
-    return _module_installed(FA4_MODULE)
+    return module_file(FA4_MODULE) is not None
 
 
-class FlashAttnKernel:
-    """flash-attn >= 2.7 (the keyword API of `_flash_attn_forward/_backward`): FlashAttention-2.
+def import_kernel_module(kernel: str, names: tuple[str, ...]) -> ModuleType:
+    """The first of modules `names` that is installed, imported. ModuleNotFoundError with the install hint
+    when none is; any other failure of the import (a dependency missing, a CUDA extension built for another
+    torch) propagates as it is, and the kernel is refused with it in one line (choice.py)."""
+    for name in names:
+        try:
+            return importlib.import_module(name)
+        except ModuleNotFoundError as error:
+            parts = name.split(".")
+            if error.name not in {".".join(parts[:i]) for i in range(1, len(parts) + 1)}:
+                raise  # the module is there, one of its dependencies is not
+    raise ModuleNotFoundError(f"{kernel} is not installed (none of {', '.join(names)}): {INSTALL_HINTS[kernel]}")
+
+
+def parameter_names(function) -> tuple[str, ...]:
+    """The names of `function`'s parameters, in order. A torch.library.custom_op (FlashAttention-3 from July
+    2025, flash-attn 2 from 2.7) shows only (*args, **kwargs) to inspect.signature: its schema names them."""
+    schema = getattr(getattr(function, "_opoverload", None), "_schema", None)
+    if schema is not None:
+        return tuple(argument.name for argument in schema.arguments)
+    return tuple(inspect.signature(function).parameters)
+
+
+class LibraryFunction:
+    """A private entry point of a kernel package, called by keyword under the names this release gives its
+    parameters. Resolved once, when the kernel is built: a release that lacks a parameter burst passes is
+    refused then, in one line naming the release's parameters."""
+
+    def __init__(self, module: ModuleType, name: str, library: str) -> None:
+        self.function, self.where = getattr(module, name), f"{library}'s {module.__name__}.{name}"
+        self.parameters = parameter_names(self.function)
+
+    def name(self, *choices: str) -> str:
+        """The first of `choices` (the newest name first) that this release takes."""
+        for choice in choices:
+            if choice in self.parameters:
+                return choice
+        raise TypeError(f"{self.where} takes no {' or '.join(map(repr, choices))} parameter (it takes "
+                        f"{', '.join(self.parameters)}): a release burst does not know")
+
+    def names(self, *required: str) -> None:
+        """Refuse a release that lacks any of `required`."""
+        for name in required:
+            self.name(name)
+
+    def unused(self, *names: str) -> dict[str, None]:
+        """None for each of `names` this release takes: features burst does not use, which some releases
+        take without a default (FA3 until September 2025) and others renamed or dropped."""
+        return dict.fromkeys(name for name in names if name in self.parameters)
+
+    def __call__(self, *args, **kwargs):
+        return self.function(*args, **kwargs)
+
+
+class FlashAttnKernel(BottomRightCausal):
+    """flash-attn >= 2.7 (the keyword API of `_flash_attn_forward/_backward`, the same through 2.8.3):
+    FlashAttention-2.
 
     Contract: `FLASH_ATTN_CONTRACT`. The backward takes lse as a pointer to a dense [b, h, q_len]
     buffer, so a sliced lse would be read wrongly (no error): it is made contiguous here.
@@ -67,15 +156,15 @@ class FlashAttnKernel:
     contract = FLASH_ATTN_CONTRACT
 
     def __init__(self) -> None:
-        self._fa = importlib.import_module("flash_attn.flash_attn_interface")
+        self._fa = import_kernel_module(self.name, (FA2_MODULE,))
 
-    def forward(self, q, k, v, causal, scale):
+    def block_forward(self, q, k, v, causal, scale):
         out, lse, *_ = self._fa._flash_attn_forward(
             q, k, v, dropout_p=0.0, softmax_scale=scale, causal=causal, window_size_left=-1,
             window_size_right=-1, softcap=0.0, alibi_slopes=None, return_softmax=False)
         return out, lse
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale):
+    def block_backward(self, dout, q, k, v, out, lse, causal, scale):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         self._fa._flash_attn_backward(
             dout, q, k, v, out, lse.contiguous(), dq, dk, dv, dropout_p=0.0, softmax_scale=scale, causal=causal,
@@ -98,8 +187,13 @@ class FlashAttnKernel:
         return dq, dk, dv
 
 
-class FlashAttn3Kernel:
-    """FlashAttention-3 (Hopper, sm90): `_flash_attn_forward/_backward` of `flash_attn_interface`.
+class FlashAttn3Kernel(BottomRightCausal):
+    """FlashAttention-3 (Hopper, sm90): `_flash_attn_forward/_backward` of `flash_attn_interface`, from its
+    January 2025 rewrite on. What changed since, and is followed here by parameter name: every feature
+    argument required until September 2025 (burst passes None for those a release takes), the backward's
+    `causal` renamed `is_causal` (July 2025), the forward's `out` renamed `out_` (November 2025), both
+    functions torch.library custom ops (July 2025), and the backward returning only softmax_d (it writes
+    dq, dk, dv in place, which burst allocates).
 
     Contract: fp16/bf16 (its fp8 path is not used), head dim a multiple of 8 up to 256, GQA native,
     causal bottom-right, last dims contiguous (it copies others), lse float32 [b, h, s] returned by
@@ -112,37 +206,41 @@ class FlashAttn3Kernel:
                               causal="bottom-right", min_capability=(9, 0))
 
     def __init__(self) -> None:
-        for name in FA3_MODULES:
-            if _module_installed(name):
-                self._fa = importlib.import_module(name)
-                return
-        raise ModuleNotFoundError(f"FlashAttention-3 is not installed (none of {', '.join(FA3_MODULES)})")
+        module = import_kernel_module(self.name, FA3_MODULES)
+        self._forward = LibraryFunction(module, "_flash_attn_forward", "FlashAttention-3")
+        self._backward = LibraryFunction(module, "_flash_attn_backward", "FlashAttention-3")
+        self._forward.names("softmax_scale", "causal")
+        self._forward_unused = self._forward.unused(
+            "k_new", "v_new", "qv", "out_", "out", "cu_seqlens_q", "cu_seqlens_k", "cu_seqlens_k_new", "seqused_q",
+            "seqused_k", "max_seqlen_q", "max_seqlen_k", "page_table", "kv_batch_idx", "leftpad_k", "rotary_cos",
+            "rotary_sin", "seqlens_rotary", "q_descale", "k_descale", "v_descale")
+        self._backward.names("dq", "dk", "dv", "softmax_scale")
+        self._backward_causal = self._backward.name("is_causal", "causal")
+        self._backward_unused = self._backward.unused(  # `sequed`: the library's own spelling
+            "cu_seqlens_q", "cu_seqlens_k", "sequed_q", "sequed_k", "max_seqlen_q", "max_seqlen_k")
 
-    def forward(self, q, k, v, causal, scale):
-        none = dict.fromkeys(("k_new", "v_new", "qv", "out", "cu_seqlens_q", "cu_seqlens_k", "cu_seqlens_k_new",
-                              "seqused_q", "seqused_k", "max_seqlen_q", "max_seqlen_k", "page_table",
-                              "kv_batch_idx", "leftpad_k", "rotary_cos", "rotary_sin", "seqlens_rotary",
-                              "q_descale", "k_descale", "v_descale"))
-        out, lse, *_ = self._fa._flash_attn_forward(q, k, v, **none, softmax_scale=scale, causal=causal)
+    def block_forward(self, q, k, v, causal, scale):
+        out, lse, *_ = self._forward(q, k, v, **self._forward_unused, softmax_scale=scale, causal=causal)
         return out, lse
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale):
+    def block_backward(self, dout, q, k, v, out, lse, causal, scale):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        self._fa._flash_attn_backward(
-            dout, q, k, v, out, lse.contiguous(), cu_seqlens_q=None, cu_seqlens_k=None, sequed_q=None,
-            sequed_k=None, max_seqlen_q=None, max_seqlen_k=None, dq=dq, dk=dk, dv=dv, softmax_scale=scale,
-            causal=causal)
+        self._backward(dout, q, k, v, out, lse.contiguous(), **self._backward_unused, dq=dq, dk=dk, dv=dv,
+                       softmax_scale=scale, **{self._backward_causal: causal})
         return dq, dk, dv
 
 
-class FlashAttn4Kernel:
-    """FlashAttention-4 (sm90 and sm100): `flash_attn.cute.interface._flash_attn_fwd/_bwd`.
+class FlashAttn4Kernel(BottomRightCausal):
+    """FlashAttention-4 (sm90 and sm100): `flash_attn.cute.interface._flash_attn_fwd/_bwd` of the
+    `flash-attn-4` wheel (pre-releases only; 4.0.0b40 read by the tests), found and imported without
+    flash-attn 2.
 
     Contract: fp16/bf16, head dim a multiple of 8 up to 256, GQA native, causal bottom-right,
     views whose last stride is 1 (16-byte aligned pointers and strides), lse float32 [b, h, s]
     from the forward (return_lse=True) and taken as an external tensor by the backward (made
-    contiguous here). A private API whose return arity changed between betas: the wrapper takes
-    the first two results of the forward and the first three of the backward.
+    contiguous here). A private API whose return arity changed between betas: every argument goes
+    by name, and the wrapper takes the first two results of the forward and the first three of the
+    backward.
     """
 
     name = "fa4"
@@ -151,13 +249,17 @@ class FlashAttn4Kernel:
                               causal="bottom-right", min_capability=(9, 0))
 
     def __init__(self) -> None:
-        self._fa = importlib.import_module(FA4_MODULE)
+        module = import_kernel_module(self.name, (FA4_MODULE,))
+        self._forward = LibraryFunction(module, "_flash_attn_fwd", "FlashAttention-4")
+        self._backward = LibraryFunction(module, "_flash_attn_bwd", "FlashAttention-4")
+        self._forward.names("q", "k", "v", "softmax_scale", "causal", "return_lse")
+        self._backward.names("q", "k", "v", "out", "dout", "lse", "softmax_scale", "causal")
 
-    def forward(self, q, k, v, causal, scale):
-        out, lse, *_ = self._fa._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=causal, return_lse=True)
+    def block_forward(self, q, k, v, causal, scale):
+        out, lse, *_ = self._forward(q=q, k=k, v=v, softmax_scale=scale, causal=causal, return_lse=True)
         return out, lse
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale):
-        dq, dk, dv, *_ = self._fa._flash_attn_bwd(q, k, v, out, dout, lse.contiguous(), softmax_scale=scale,
-                                                  causal=causal)
+    def block_backward(self, dout, q, k, v, out, lse, causal, scale):
+        dq, dk, dv, *_ = self._backward(q=q, k=k, v=v, out=out, dout=dout, lse=lse.contiguous(), softmax_scale=scale,
+                                        causal=causal)
         return dq, dk, dv

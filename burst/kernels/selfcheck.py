@@ -1,9 +1,11 @@
 """Each kernel checked once against the math kernel before the ring uses it.
 
 A kernel that gives different numbers must not train a model: on a small input of the real
-dtype, head dim and GQA grouping, laid out as the ring passes it (row slices of a shard, a
-square causal block and a rectangular unmasked one), the forward's out and lse and the
-backward's three gradients are compared with `MathKernel`'s. A kernel that disagrees or
+dtype, head dim and GQA grouping, laid out as the ring passes it (row slices of a shard: a
+square causal block, a causal block of fewer queries than keys, a rectangular unmasked one),
+at a scale that is not the default, the forward's out and lse and the backward's three
+gradients, given the row's merged lse and output rather than the block's own, are compared
+with `MathKernel`'s. A kernel that disagrees or
 raises is refused with the reason; choice.py then tries the next one, so an untested kernel
 can make a run slower, never change its numbers.
 """
@@ -25,6 +27,13 @@ TOLERANCES = {
 }
 CHUNK = 80  # rows of one zigzag chunk in the check: not a multiple of any kernel's tile
 BATCH, KV_HEADS = 2, 2
+SCALE_FACTOR = 0.75  # of the default 1/sqrt(head_dim): a kernel that ignores the scale it is given fails
+
+
+def one_line(error: BaseException) -> str:
+    """`error` as "Type: first line of its message" (a kernel's errors run to pages)."""
+    message = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {message[0]}" if message else type(error).__name__
 
 
 def _max_error(name: str, got: torch.Tensor, expected: torch.Tensor, tolerance: float) -> str | None:
@@ -41,8 +50,12 @@ def _max_error(name: str, got: torch.Tensor, expected: torch.Tensor, tolerance: 
 
 
 def check_block(kernel: AttentionKernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
-                causal: bool, scale: float) -> str | None:
-    """What `kernel` gets wrong on one block against the math kernel; None when nothing."""
+                causal: bool, scale: float, generator: torch.Generator) -> str | None:
+    """What `kernel` gets wrong on one block against the math kernel; None when nothing.
+
+    The backward is given what the ring gives it: the whole row's merged lse and output, not the block's
+    own. Another block's share of each row (its lse within a few units of this block's, its output random)
+    is merged in, so a kernel that recomputes its own lse, or its own D from its own output, is caught."""
     out_tol, lse_tol, grad_tol = TOLERANCES[q.dtype]
     reference = MathKernel()
     ref_out, ref_lse = reference.forward(q, k, v, causal, scale)
@@ -50,8 +63,13 @@ def check_block(kernel: AttentionKernel, q: torch.Tensor, k: torch.Tensor, v: to
     problem = _max_error("forward out", out, ref_out, out_tol) or _max_error("forward lse", lse, ref_lse, lse_tol)
     if problem:
         return problem
-    ref_grads = reference.backward(dout, q, k, v, ref_out, ref_lse, causal, scale)
-    grads = kernel.backward(dout, q, k, v, ref_out, ref_lse.contiguous(), causal, scale)
+    other_lse = ref_lse - 3 * torch.rand(ref_lse.shape, generator=generator, device=q.device)
+    other_out = torch.randn(ref_out.shape, generator=generator, device=q.device)
+    merged_lse = torch.logaddexp(ref_lse, other_lse)  # [b, h, s]
+    share = torch.exp(ref_lse - merged_lse).transpose(1, 2).unsqueeze(-1)  # this block's weight, [b, s, h, 1]
+    merged_out = (ref_out.float() * share + other_out * (1 - share)).to(q.dtype)
+    ref_grads = reference.backward(dout, q, k, v, merged_out, merged_lse, causal, scale)
+    grads = kernel.backward(dout, q, k, v, merged_out, merged_lse, causal, scale)
     for name, got, expected in zip(("dq", "dk", "dv"), grads, ref_grads, strict=True):
         if problem := _max_error(f"backward {name}", got, expected, grad_tol):
             return problem
@@ -61,8 +79,8 @@ def check_block(kernel: AttentionKernel, q: torch.Tensor, k: torch.Tensor, v: to
 def self_check(kernel: AttentionKernel, device: torch.device, dtype: torch.dtype, head_dim: int,
                groups: int = 1) -> str | None:
     """Why `kernel` must not be used for these inputs (one line), or None when it agrees with the
-    math kernel on the ring's two kinds of block. Uses its own random generator: the run's random
-    state is left as it was."""
+    math kernel on the ring's kinds of block, at a scale that is not the default. Uses its own random
+    generator: the run's random state is left as it was."""
     generator = torch.Generator(device=device).manual_seed(0)
 
     def shard(heads: int) -> torch.Tensor:  # [b, 2 chunks, heads, d], heads-first memory as the ring's
@@ -70,17 +88,19 @@ def self_check(kernel: AttentionKernel, device: torch.device, dtype: torch.dtype
         return x.to(dtype).transpose(1, 2)
 
     q, k, v, dout = shard(KV_HEADS * groups), shard(KV_HEADS), shard(KV_HEADS), shard(KV_HEADS * groups)
-    later, first = slice(CHUNK, None), slice(0, CHUNK)
+    later, first, whole = slice(CHUNK, None), slice(0, CHUNK), slice(None)
     blocks = (("a causal square block", later, later, True),
-              ("an unmasked block of the whole shard against half of one", slice(None), first, False))
+              # top-left: query row i sees key rows 0..i, so a bottom-right kernel fails here
+              ("a causal block of fewer queries than keys", later, whole, True),
+              ("an unmasked block of the whole shard against half of one", whole, first, False))
     try:
         with torch.no_grad(), torch.autocast(device.type, enabled=False):
             for what, rows, cols, causal in blocks:
                 if problem := check_block(kernel, q[:, rows], k[:, cols], v[:, cols], dout[:, rows], causal,
-                                          head_dim ** -0.5):
+                                          SCALE_FACTOR * head_dim ** -0.5, generator):
                     return f"{problem} on {what}"
     except Exception as error:  # noqa: BLE001 - any failure of a kernel refuses it, with its message
-        return f"it raised {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}".rstrip(": ")
+        return f"it raised {one_line(error)}"
     return None
 
 
@@ -121,7 +141,7 @@ def varlen_self_check(kernel: AttentionKernel, device: torch.device, dtype: torc
                     if problem := _max_error(f"varlen backward {name}", got, want, grad_tol):
                         return problem
     except Exception as error:  # noqa: BLE001 - any failure turns varlen off, with its message
-        return f"it raised {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}".rstrip(": ")
+        return f"it raised {one_line(error)}"
     finally:
         kernel.use_varlen = checked
     return None
