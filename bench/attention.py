@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from burst.attention import burst_attn, check_backward_mode
 from burst.comm import SENT
+from burst.kernels.choice import check_kernel_serves
 from burst.layout import check_layout, check_sequence_length, shard_sequence
 from burst.topology import check_topology
 from runtime.device import resolve_device
@@ -78,6 +79,7 @@ class AttentionBenchConfig:
         if self.layouts != ["zigzag"] and self.doc_length is None:
             raise ValueError("--layouts other than zigzag need packed documents: pass --doc-length N, or --docs STORE "
                              "for real ones")
+        check_kernel_serves(torch.device(self.device), DTYPES[self.dtype], self.head_dim)  # --attention-kernel
 
     def variants(self) -> list[tuple[str, str, bool, str]]:
         """(name, backward mode, document-masked, layout) of each run; unmasked runs (zigzag) come too for

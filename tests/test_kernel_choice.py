@@ -8,10 +8,12 @@ import logging
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
-from burst.kernels import MathKernel, TorchCPUKernel, candidates, select_kernel, self_check
+from burst.kernels import KERNEL_ENV, MathKernel, TorchCPUKernel, candidates, select_kernel, self_check
 from burst.kernels import choice as choice_module
 from burst.kernels.choice import Machine, choose_kernel
+from cli import app
 
 EVERYTHING = frozenset({"fa4", "fa3", "cudnn", "flash-attn", "flash", "efficient"})
 PYTORCH_ONLY = frozenset({"cudnn", "flash", "efficient"})
@@ -53,6 +55,16 @@ def test_a_forced_kernel_that_cannot_run_is_refused_in_one_line_naming_the_avail
                                          r"torch.bfloat16 head_dim 64 on cpu: auto, math, cpu"):
         candidates(Machine("cpu", None, frozenset({"cpu"})), torch.bfloat16, 64, "cudnn")
     assert candidates(hopper, torch.bfloat16, 128, "flash") == ["flash"]
+
+
+def test_bench_refuses_a_kernel_that_cannot_run_here_in_one_line(monkeypatch):
+    """`burst bench attention --attention-kernel flash` on a CPU printed a 159-line traceback from its ranks."""
+    monkeypatch.setenv(KERNEL_ENV, "auto")  # the command sets it for its ranks: restored after the test
+    result = CliRunner().invoke(app, ["bench", "attention", "--attention-kernel", "flash", "--device", "cpu",
+                                      "--dtype", "bf16", "--seq-len", "64"])
+    assert result.exit_code == 2, result.output
+    assert result.output == ("error: attention kernel 'flash' cannot run here: it needs CUDA tensors, got cpu; "
+                             "available for torch.bfloat16 head_dim 64 on cpu: auto, math, cpu\n")
 
 
 def test_cpu_selection():

@@ -104,6 +104,13 @@ def kernel_from_environment(name: str) -> str:
     return os.environ[KERNEL_ENV]
 
 
+def check_kernel_serves(device: torch.device, dtype: torch.dtype, head_dim: int, name: str = "auto") -> None:
+    """Refuse in one line (ValueError) a kernel forced by `name`, or by $BURST_ATTENTION_KERNEL for "auto",
+    that cannot serve these inputs on `device`: for a command to call before it starts its ranks, each of
+    which would otherwise fail with its own traceback."""
+    candidates(detect_machine(device), dtype, head_dim, kernel_from_environment(name))
+
+
 def why_not(name: str, machine: Machine, dtype: torch.dtype, head_dim: int) -> list[str]:
     """Why kernel `name` cannot serve these inputs on `machine` (before running it); [] if it can."""
     if name == "math":
