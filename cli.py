@@ -184,18 +184,7 @@ def eval_command(
     with _exits(failed=(EvaluationFailed,)):
         given = {name: v for name, v in flags.items() if v is not None}
         eval_config = EvalConfig(checkpoint=checkpoint, force=force, given=frozenset(given), **given)
-        _check_eval_memory(eval_config)
         evaluate(eval_config)
-
-
-def _check_eval_memory(config) -> None:
-    """Refuse an evaluation that cannot fit before any rank starts or any data is read, from the estimate training's
-    preflight and `burst plan` use (here: evaluation may not import the trainer)."""
-    from evaluation.checkpoint import load_for_eval
-    from trainer.preflight import check_eval_memory
-
-    longest = max([config.seq_len] + (config.passkey_lengths if config.passkey_trials else []))
-    check_eval_memory(longest, config.cp, config.precision, load_for_eval(config.checkpoint).config, config.device)
 
 
 @bench_app.command("attention")
@@ -365,17 +354,17 @@ def _plan_command(config: Path | None = None, gpu: str | None = None, gpus_per_n
     overrides = {name: value for name, value in flags.items() if value is not None}
     with _exits():
         request = PlanRequest(load_config(config, overrides), gpu, gpus_per_node, nodes, vocab_size, doc_len)
-        settings, result, hardware = plan(request)
+        shape, result, hardware = plan(request)
         found = None
         if search:
             found, longest, hardware = search_settings(request)
-            typer.echo(format_search(settings, found, longest, hardware))
+            typer.echo(format_search(request.config, found, longest, hardware))
             if found:
-                settings, result = found[0].config, found[0].estimate
+                shape, result = found[0].shape, found[0].estimate
         else:
-            typer.echo(format_plan(settings, result, hardware))
+            typer.echo(format_plan(request.config, shape, result, hardware))
         if json_path is not None:
-            write_json(json_path, to_json(settings, result, hardware, found))
+            write_json(json_path, to_json(request.config, shape, result, hardware, found))
 
 
 _plan_command.__signature__ = inspect.Signature([

@@ -5,7 +5,7 @@
 
 Each configuration of GRID trains 3-4 steps of `burst train` (fp32) on the embedded corpus, or SimPO on preference
 pairs cut from it, and records the largest rank's peak RSS and the fastest step's time after the first. The
-constants of trainer/estimate/calibration.py that cannot be derived are fitted on the even rows (least squares,
+constants of planner/calibration.py that cannot be derived are fitted on the even rows (least squares,
 linear in them, each row weighted by 1 / its measurement) and the estimate is compared with the odd rows, which
 the fit never saw. The table is stored in benchmarks/plan_calibration.json; tests/test_plan.py checks that the
 constants in the code are its fit and what they reproduce (docs/plan.md has the table).
@@ -14,7 +14,6 @@ constants in the code are its fit and what they reproduce (docs/plan.md has the 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
@@ -31,12 +30,12 @@ sys.path.insert(0, str(ROOT))
 
 from models import ModelConfig  # noqa: E402
 from models.footprint import footprint  # noqa: E402
+from planner import RunShape, calibration  # noqa: E402
+from planner.calibration import Calibration  # noqa: E402
+from planner.hardware import Hardware, cpu_matmul_tflops, gpu  # noqa: E402
+from planner.memory import allocated_bytes, memory_parts  # noqa: E402
+from planner.time import step_seconds, time_parts  # noqa: E402
 from runtime.launch import available_cores  # noqa: E402
-from trainer.config import TrainConfig  # noqa: E402
-from trainer.estimate import calibration  # noqa: E402
-from trainer.estimate.hardware import Hardware, cpu_matmul_tflops, gpu  # noqa: E402
-from trainer.estimate.memory import allocated_bytes, memory_parts  # noqa: E402
-from trainer.estimate.time import step_seconds, time_parts  # noqa: E402
 from trainer.plan import store_doc_len  # noqa: E402
 
 TABLE = ROOT / "benchmarks" / "plan_calibration.json"
@@ -124,92 +123,77 @@ def document_pattern(seq_len: int, documents) -> list[int] | None:
     return [store_doc_len(default_store(progress=False), seq_len)]
 
 
-def config_of(row: dict) -> tuple[TrainConfig, ModelConfig]:
-    pairs = row["documents"] == "pairs"
-    config = TrainConfig(model=row["model"], seq_len=row["seq_len"], cp=row["cp"], dp=row["dp"],
-                         activation_checkpointing=row["mode"], doc_mask=row["documents"] != "one",
-                         precision=row.get("precision", "fp32"),
-                         objective="simpo" if pairs else "nll", prefix_sharing=pairs)
-    return config, ModelConfig.from_name(row["model"])
+def shape_of(row: dict) -> tuple[RunShape, ModelConfig]:
+    documents = row["documents"] != "one"
+    shape = RunShape(seq_len=row["seq_len"], cp=row["cp"], dp=row["dp"], activation_checkpointing=row["mode"],
+                     precision=row.get("precision", "fp32"), doc_len=row["doc_pattern"] if documents else None,
+                     prefix_sharing=row["documents"] == "pairs", layout="balanced" if documents else "zigzag")
+    return shape, ModelConfig.from_name(row["model"])
 
 
-def row_key(row: dict) -> str:
-    """The calibration entry a row measures: "cpu" (fp32) or "cpu-bf16"."""
-    return calibration.key("cpu", row.get("precision", "fp32"))
-
-
-def cpu_hardware(table: dict, precision: str = "fp32") -> Hardware:
+def cpu_hardware(table: dict, precision: str = "fp32", record: Calibration = calibration.CPU) -> Hardware:
     tflops = table["cpu_bf16_matmul_tflops" if precision == "bf16" else "cpu_matmul_tflops"]
-    return Hardware("this CPU", "cpu", 2**40, tflops, tflops, 5.0, 1.0, 10.0, 1, 1, "calibration", table["cores"])
+    return Hardware("this CPU", "cpu", 2**40, tflops, tflops, 5.0, 1.0, 10.0, 1, 1, "calibration", table["cores"],
+                    calibration=record)
 
 
-@contextlib.contextmanager
-def constants(key: str, **values):
-    """Set calibration constants (their `key` entries: "cpu" or "cpu-bf16") for the duration."""
-    saved = {name: getattr(calibration, name) for name in values}
-    for name, value in values.items():
-        old = saved[name]
-        setattr(calibration, name, {**old, key: value})
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(calibration, name, value)
+def with_constants(record: Calibration, precision: str, **values) -> Calibration:
+    """`record` with some of its `precision` constants replaced."""
+    side = "bf16" if precision == "bf16" else "fp32"
+    return dataclasses.replace(record, **{side: dataclasses.replace(record.constants(precision), **values)})
 
 
-def row_times(row: dict, table: dict) -> dict[str, float]:
-    config, model = config_of(row)
-    return time_parts(config, footprint(model), cpu_hardware(table, config.precision), row["doc_pattern"],
-                      row["documents"] == "pairs")
+def row_times(row: dict, table: dict, record: Calibration = calibration.CPU) -> dict[str, float]:
+    shape, model = shape_of(row)
+    return time_parts(shape, footprint(model), cpu_hardware(table, shape.precision, record))
 
 
-def predict(row: dict, table: dict) -> tuple[float, float]:
-    """(peak MiB, step seconds) the estimate gives for a stored row, with the code's constants."""
-    config, model = config_of(row)
-    parts = memory_parts(config, footprint(model), cpu_hardware(table, config.precision))
-    return sum(parts.values()) / MIB, step_seconds(row_times(row, table))
+def predict(row: dict, table: dict, record: Calibration = calibration.CPU) -> tuple[float, float]:
+    """(peak MiB, step seconds) the estimate gives for a stored row, with `record`'s constants (the code's)."""
+    shape, model = shape_of(row)
+    parts = memory_parts(shape, footprint(model), cpu_hardware(table, shape.precision, record))
+    return sum(parts.values()) / MIB, step_seconds(row_times(row, table, record))
 
 
 # The time constants, each with the step part it alone scales (at 1, the others off): a step's time is linear in
 # them, and in the inverse rates. The rates are not fitted: matmuls and attention's products run at the matmul rate
 # measured on this CPU (on two presets the fit cannot tell them from the memory-bound work that grows with them,
 # and a fitted rate would not carry to larger models, where the matmuls dominate); the rest is fitted.
-TIME_TERMS = [("STEP_OVERHEAD_S", "overhead"), ("MATMUL_EFFICIENCY", "matmuls"),
-              ("ATTENTION_FRACTION", "attention"), ("ATTENTION_SCORE_S", "attention"),
-              ("ELEMENTWISE_S_PER_VALUE", "elementwise"), ("RING_STEP_S", "ring hand-offs")]
-INVERSE_RATES = ("MATMUL_EFFICIENCY", "ATTENTION_FRACTION")
-PINNED = {"MATMUL_EFFICIENCY": 1.0, "ATTENTION_FRACTION": 1.0}
+TIME_TERMS = [("step_overhead_s", "overhead"), ("matmul_efficiency", "matmuls"),
+              ("attention_fraction", "attention"), ("attention_score_s", "attention"),
+              ("elementwise_s_per_value", "elementwise"), ("ring_step_s", "ring hand-offs")]
+INVERSE_RATES = ("matmul_efficiency", "attention_fraction")
+PINNED = {"matmul_efficiency": 1.0, "attention_fraction": 1.0}
 # gloo's hand-offs do not change with the kernels' dtype: bf16 takes fp32's (its grid is half the size)
-SAME_IN_BF16 = ("RING_STEP_S",)
+SAME_IN_BF16 = ("ring_step_s",)
 # The memory constants the fit finds beside the process's bytes; the allocator's share is fixed (below), and what
-# lies outside the blocks (OUTER_BYTES_PER_DIM) is left at 0: a block's width is 13 dims on both presets, so the
+# lies outside the blocks (outer_bytes_per_dim) is left at 0: a block's width is 13 dims on both presets, so the
 # fit cannot tell it from a block's gradients in flight.
-MEMORY_TERMS = ("BLOCK_BYTES_PER_VALUE", "BACKWARD_BYTES_PER_VALUE", "FULL_RECOMPUTE_BYTES_PER_VALUE",
-                "SELECTIVE_VALUES_PER_DIM")
+MEMORY_TERMS = ("block_bytes_per_value", "backward_bytes_per_value", "full_recompute_bytes_per_value",
+                "selective_values_per_dim")
 
 
 def time_bases(row: dict, table: dict) -> tuple[list[float], float]:
     """One column a TIME_TERMS constant, and the seconds of the step's parts no constant scales (optimizer,
     exposed communication)."""
+    precision = row.get("precision", "fp32")
     off = {name: float("inf") if name in INVERSE_RATES else 0.0 for name, _ in TIME_TERMS}
     columns = []
     for name, part in TIME_TERMS:
-        with constants(row_key(row), **{**off, name: 1.0}):
-            columns.append(row_times(row, table)[part])
-    with constants(row_key(row), **off):
-        fixed = step_seconds(row_times(row, table))
+        columns.append(row_times(row, table, with_constants(calibration.CPU, precision, **{**off, name: 1.0}))[part])
+    fixed = step_seconds(row_times(row, table, with_constants(calibration.CPU, precision, **off)))
     return columns, fixed
 
 
 def memory_bases(row: dict, table: dict, at: dict) -> tuple[list[float], float]:
     """The tensors' MiB as linear in MEMORY_TERMS around the constants `at` (the peak is early or late in backward,
     whichever is larger: linear on each side): one column a constant, and the MiB at none of them."""
-    config, model = config_of(row)
-    shape, hardware = footprint(model), cpu_hardware(table, config.precision)
+    shape, model = shape_of(row)
 
     def tensors(**values) -> float:
-        with constants(row_key(row), **{**at, **values}):
-            return allocated_bytes(memory_parts(config, shape, hardware)) / MIB
+        record = with_constants(calibration.CPU, shape.precision, **{**at, **values})
+        return allocated_bytes(memory_parts(shape, footprint(model), cpu_hardware(table, shape.precision,
+                                                                                   record))) / MIB
 
     here = tensors()
     columns = [tensors(**{name: at[name] + 1.0}) - here for name in MEMORY_TERMS]
@@ -226,12 +210,11 @@ def fit(table: dict, precision: str = "fp32") -> dict:
     row weighted by 1 / its measurement: relative errors are what the targets judge (else the largest rows decide
     the fit and a fixed term swamps the small ones)."""
     rows = fitted_rows(table, precision)
-    key = calibration.key("cpu", precision)
     # Memory: peak RSS = the process + (1 + malloc's share) x the tensors. The share is not separable from the
     # process's on these shapes: 10%, as glibc's arenas hold. Linear in the constants on each side of the early /
     # late peak: fitted around the code's constants, then around the fit's, until the sides stop changing.
     scale, measured = 1 + CPU_ALLOCATOR_OVERHEAD, np.array([row["peak_mib"] for row in rows])
-    at = {name: getattr(calibration, name)[key] for name in MEMORY_TERMS}
+    at = {name: getattr(calibration.CPU.constants(precision), name) for name in MEMORY_TERMS}
     # Beside each row, each pair of rows that differ only in --seq-len gives its slope, free of the process's
     # bytes and of what malloc holds at start-up: what carries the estimate to long sequences
     key = lambda row: tuple(row[k] for k in ("model", "cp", "dp", "mode", "documents"))  # noqa: E731
@@ -247,7 +230,7 @@ def fit(table: dict, precision: str = "fp32") -> dict:
         y_all = np.concatenate([rest / measured, np.array([rest[i] - rest[j] for i, j in pairs]) / grown[:, 0]])
         process, *values = non_negative_fit(x_all, list(y_all))
         at = {name: float(value) for name, value in zip(MEMORY_TERMS, values, strict=True)}
-    found = {"PROCESS_BYTES": round(process) * MIB, "ALLOCATOR_OVERHEAD": CPU_ALLOCATOR_OVERHEAD,
+    found = {"process_bytes": round(process) * MIB, "allocator_overhead": CPU_ALLOCATOR_OVERHEAD,
              **{name: round(value, 3) for name, value in at.items()}}
     # Time: the constants beside the pinned rates, fitted (the steps of one run agree within ~10% on a quiet machine)
     measured = np.array([row["step_s"] for row in rows])
@@ -320,15 +303,15 @@ def markdown(lines: list[dict]) -> str:
 
 def gpu_fixtures() -> list[dict]:
     """Issue 36's H200 measurements against `burst plan --gpu h200`."""
-    from trainer.estimate import estimate
+    from planner import estimate
 
     hardware, cases = gpu("h200"), []
     for name, seq_len, mode, mib, seconds in [("llama3.2-1b", 131072, "selective", 56057, 11.8),
                                              ("llama3.2-1b", 32768, "selective", 22622, 1.26),
                                              ("tiny", 32768, "none", 8099, None)]:
         model = dataclasses.replace(ModelConfig.from_name(name), vocab_size=4096)
-        config = TrainConfig(model=name, seq_len=seq_len, precision="bf16", activation_checkpointing=mode)
-        result = estimate(config, model, hardware)
+        shape = RunShape(seq_len=seq_len, precision="bf16", activation_checkpointing=mode)
+        result = estimate(shape, model, hardware)
         cases.append({"model": name, "seq_len": seq_len, "mode": mode, "peak_mib": mib, "step_s": seconds,
                       "est_mib": result.allocated_bytes / MIB, "est_s": result.step_time_s})
     return cases

@@ -43,6 +43,8 @@ from evaluation.preference import to_json as preference_json
 from evaluation.qa import evaluate_qa
 from evaluation.report import tables, write_files
 from evaluation.result import EvalResult
+from planner import RunShape
+from planner.fit import check_fits
 from runtime.device import resolve_device
 from runtime.directories import check_writable, write_atomically
 from runtime.failure import WriteFailed, writing
@@ -283,8 +285,19 @@ def evaluate_pairs(config: EvalConfig, inputs: EvalInputs, model: torch.nn.Modul
     return result
 
 
+def check_memory(config: EvalConfig) -> None:
+    """Refuse an evaluation whose ranks cannot fit, before any rank starts or any data is read: the planner's fit
+    check of its longest sequence, forward only (the weights in its precision, one block's activations, attention's
+    buffers and the loss's chunk)."""
+    longest = max([config.seq_len] + (config.passkey_lengths if config.passkey_trials else []))
+    shape = RunShape(seq_len=longest, cp=config.cp, precision=config.precision, forward_only=True)
+    check_fits(shape, load_for_eval(config.checkpoint).config, int(os.environ.get("LOCAL_WORLD_SIZE", config.cp)),
+               config.device)
+
+
 def evaluate(config: EvalConfig, console: Console | None = None) -> EvalResult | PreferenceResult:
     """Evaluate `config.checkpoint`; print tables on rank 0 and, with `json_path`, write the JSON and PNG there."""
+    check_memory(config)
     if config.cp > 1 and not dist.is_initialized() and not under_torchrun():
         open_inputs(config)  # bad input is refused here, once, rather than as a crash of every rank
         try:

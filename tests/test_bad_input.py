@@ -22,13 +22,14 @@ from cli import app
 from data import TokenStore, prepare
 from data.store import METADATA_FILE, OFFSETS_FILE
 from models import ModelConfig, Transformer, save_model
+from planner import RunShape, memory_estimate
+from planner import fit as planner_fit
+from planner.hardware import memory_only
 from tests.test_data_prepare import tokenizer as tokenizer  # noqa: F401  (module-scoped fixtures)
 from tests.test_data_prepare import write_corpus
 from tests.test_train import store as store  # noqa: F401
 from trainer import preflight
 from trainer.config import TrainConfig
-from trainer.estimate import memory_estimate
-from trainer.estimate.hardware import memory_only
 
 
 def invoke(*args) -> "CliRunner.invoke":
@@ -301,9 +302,9 @@ def test_a_sequence_longer_than_the_training_split_is_refused_before_any_work(sm
 
 def test_a_sequence_whose_activations_cannot_fit_is_refused_before_any_work(small_store, monkeypatch):
     config = TrainConfig(model="debug", data=str(small_store), seq_len=1024)
-    monkeypatch.setattr(preflight, "available_memory_bytes", lambda: 2**30)  # a machine of 1 GiB: it fits
+    monkeypatch.setattr(planner_fit, "available_memory_bytes", lambda: 2**30)  # a machine of 1 GiB: it fits
     preflight.plan_run(config, world_size=1)
-    monkeypatch.setattr(preflight, "available_memory_bytes", lambda: 2**28)  # 256 MiB: not even the process
+    monkeypatch.setattr(planner_fit, "available_memory_bytes", lambda: 2**28)  # 256 MiB: not even the process
     with pytest.raises(ValueError, match=r"1 local rank on this machine would need about 0.4 GiB \(per rank, "
                                          r"GiB: weights 0.00, .*activations 0.0\d, .*process 0.\d\d\) but 0.2 GiB"):
         preflight.plan_run(config, world_size=1)
@@ -313,19 +314,18 @@ def test_activations_too_large_to_keep_are_refused_naming_the_recomputation_that
     """burst train --seq-len 131072 --cp 2 kept ~14 GiB of activations a rank and was killed for memory on a
     24 GiB machine after its first validation pass (18 minutes); the estimate counted only each block's input."""
     tiny = ModelConfig.from_name("tiny")
-    monkeypatch.setattr(preflight, "available_memory_bytes", lambda: 23 * 2**30)
-    monkeypatch.setattr(preflight.torch.cuda, "is_available", lambda: False)
-    config = TrainConfig(seq_len=65536, cp=2)  # at 131,072 on 23 GiB nothing fits any more
+    monkeypatch.setattr(planner_fit, "available_memory_bytes", lambda: 23 * 2**30)
+    config = RunShape(seq_len=65536, cp=2)  # at 131,072 on 23 GiB nothing fits any more
     parts, _ = memory_estimate(config, tiny, memory_only("cpu", 23 * 2**30, 2), local_ranks=2)
     assert parts["activations"] >= 10 * 2**30  # fitted: 55 KB a token a block (benchmarks/plan_calibration.py)
     with pytest.raises(ValueError, match=r"2 local ranks on this machine would need about \d\d\.\d GiB .* use "
                                          r"--cp \d --dp \d --activation-checkpointing (selective|full) "
                                          r"\(about \d+\.\d GiB"):
-        preflight.check_memory(config, tiny, 2)
-    preflight.check_memory(dataclasses.replace(config, activation_checkpointing="full"), tiny, 2)  # fits
+        planner_fit.check_fits(config, tiny, 2)
+    planner_fit.check_fits(dataclasses.replace(config, activation_checkpointing="full"), tiny, 2)  # fits
     nothing_fits = r"but 23\.0 GiB are available; lower --seq-len \(to \d+,\d+ as set\)"
     with pytest.raises(ValueError, match=nothing_fits):
-        preflight.check_memory(dataclasses.replace(config, seq_len=1048576), tiny, 2)
+        planner_fit.check_fits(dataclasses.replace(config, seq_len=1048576), tiny, 2)
 
 
 def test_more_local_ranks_than_the_machine_can_hold_are_refused_before_any_process_starts(small_store, tmp_path):

@@ -6,9 +6,10 @@ function, or under TYPE_CHECKING, counts as much as one at the top.
     data             token stores, loader, tokenizer: burst, runtime
     models           the model, its checkpoints and conversion: burst, runtime (the directories it writes)
     checkpoints      the training checkpoint's format, every checkpoint source: burst, runtime, models
+    planner          memory, time and FLOPs of a run shape, the GPU table, the fit check: burst, runtime, models
     trainer          `burst train`: all of the above, not evaluation
     evaluation       `burst eval`: all of the above, not trainer
-    bench            `burst bench`: burst, runtime
+    bench            `burst bench`: burst, runtime, planner (one sequence's plan)
     cli              the command line: anything
 """
 
@@ -24,10 +25,11 @@ LOWER = {"burst": set(), "runtime": {"burst"}, "data": {"burst", "runtime"}, "mo
          "checkpoints": {"burst", "runtime", "models"}}
 ALLOWED = {  # package -> the project's packages it may import (its own always)
     **LOWER,
-    "trainer": {*LOWER, "data", "models"},
-    "evaluation": {*LOWER, "data", "models"},
-    "bench": {"burst", "runtime"},
-    "cli": {*LOWER, "trainer", "evaluation", "bench"},
+    "planner": {"burst", "runtime", "models"},
+    "trainer": {*LOWER, "data", "models", "planner"},
+    "evaluation": {*LOWER, "data", "models", "planner"},
+    "bench": {"burst", "runtime", "planner"},
+    "cli": {*LOWER, "trainer", "evaluation", "bench", "planner"},
 }
 
 
@@ -132,6 +134,8 @@ def test_the_modules_are_all_read():
     ({"data.a": {"models.b"}, "models.b": set()}, ["data.a imports models.b"]),
     ({"trainer.a": {"evaluation.b"}, "evaluation.b": set()}, ["trainer.a imports evaluation.b"]),
     ({"evaluation.a": {"trainer.b"}, "trainer.b": set()}, ["evaluation.a imports trainer.b"]),
+    ({"planner.a": {"trainer.b"}, "trainer.b": set()}, ["planner.a imports trainer.b"]),
+    ({"planner.a": {"evaluation.b"}, "evaluation.b": set()}, ["planner.a imports evaluation.b"]),
     ({"trainer.a": {"models.b", "burst.c"}, "models.b": {"burst.c"}, "burst.c": set()}, []),
 ])
 def test_a_breach_is_named(graph, expected):

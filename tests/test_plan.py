@@ -12,10 +12,12 @@ from typer.testing import CliRunner
 
 from cli import app
 from models import ModelConfig, Transformer, save_model
+from planner import RunShape, calibration, estimate, memory_estimate
+from planner import fit as planner_fit
+from planner.fit import check_fits
+from planner.hardware import Hardware, gpu, memory_only
 from trainer import preflight
 from trainer.config import TrainConfig
-from trainer.estimate import calibration, estimate, memory_estimate
-from trainer.estimate.hardware import Hardware, gpu, memory_only
 from trainer.plan import PlanRequest, plan, search
 
 TABLE = Path(__file__).resolve().parent.parent / "benchmarks" / "plan_calibration.json"
@@ -34,7 +36,7 @@ H200 = [("llama3.2-1b", 131072, "selective", 56057, 11.8), ("llama3.2-1b", 32768
 @pytest.mark.parametrize(("model", "seq_len", "mode", "mib", "seconds"), H200)
 def test_the_h200_figures_are_predicted_within_10_percent_memory_and_20_percent_time(model, seq_len, mode, mib,
                                                                                     seconds):
-    config = TrainConfig(model=model, seq_len=seq_len, precision="bf16", activation_checkpointing=mode)
+    config = RunShape(seq_len=seq_len, precision="bf16", activation_checkpointing=mode)
     result = estimate(config, dataclasses.replace(ModelConfig.from_name(model), vocab_size=4096), gpu("h200"))
     # measured as torch.cuda.max_memory_allocated: the tensors alone
     assert abs(result.allocated_bytes / MIB / mib - 1) <= 0.10, result.memory_bytes
@@ -79,30 +81,28 @@ def test_nothing_fits_says_the_longest_sequence_that_does():
     request = PlanRequest(TrainConfig(model="llama3.1-8b", seq_len=2**24), gpu="a100", gpus_per_node=8)
     found, longest, _ = search(request)
     assert found == [] and longest is not None and longest < 2**24
-    config = TrainConfig(model="llama3.1-8b", seq_len=longest, cp=8, activation_checkpointing="full",
-                         precision="bf16")
+    config = RunShape(seq_len=longest, cp=8, activation_checkpointing="full", precision="bf16")
     assert estimate(config, ModelConfig.from_name("llama3.1-8b"), gpu("a100")).fits
 
 
 def test_the_preflight_and_the_plan_are_the_same_estimate(monkeypatch):
     """burst train refuses exactly what burst plan says does not fit: both call memory_estimate."""
     tiny = ModelConfig.from_name("tiny")
-    monkeypatch.setattr(preflight.torch.cuda, "is_available", lambda: False)
     hardware = Hardware("this CPU", "cpu", 8 * 2**30, 0.1, 0.1, 1.0, 1.0, 1.0, 1, 1)
-    monkeypatch.setattr(preflight, "available_memory_bytes", lambda: hardware.memory_bytes)
+    monkeypatch.setattr(planner_fit, "available_memory_bytes", lambda: hardware.memory_bytes)
     for seq_len in (4096, 65536, 262144):
-        config = TrainConfig(model="tiny", seq_len=seq_len, cp=2, precision="fp32")
+        config = preflight.run_shape(TrainConfig(model="tiny", seq_len=seq_len, cp=2, precision="fp32"))
         planned = estimate(config, tiny, hardware)
         assert planned.capacity_bytes == hardware.memory_bytes // 2  # two local ranks share the machine
         if planned.fits:
-            preflight.check_memory(config, tiny, 2)
+            check_fits(config, tiny, 2)
         else:
             with pytest.raises(ValueError, match=f"would need about {2 * planned.peak_memory_bytes / 2**30:,.1f} GiB"):
-                preflight.check_memory(config, tiny, 2)
+                check_fits(config, tiny, 2)
 
 
 def test_a_run_that_cannot_fit_is_refused_before_any_process_starts_naming_settings_that_fit(tmp_path, monkeypatch):
-    monkeypatch.setattr(preflight, "available_memory_bytes", lambda: 24 * 2**30)
+    monkeypatch.setattr(planner_fit, "available_memory_bytes", lambda: 24 * 2**30)
     monkeypatch.setattr(preflight.torch.cuda, "is_available", lambda: False)
     started = []
     monkeypatch.setattr("trainer.launch.run_local", lambda *a, **k: started.append(a), raising=False)
@@ -112,8 +112,8 @@ def test_a_run_that_cannot_fit_is_refused_before_any_process_starts_naming_setti
     assert "would need about" in result.output and "use --cp " in result.output
     assert not started and not (out / "metrics.jsonl").exists()
     suggested = result.output.split("use ")[1].split(" (about")[0].split()
-    config = TrainConfig(model="tiny", seq_len=65536, cp=int(suggested[1]), dp=int(suggested[3]),
-                         activation_checkpointing=suggested[5], precision="fp32")
+    config = RunShape(seq_len=65536, cp=int(suggested[1]), dp=int(suggested[3]),
+                      activation_checkpointing=suggested[5], precision="fp32")
     assert sum(memory_estimate(config, ModelConfig.from_name("tiny"), memory_only("cpu", 24 * 2**30),
                                local_ranks=2)[0].values()) <= 12 * 2**30
 
@@ -125,11 +125,11 @@ def test_eval_is_refused_up_front_when_its_sequence_cannot_fit(tmp_path, monkeyp
     model = tmp_path / "model"
     save_model(Transformer(debug), debug, model)
     monkeypatch.setattr(preflight.torch.cuda, "is_available", lambda: False)
-    parts, _ = memory_estimate(TrainConfig(seq_len=2**20, precision="fp32"), debug, memory_only("cpu", 2**40),
-                               forward_only=True)
+    forward = RunShape(seq_len=2**20, precision="fp32", forward_only=True)
+    parts, _ = memory_estimate(forward, debug, memory_only("cpu", 2**40))
     assert "gradients" not in parts and "optimizer state" not in parts
     needed = sum(parts.values())
-    monkeypatch.setattr(preflight, "available_memory_bytes", lambda: int(needed * 0.9))
+    monkeypatch.setattr(planner_fit, "available_memory_bytes", lambda: int(needed * 0.9))
     result = invoke("eval", "--checkpoint", model, "--seq-len", 2**20, "--precision", "fp32",
                     "--data", tmp_path / "no-store")  # the memory check comes before the data is read
     assert result.exit_code == 2, result.output
@@ -137,35 +137,35 @@ def test_eval_is_refused_up_front_when_its_sequence_cannot_fit(tmp_path, monkeyp
     assert "1 local rank on this machine would need about" in result.output
     assert "lower --seq-len (to 524,288 as set)" in result.output and "Traceback" not in result.output
     # on a GPU each rank has its own memory: more ranks fit (a GPU of 90% of what one rank would need)
-    on_gpu = sum(memory_estimate(TrainConfig(seq_len=2**20, precision="fp32"), debug, memory_only("cuda", 2**40),
-                                 forward_only=True)[0].values())
+    on_gpu = sum(memory_estimate(forward, debug, memory_only("cuda", 2**40))[0].values())
     device = type("Properties", (), {"total_memory": int(on_gpu * 0.9)})
-    monkeypatch.setattr(preflight.torch.cuda, "get_device_properties", lambda index: device)
+    monkeypatch.setattr("torch.cuda.get_device_properties", lambda index: device)
     with pytest.raises(ValueError, match=r"one rank's GPU would need about .* use --cp 2 \(about"):
-        preflight.check_eval_memory(2**20, 1, "fp32", debug, "cuda")
+        check_fits(forward, debug, 1, "cuda")
 
 
 def test_the_estimate_is_linear_in_the_sequence_for_forward_only():
     debug = ModelConfig.from_name("debug")
-    sizes = [sum(memory_estimate(TrainConfig(seq_len=n, precision="fp32"), debug, memory_only("cpu", 2**40),
-                                 forward_only=True)[0].values()) for n in (2**18, 2**19, 2**20)]
+    sizes = [sum(memory_estimate(RunShape(seq_len=n, precision="fp32", forward_only=True), debug,
+                                 memory_only("cpu", 2**40))[0].values()) for n in (2**18, 2**19, 2**20)]
     assert sizes[2] - sizes[1] == pytest.approx(2 * (sizes[1] - sizes[0]), rel=1e-3)
 
 
 def test_document_masks_and_prefix_sharing_cut_attention_as_the_plan_runs_them():
     tiny = ModelConfig.from_name("tiny")
     h100 = gpu("h100")
-    whole = TrainConfig(model="tiny", seq_len=65536, cp=4, precision="bf16")
-    masked = dataclasses.replace(whole, doc_mask=True)
+    whole = RunShape(seq_len=65536, cp=4, precision="bf16")
+    masked = dataclasses.replace(whole, doc_len=4096, layout="balanced")
     full = estimate(whole, tiny, h100).step_time_parts["attention"]
-    documents = estimate(masked, tiny, h100, doc_len=4096).step_time_parts["attention"]
+    documents = estimate(masked, tiny, h100).step_time_parts["attention"]
     assert documents == pytest.approx(full * 4096 / 65536, rel=0.15)  # 16 causal documents: 1/16 the pairs
-    shared = estimate(dataclasses.replace(masked, objective="dpo"), tiny, h100, doc_len=4096)
+    shared = estimate(dataclasses.replace(masked, prefix_sharing=True), tiny, h100)
     assert shared.step_time_parts["attention"] > documents  # answers also see their prompt whole
 
 
 def test_a_mix_of_document_lengths_counts_attention_by_its_length_weighted_mean():
-    from trainer.estimate.time import attention_plan, busiest_rank_pairs, document_boundaries, effective_doc_len
+    from planner.attention import busiest_rank_pairs, document_boundaries, effective_doc_len
+    from planner.time import shape_plan
 
     assert effective_doc_len([100] * 10, 4096) == 100
     assert effective_doc_len([10, 90], 4096) == 82  # (10^2 + 90^2) / 100: the long one holds most pairs
@@ -179,10 +179,10 @@ def test_a_mix_of_document_lengths_counts_attention_by_its_length_weighted_mean(
     # the pairs the plan counts for documents of the weighted length come near the real mix's (causal: l(l+1)/2
     # each; the sequence's last document is cut short), where the plain mean's count half of them
     lengths = [64, 448, 64, 448]
-    config = TrainConfig(seq_len=1024, doc_mask=True)
+    config = RunShape(seq_len=1024, layout="balanced")
     real = sum(n * (n + 1) // 2 for n in lengths)
-    weighted = busiest_rank_pairs(attention_plan(config, effective_doc_len(lengths, 1024)))
-    mean = busiest_rank_pairs(attention_plan(config, sum(lengths) // len(lengths)))
+    weighted = busiest_rank_pairs(shape_plan(dataclasses.replace(config, doc_len=effective_doc_len(lengths, 1024))))
+    mean = busiest_rank_pairs(shape_plan(dataclasses.replace(config, doc_len=sum(lengths) // len(lengths))))
     assert weighted == pytest.approx(real, rel=0.10) and mean < 0.7 * real
 
 
@@ -220,7 +220,7 @@ def test_the_gpu_table_names_its_sources_and_refuses_unknown_gpus():
 
 
 def test_the_calibration_constants_are_the_fit_of_the_stored_table_and_reproduce_its_measurements():
-    """The CPU constants in trainer/estimate/calibration.py are what benchmarks/plan_calibration.py fits on the stored
+    """The CPU constants in planner/calibration.py are what benchmarks/plan_calibration.py fits on the stored
     measurements' calibration half (no run repeated here). As measured on a quiet 2-core machine (docs/plan.md):
     in fp32, step time within 25% and peak memory within 10% on every held-out row (the issue's targets); on the
     rows fitted, time within 25% and memory within 25% (tiny at dp 2 with full recomputation: -21%; peak RSS moves
@@ -231,9 +231,10 @@ def test_the_calibration_constants_are_the_fit_of_the_stored_table_and_reproduce
     fp32 = [row for row in table["rows"] if row.get("precision", "fp32") == "fp32"]
     assert len(fp32) >= 34 and max(row["seq_len"] for row in fp32) >= 131072
     assert {row["documents"] for row in fp32} == {"one", "packed", "pairs"}
-    for precision, key in (("fp32", "cpu"), ("bf16", "cpu-bf16")):
+    for precision in ("fp32", "bf16"):
         for name, value in fit(table, precision).items():
-            assert getattr(calibration, name)[key] == pytest.approx(value, rel=1e-3, abs=1e-12), (key, name)
+            assert getattr(calibration.CPU.constants(precision), name) == pytest.approx(value, rel=1e-3, abs=1e-12), (
+                precision, name)
     lines = report(table)
     fp32 = [line for line in lines if line["precision"] == "fp32"]
     assert all(abs(line["time_error"]) <= 0.25 for line in fp32), [line["time_error"] for line in fp32]
@@ -254,16 +255,15 @@ def test_a_cpu_plan_in_bf16_takes_the_bf16_constants_and_says_so_where_the_cpu_h
     2,252 MiB in bf16 and 2,523 in fp32, where halving every saved tensor would say about 1,770), fitted on the
     bf16 grid of a CPU with native bf16; where the CPU has none, the plan says its step time is not that CPU's."""
     import trainer.plan as plan_module
-    from trainer.estimate.hardware import Hardware
 
     cpu = Hardware("this CPU", "cpu", 2**40, 0.4, 0.4, 5.0, 1.0, 10.0, 1, 1, "test", 2)
     tiny = ModelConfig.from_name("tiny")
-    bf16 = estimate(TrainConfig(model="tiny", seq_len=4096, precision="bf16"), tiny, cpu)
-    fp32 = estimate(TrainConfig(model="tiny", seq_len=4096, precision="fp32"), tiny, cpu)
-    assert bf16.memory_bytes["process"] == calibration.PROCESS_BYTES["cpu-bf16"]
+    bf16_shape, fp32_shape = RunShape(seq_len=4096, precision="bf16"), RunShape(seq_len=4096, precision="fp32")
+    bf16, fp32 = estimate(bf16_shape, tiny, cpu), estimate(fp32_shape, tiny, cpu)
+    assert bf16.memory_bytes["process"] == calibration.CPU.bf16.process_bytes
     assert 0.7 < bf16.peak_memory_bytes / fp32.peak_memory_bytes < 1.0  # not half: float32 is kept
     monkeypatch.setattr(plan_module, "native_cpu_bf16", lambda: False)
-    assert "no native bf16" in plan_module.format_plan(TrainConfig(model="tiny", precision="bf16"), bf16, cpu)
-    assert "no native bf16" not in plan_module.format_plan(TrainConfig(model="tiny", precision="fp32"), fp32, cpu)
+    assert "no native bf16" in plan_module.format_plan(TrainConfig(model="tiny"), bf16_shape, bf16, cpu)
+    assert "no native bf16" not in plan_module.format_plan(TrainConfig(model="tiny"), fp32_shape, fp32, cpu)
     monkeypatch.setattr(plan_module, "native_cpu_bf16", lambda: True)
-    assert "no native bf16" not in plan_module.format_plan(TrainConfig(model="tiny", precision="bf16"), bf16, cpu)
+    assert "no native bf16" not in plan_module.format_plan(TrainConfig(model="tiny"), bf16_shape, bf16, cpu)

@@ -1,8 +1,10 @@
-"""`burst plan`: what a run needs per rank and how fast it goes, before it starts, from trainer/estimate/.
+"""`burst plan`: what a run needs per rank and how fast it goes, before it starts, from the planner (planner/).
 
-`plan(request)` estimates one configuration; `search(request)` ranks the cp x dp x recomputation settings of
-the hardware's GPUs that fit by tokens per second, or finds the longest sequence that fits. Both print
-through `format_*` and write JSON through `to_json`; the CLI only parses flags.
+The request's settings are those `burst train` takes; its model is resolved as `burst train` resolves it
+(trainer/preflight.py's resolve_model) and reduced to a run shape (preflight's run_shape). `plan(request)`
+estimates that shape; `search(request)` ranks the cp x dp x recomputation settings of the hardware's GPUs that fit
+by tokens per second, or finds the longest sequence that fits. Both print through `format_*` and write JSON
+through `to_json`; the CLI only parses flags.
 """
 
 from __future__ import annotations
@@ -13,12 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from models import PRESETS, ModelConfig
-from models.convert import read_checkpoint
+from planner import Estimate, RunShape, estimate
+from planner.attention import effective_doc_len
+from planner.hardware import Hardware, gpu, local_hardware
+from planner.search import layouts, longest_sequence
 from trainer.config import TrainConfig
-from trainer.estimate import Estimate, estimate
-from trainer.estimate.hardware import Hardware, gpu, local_hardware
-from trainer.estimate.search import describe, layouts, longest_sequence
-from trainer.estimate.time import effective_doc_len
+from trainer.preflight import resolve_model, run_shape
 
 GIB = 2**30
 
@@ -26,7 +28,7 @@ GIB = 2**30
 @dataclass(frozen=True)
 class PlanRequest:
     config: TrainConfig  # the settings `burst train` would get
-    gpu: str | None = None  # a GPU of the table (trainer/estimate/hardware.py); None: this machine
+    gpu: str | None = None  # a GPU of the table (planner/hardware.py); None: this machine
     gpus_per_node: int | None = None
     nodes: int = 1
     vocab_size: int | None = None  # replace the preset's vocabulary (a store prepared with another tokenizer)
@@ -45,32 +47,24 @@ def hardware_of(request: PlanRequest) -> Hardware:
     return local_hardware(request.gpus_per_node, request.nodes, precision)
 
 
-def model_config_of(request: PlanRequest) -> ModelConfig:
-    """The model `burst train` would build: a preset or a model directory's config, the context raised to --seq-len.
-    A preset takes --vocab-size, else the vocabulary of the --data store, as `burst train` gives it (without
-    --data, the preset's own: a plan for another machine's data)."""
-    config = request.config
-    name = config.model or "tiny"
-    if name in PRESETS:
-        model = ModelConfig.from_name(name)
-        vocab = request.vocab_size or store_vocab_size(config)
-    elif Path(name).is_dir():
-        model, vocab = read_checkpoint(Path(name)).config, request.vocab_size
-    else:
-        raise ValueError(f"--model {name!r} is neither a preset ({', '.join(PRESETS)}) nor a model directory")
-    if vocab is not None:
-        model = dataclasses.replace(model, vocab_size=vocab)
-    return dataclasses.replace(model, max_seq_len=max(model.max_seq_len, config.seq_len))
-
-
-def store_vocab_size(config: TrainConfig) -> int | None:
-    """The vocabulary of the first --data store (a mixture's stores share one tokenizer), or None without --data."""
+def first_store(config: TrainConfig):
+    """The first --data store (a mixture's stores share one tokenizer), or None without --data."""
     if not config.data:
         return None
     from data import TokenStore
     from data.mixture import parse_mixture
 
-    return TokenStore(Path(parse_mixture(config.data)[0].path)).vocab_size
+    return TokenStore(Path(parse_mixture(config.data)[0].path))
+
+
+def model_config_of(request: PlanRequest) -> ModelConfig:
+    """The model `burst train` would build (trainer/preflight.py's resolve_model): a preset takes the --data store's
+    vocabulary, as `burst train` gives it (without --data, the preset's own: a plan for another machine's data);
+    --vocab-size replaces either."""
+    model, _, _ = resolve_model(request.config, first_store(request.config))
+    if request.vocab_size is not None:
+        model = dataclasses.replace(model, vocab_size=request.vocab_size)
+    return model
 
 
 def documents_length(request: PlanRequest) -> int | None:
@@ -90,7 +84,7 @@ def documents_length(request: PlanRequest) -> int | None:
 
 def store_doc_len(path: Path, seq_len: int, min_doc: int = 0) -> int:
     """A token store's documents as the loader packs them into `seq_len` (each framed by BOS and EOS), in the one
-    length that counts their attention pairs (trainer/estimate/time.py's effective_doc_len)."""
+    length that counts their attention pairs (planner/attention.py's effective_doc_len)."""
     from data import TokenStore
 
     store = TokenStore(path)
@@ -111,7 +105,7 @@ def resolved(config: TrainConfig, hardware: Hardware) -> TrainConfig:
     return dataclasses.replace(config, precision=resolve_precision("auto", torch.device("cpu")).name)
 
 
-def plan(request: PlanRequest) -> tuple[TrainConfig, Estimate, Hardware]:
+def plan(request: PlanRequest) -> tuple[RunShape, Estimate, Hardware]:
     """The estimate of the request's own settings."""
     hardware = hardware_of(request)
     config = resolved(request.config, hardware)
@@ -119,12 +113,13 @@ def plan(request: PlanRequest) -> tuple[TrainConfig, Estimate, Hardware]:
     if hardware.device == "cuda" and config.world_size > gpus:
         raise ValueError(f"--cp {config.cp} x --dp {config.dp} = {config.world_size} ranks, but {hardware.nodes} "
                          f"node(s) of {hardware.gpus_per_node} GPUs have {gpus}; raise --gpus-per-node or --nodes")
-    return config, estimate(config, model_config_of(request), hardware, doc_len=documents_length(request)), hardware
+    shape = run_shape(config, documents_length(request))
+    return shape, estimate(shape, model_config_of(request), hardware), hardware
 
 
 @dataclass(frozen=True)
 class Candidate:
-    config: TrainConfig
+    shape: RunShape
     estimate: Estimate
 
 
@@ -136,25 +131,28 @@ def search(request: PlanRequest, top: int = 8) -> tuple[list[Candidate], int | N
     config = resolved(request.config, hardware)
     model = model_config_of(request)
     gpus = hardware.gpus_per_node * hardware.nodes if hardware.device == "cuda" else config.world_size
-    doc_len = documents_length(request)
-    found = [Candidate(c, e) for c in layouts(config, gpus)
-             if (e := estimate(c, model, hardware, doc_len=doc_len)).fits]
+    shape = run_shape(config, documents_length(request))
+    found = [Candidate(c, e) for c in layouts(shape, gpus) if (e := estimate(c, model, hardware)).fits]
     found.sort(key=lambda candidate: -candidate.estimate.tokens_per_s)
     longest = None
     if not found:
         most = max(c for c in range(1, gpus + 1) if gpus % c == 0)
-        longest = longest_sequence(dataclasses.replace(config, cp=most, dp=gpus // most,
+        longest = longest_sequence(dataclasses.replace(shape, cp=most, dp=gpus // most,
                                                        activation_checkpointing="full"), model, hardware)
     return found[:top], longest, hardware
 
 
-def format_plan(config: TrainConfig, result: Estimate, hardware: Hardware) -> str:
-    lines = [f"plan: {config.model or 'tiny'}, --seq-len {config.seq_len:,}, {describe(config)}, --batch-size "
-             f"{config.batch_size}, --precision {config.precision}, on {hardware.name} "
+def model_name(config: TrainConfig) -> str:
+    return config.model or (f"--init-from {config.init_from}" if config.init_from else "tiny")
+
+
+def format_plan(config: TrainConfig, shape: RunShape, result: Estimate, hardware: Hardware) -> str:
+    lines = [f"plan: {model_name(config)}, --seq-len {shape.seq_len:,}, {shape.describe()}, --batch-size "
+             f"{shape.batch_size}, --precision {shape.precision}, on {hardware.name} "
              f"({hardware.nodes} x {hardware.gpus_per_node})"]
     lines.append(f"model: {result.vocab_size:,}-token vocabulary"
                  + (" (the preset's: pass --data or --vocab-size for a store's)" if not config.data and
-                    (config.model or "tiny") in PRESETS else ""))
+                    (config.model or "tiny") in PRESETS and config.init_from is None else ""))
     if isinstance(result.doc_len, int):
         lines.append(f"documents: attention counted for documents of {result.doc_len:,} tokens (--doc-len, or the "
                      "stores' length-weighted mean)")
@@ -167,7 +165,7 @@ def format_plan(config: TrainConfig, result: Estimate, hardware: Hardware) -> st
     lines += [f"  {name:<20} {seconds:10.3f}" for name, seconds in result.step_time_parts.items()]
     lines.append(f"  {'step':<20} {result.step_time_s:10.3f}")
     lines.append(f"tokens/s per GPU {result.tokens_per_s:,.0f}; MFU {result.mfu:.1%}")
-    if hardware.device == "cpu" and config.precision == "bf16" and not native_cpu_bf16():
+    if hardware.device == "cpu" and shape.precision == "bf16" and not native_cpu_bf16():
         lines.append("note: this CPU has no native bf16, where bf16 runs many times slower than fp32; the estimate's "
                      "bf16 constants come from a CPU that has it (docs/plan.md), so its step time is not this "
                      "CPU's (--precision fp32 plans what it runs fast)")
@@ -184,32 +182,40 @@ def native_cpu_bf16() -> bool:
 
 def format_search(config: TrainConfig, found: list[Candidate], longest: int | None, hardware: Hardware) -> str:
     gpus = hardware.gpus_per_node * hardware.nodes
-    head = f"settings that fit {config.model or 'tiny'} at --seq-len {config.seq_len:,} on {gpus} x {hardware.name}"
+    head = f"settings that fit {model_name(config)} at --seq-len {config.seq_len:,} on {gpus} x {hardware.name}"
     if not found:
-        return (f"nothing fits {config.model or 'tiny'} at --seq-len {config.seq_len:,} on {gpus} x {hardware.name}; "
+        return (f"nothing fits {model_name(config)} at --seq-len {config.seq_len:,} on {gpus} x {hardware.name}; "
                 + (f"the longest sequence that fits (--cp over every GPU, full recomputation) is {longest:,}"
                    if longest else "not even 1,024 tokens fit"))
     rows = [head + ", fastest first:",
             f"  {'cp':>3} {'dp':>3} {'recompute':<10} {'peak GiB':>9} {'step s':>8} {'tok/s/GPU':>10} {'MFU':>6}"]
-    rows += [f"  {c.config.cp:>3} {c.config.dp:>3} {c.config.activation_checkpointing:<10} "
+    rows += [f"  {c.shape.cp:>3} {c.shape.dp:>3} {c.shape.activation_checkpointing:<10} "
              f"{c.estimate.peak_memory_bytes / GIB:9.1f} {c.estimate.step_time_s:8.2f} "
              f"{c.estimate.tokens_per_s:10,.0f} {c.estimate.mfu:6.1%}" for c in found]
     return "\n".join(rows)
 
 
-def to_json(config: TrainConfig, result: Estimate, hardware: Hardware,
+def to_json(config: TrainConfig, shape: RunShape, result: Estimate, hardware: Hardware,
             found: list[Candidate] | None = None) -> dict:
     """The plan as one JSON object (see docs/plan.md for the keys)."""
-    document = {**result.to_json(), "settings": {"model": config.model, "seq_len": config.seq_len, "cp": config.cp,
-                                                 "dp": config.dp, "batch_size": config.batch_size,
-                                                 "activation_checkpointing": config.activation_checkpointing,
-                                                 "precision": config.precision},
-                "hardware": dataclasses.asdict(hardware)}
+    document = {**result.to_json(), "settings": {"model": config.model, "seq_len": shape.seq_len, "cp": shape.cp,
+                                                 "dp": shape.dp, "batch_size": shape.batch_size,
+                                                 "activation_checkpointing": shape.activation_checkpointing,
+                                                 "precision": shape.precision},
+                "hardware": hardware_json(hardware)}
     if found is not None:
-        document["search"] = [{"cp": c.config.cp, "dp": c.config.dp,
-                               "activation_checkpointing": c.config.activation_checkpointing, **c.estimate.to_json()}
+        document["search"] = [{"cp": c.shape.cp, "dp": c.shape.dp,
+                               "activation_checkpointing": c.shape.activation_checkpointing, **c.estimate.to_json()}
                               for c in found]
     return document
+
+
+def hardware_json(hardware: Hardware) -> dict:
+    """The hardware as the JSON shows it: its figures, and the calibration record its constants come from."""
+    figures = {field.name: getattr(hardware, field.name) for field in dataclasses.fields(hardware)
+               if field.name != "calibration"}
+    record = hardware.record
+    return {**figures, "calibration": {"machine": record.machine, "source": record.source}}
 
 
 def write_json(path: Path, document: dict) -> None:

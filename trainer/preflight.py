@@ -32,14 +32,13 @@ from models import PRESETS, ModelConfig
 from models.checkpoint import is_native_checkpoint
 from models.convert import is_hf_checkpoint, read_checkpoint
 from models.rope import ORIGINAL_LENGTH, parse_rope_scaling
+from planner import RunShape
+from planner.fit import check_fits
 from runtime.device import Device, resolve_device
 from runtime.directories import check_writable, read_marker
 from runtime.precision import Precision, resolve_precision
 from trainer.checkpoint import check_model_config, metrics_rows
 from trainer.config import TrainConfig, run_identity
-from trainer.estimate import memory_estimate
-from trainer.estimate.hardware import available_memory_bytes, memory_only
-from trainer.estimate.search import describe, fitting, longest_sequence
 from trainer.preference import check_preferences, check_reference_kept
 from trainer.rundir import check_run_dir
 
@@ -72,17 +71,38 @@ def check_world_size(config: TrainConfig, world_size: int) -> None:
                          f"N x M = {config.world_size}), or change --cp/--dp to multiply to {world_size}")
 
 
-def model_and_store(config: TrainConfig, store: TokenStore) -> tuple[ModelConfig, Path | None]:
+def resolve_model(config: TrainConfig, store: TokenStore | None,
+                  out: Path | None = None) -> tuple[ModelConfig, Path | None, Path | None]:
+    """(the model to build, the checkpoint its weights load from, the training checkpoint a new stage starts from):
+    --init-from's run (or, resuming a stage, the run in `out`), else --model (a preset, default tiny, or a model
+    directory). `burst train` and `burst plan` both resolve the model here. store: the data's first store, which the
+    model is checked against and a preset takes its vocabulary from (None: no data named, `burst plan` for data
+    elsewhere: a preset keeps its own vocabulary)."""
+    if config.init_from is not None and config.resume:  # a stage continues with the model its checkpoints hold
+        model_config = read_model_checkpoint(out).config
+        if store is not None:
+            check_store_fits(store, model_config, out, out)
+        return model_config, None, None
+    if config.init_from is not None:
+        model_config, init_from = init_checkpoint(config, store)
+        return model_config, None, init_from
+    model_config, checkpoint = model_and_store(config, store)
+    return model_config, checkpoint, None
+
+
+def model_and_store(config: TrainConfig, store: TokenStore | None) -> tuple[ModelConfig, Path | None]:
     """The model config and starting checkpoint for `config.model` (a preset, default tiny, or a model directory),
     with --rope-theta and --rope-scaling applied, checked against the store's tokenizer; the config names the
     tokenizer's BOS and EOS (exports write them)."""
     name = config.model or DEFAULT_MODEL
     if name in PRESETS:
         preset = with_rope(ModelConfig.from_name(name), config)
+        preset = dataclasses.replace(preset, max_seq_len=max(preset.max_seq_len, config.seq_len))
+        if store is None:
+            return preset, None
         # A fresh model gets the store's vocabulary, so any tokenizer trains any preset.
         return dataclasses.replace(preset, vocab_size=store.vocab_size, bos_token_id=store.bos_id,
-                                   eos_token_id=store.eos_id,
-                                   max_seq_len=max(preset.max_seq_len, config.seq_len)), None
+                                   eos_token_id=store.eos_id), None
     path = Path(name)
     if not path.is_dir():
         raise ValueError(f"--model {name!r} is neither a preset ({', '.join(PRESETS)}) nor a directory")
@@ -94,6 +114,8 @@ def model_and_store(config: TrainConfig, store: TokenStore) -> tuple[ModelConfig
         raise ValueError(f"--model {path} is not a model checkpoint directory (a native or Hugging Face LLaMA "
                          f"config.json with safetensors weights)")
     model_config = with_rope(read_checkpoint(path).config, config)  # validated from the file headers, no tensor read
+    if store is None:
+        return model_config, path
     check_store_fits(store, model_config, path, path)
     return with_specials(model_config, store, path), path
 
@@ -148,7 +170,7 @@ def trained_context(checkpoint: Path, model_config: ModelConfig) -> int:
     return model_config.max_seq_len
 
 
-def init_checkpoint(config: TrainConfig, store: TokenStore) -> tuple[ModelConfig, Path]:
+def init_checkpoint(config: TrainConfig, store: TokenStore | None) -> tuple[ModelConfig, Path]:
     """The training checkpoint --init-from names (a run's newest, or one checkpoint), checked whole, and the
     model this new stage trains: the checkpoint's, its --rope-scaling extending the context the checkpoint was
     trained at (`trained_context`), with max_seq_len raised from that context to --seq-len."""
@@ -169,6 +191,8 @@ def init_checkpoint(config: TrainConfig, store: TokenStore) -> tuple[ModelConfig
     context = trained_context(resolved, checkpoint.config)
     model_config = with_rope(dataclasses.replace(checkpoint.config, max_seq_len=max(context, config.seq_len)),
                              config, context)
+    if store is None:
+        return model_config, resolved
     check_store_fits(store, model_config, checkpoint.tokenizer, path)
     return with_specials(model_config, store, path), resolved
 
@@ -218,52 +242,15 @@ def check_conversations(config: TrainConfig, sources: list[Source]) -> None:
             SequenceLoader(source.val, train_on_prompt=config.train_on_prompt, **loader)
 
 
-def check_memory(config: TrainConfig, model_config: ModelConfig, local_ranks: int, device_kind: str = "cpu",
-                 forward_only: bool = False) -> None:
-    """Refuse a run whose ranks cannot fit, from the estimate `burst plan` prints (trainer/estimate/): one rank's
-    GPU on CUDA; on CPU every local rank (a process each, sharing this machine's memory), so too many local ranks
-    are refused before any process starts. The refusal names the settings of the same ranks that fit (cp x dp,
-    recomputation) and the longest --seq-len that fits as set. forward_only: evaluation (no gradients or
-    optimizer)."""
-    cuda = device_kind == "cuda"
-    if cuda:
-        hardware = memory_only("cuda", torch.cuda.get_device_properties(0).total_memory, local_ranks)
-        what = "one rank's GPU"
-    else:
-        hardware = memory_only("cpu", available_memory_bytes(), local_ranks)
-        what = f"{local_ranks} local rank{'s' if local_ranks > 1 else ''} on this machine"
-    parts, capacity = memory_estimate(config, model_config, hardware, local_ranks=local_ranks,
-                                      forward_only=forward_only)
-    needed = sum(parts.values())
-    if needed <= capacity:
-        return
-    ranks = 1 if cuda else local_ranks
-    shown = ", ".join(f"{name} {size / 2**30:,.2f}" for name, size in parts.items() if size)
-    options = sorted(fitting(config, model_config, hardware, config.world_size, local_ranks=local_ranks,
-                             forward_only=forward_only),
-                     key=lambda c: (c.cp, c.dp) != (config.cp, config.dp))  # the same layout first, then others
-
-    def need(candidate: TrainConfig) -> str:
-        size = sum(memory_estimate(candidate, model_config, hardware, local_ranks=local_ranks,
-                                   forward_only=forward_only)[0].values())
-        return f"{describe(candidate, forward_only)} (about {ranks * size / 2**30:,.1f} GiB)"
-
-    use = f"use {' or '.join(need(c) for c in options[:3])}, " if options else ""
-    longest = longest_sequence(config, model_config, hardware, local_ranks=local_ranks, forward_only=forward_only)
-    lower = f"lower --seq-len (to {longest:,} as set)" if longest else "lower --seq-len"
-    raise ValueError(f"{what} would need about {ranks * needed / 2**30:,.1f} GiB (per rank, GiB: {shown}) but "
-                     f"{ranks * capacity / 2**30:,.1f} GiB are available; {use}{lower}, --batch-size or "
-                     f"--dp x --cp on one machine, raise --cp to split sequences further, or spread the ranks over "
-                     f"more machines with torchrun (`burst plan --search` ranks what fits by speed)")
-
-
-def check_eval_memory(seq_len: int, cp: int, precision: str, model_config: ModelConfig,
-                      device_kind: str = "cpu") -> None:
-    """Refuse an evaluation whose ranks cannot fit, from the same estimate as training's (forward only: the weights
-    in `precision`, one block's activations, attention's buffers and the loss's chunk), before any rank starts."""
-    config = TrainConfig(seq_len=seq_len, cp=cp, precision=precision)
-    check_memory(config, model_config, int(os.environ.get("LOCAL_WORLD_SIZE", cp)), device_kind,
-                 forward_only=True)
+def run_shape(config: TrainConfig, doc_len: int | list[int] | None = None) -> RunShape:
+    """The planner's view of `config`: the settings its memory and time depend on. doc_len: with --doc-mask, the
+    packed documents' length attention is counted for (None: one per sequence)."""
+    return RunShape(seq_len=config.seq_len, batch_size=config.batch_size, grad_accum=config.grad_accum, cp=config.cp,
+                    dp=config.dp, precision=config.precision, activation_checkpointing=config.activation_checkpointing,
+                    doc_len=doc_len if config.doc_mask else None,
+                    prefix_sharing=bool(config.doc_mask and config.objective != "nll" and config.prefix_sharing),
+                    layout=config.sequence_layout, cp_topology=config.cp_topology,
+                    attention_backward=config.attention_backward)
 
 
 def restart_count() -> int:
@@ -296,21 +283,14 @@ def plan_run(config: TrainConfig, world_size: int, restart: int = 0) -> RunPlan:
     data = config.data or [f"stdlib={default_store()}"]
     sources = open_sources(parse_mixture(data))
     store = sources[0].store  # every source has the same tokenizer (open_sources checks)
-    init_from = checkpoint = None
-    if config.init_from is not None and config.resume:  # a stage continues with the model its checkpoints hold
-        model_config = read_model_checkpoint(Path(out)).config
-        check_store_fits(store, model_config, Path(out), Path(out))
-    elif config.init_from is not None:
-        model_config, init_from = init_checkpoint(config, store)
-    else:
-        model_config, checkpoint = model_and_store(config, store)
+    model_config, checkpoint, init_from = resolve_model(config, store, Path(out))
     # The loader checks batch, sequence and conversation settings against the data; building one reads no tokens
     # (but an over-long conversation's, to truncate it).
     config = with_document_mask(config, sources)
     check_preferences(config, sources)
     check_conversations(config, sources)
     check_sequence_fits(config, sources)
-    check_memory(config, model_config, local_ranks, device.kind)
+    check_fits(run_shape(config), model_config, local_ranks, device.kind)
     resume_from = check_resume(config, Path(out), model_config, sources) if config.resume else None
     if resume_from is not None:
         check_reference_kept(config, Path(out))

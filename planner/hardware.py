@@ -10,8 +10,11 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+
+from planner import calibration
+from planner.calibration import Calibration, Constants
 
 MIB, GIB = 2**20, 2**30
 
@@ -30,29 +33,51 @@ class Hardware:
     nodes: int = 1
     source: str = ""
     cores: int = 0  # a CPU's cores, which its ranks share (0: a GPU, each rank has its own)
+    fp32_tflops: float = 0.0  # a GPU's dense fp32 peak without tensor cores (0: matmul_tflops, a CPU's measured rate)
+    calibration: Calibration | None = None  # the constants this hardware is planned with (None: its device's default)
 
     @property
     def shared_memory(self) -> bool:
         """Whether the ranks of one node share `memory_bytes` (processes on one CPU) instead of having it each."""
         return self.device == "cpu"
 
+    @property
+    def record(self) -> Calibration:
+        """The calibration record the plan uses: this hardware's own, else the one shipped for its device."""
+        return self.calibration or calibration.default(self.device)
+
+    def constants(self, precision: str) -> Constants:
+        return self.record.constants(precision)
+
+    def peak_tflops(self, precision: str) -> float:
+        """The dense matmul peak in `precision`: MFU's denominator. A GPU's bf16 peak needs tensor cores, which fp32
+        matmuls do not use (burst leaves TF32 off); a CPU's rate is measured in the run's precision."""
+        return self.matmul_tflops
+
+    def attention_tflops_in(self, precision: str) -> float:
+        """The attention rate in `precision`: the fused kernels' bf16 rate, scaled as the matmul peak is in fp32."""
+        return self.attention_tflops * self.peak_tflops(precision) / self.matmul_tflops if self.matmul_tflops else \
+            self.attention_tflops
+
 
 # Figures and their sources. Memory is what torch.cuda reports as total (a little below the marketing GB).
 GPUS: dict[str, Hardware] = {
     "h100": Hardware("H100 SXM 80GB", "cuda", 81_559 * MIB, 989.0, 320.0, 450.0, 50.0, 3350.0, 8, 1,
                      "NVIDIA H100 datasheet: 989 TFLOP/s dense bf16, 3.35 TB/s HBM3, NVLink 900 GB/s both ways; "
-                     "ConnectX-7 400 Gb/s per GPU; attention as measured on the H200 (same GH100 compute)"),
+                     "ConnectX-7 400 Gb/s per GPU; attention as measured on the H200 (same GH100 compute); "
+                     "fp32 67 TFLOP/s",
+                     fp32_tflops=67.0),
     "h200": Hardware("H200 141GB", "cuda", 143_771 * MIB, 989.0, 320.0, 450.0, 50.0, 4800.0, 8, 1,
                      "NVIDIA H200 datasheet: 989 TFLOP/s dense bf16, 4.8 TB/s HBM3e, NVLink 900 GB/s both ways; "
-                     "attention 320 TFLOP/s measured on one H200 (issue 36)"),
+                     "attention 320 TFLOP/s measured on one H200 (issue 36); fp32 67 TFLOP/s", fp32_tflops=67.0),
     "a100": Hardware("A100 SXM 80GB", "cuda", 81_251 * MIB, 312.0, 225.0, 300.0, 25.0, 2039.0, 8, 1,
                      "NVIDIA A100 datasheet: 312 TFLOP/s dense bf16, 2.0 TB/s HBM2e, NVLink 600 GB/s both ways; "
                      "HDR 200 Gb/s per GPU (DGX A100); attention: FlashAttention-2 paper, up to 225 TFLOP/s "
-                     "training on A100"),
+                     "training on A100; fp32 19.5 TFLOP/s", fp32_tflops=19.5),
     "b200": Hardware("B200 192GB", "cuda", 183_359 * MIB, 2250.0, 730.0, 900.0, 50.0, 8000.0, 8, 1,
                      "NVIDIA B200 datasheet: 2.25 PFLOP/s dense bf16 (4.5 with sparsity), 8 TB/s HBM3e, NVLink 5 "
                      "1.8 TB/s both ways; ConnectX-7 400 Gb/s per GPU (DGX B200); attention: the H200's measured "
-                     "fraction of peak (320 / 989), not measured"),
+                     "fraction of peak (320 / 989), not measured; fp32 80 TFLOP/s", fp32_tflops=80.0),
 }
 
 
@@ -63,7 +88,12 @@ def gpu(name: str, gpus_per_node: int | None = None, nodes: int = 1) -> Hardware
         raise ValueError(f"--gpu {name!r} is not in the table; known: {', '.join(GPUS)} (or leave --gpu out to plan "
                          f"for this machine)")
     known = GPUS[key]
-    return Hardware(**{**asdict(known), "gpus_per_node": gpus_per_node or known.gpus_per_node, "nodes": nodes})
+    return replace(known, gpus_per_node=gpus_per_node or known.gpus_per_node, nodes=nodes)
+
+
+def table_gpu(device_name: str) -> Hardware | None:
+    """The table's entry for a GPU as torch.cuda names it ("NVIDIA H100 80GB HBM3"), or None for one not in it."""
+    return next((GPUS[key] for key in GPUS if key in device_name.lower()), None)
 
 
 def local_hardware(gpus_per_node: int | None = None, nodes: int = 1, precision: str = "fp32") -> Hardware:
@@ -73,10 +103,10 @@ def local_hardware(gpus_per_node: int | None = None, nodes: int = 1, precision: 
 
     if torch.cuda.is_available():
         properties = torch.cuda.get_device_properties(0)
-        named = next((GPUS[key] for key in GPUS if key in properties.name.lower()), GPUS["h100"])
-        return Hardware(**{**asdict(named), "name": properties.name, "memory_bytes": properties.total_memory,
-                           "gpus_per_node": gpus_per_node or torch.cuda.device_count(), "nodes": nodes,
-                           "source": f"torch.cuda for memory; rates of the table's {named.name}"})
+        named = table_gpu(properties.name) or GPUS["h100"]
+        return replace(named, name=properties.name, memory_bytes=properties.total_memory,
+                       gpus_per_node=gpus_per_node or torch.cuda.device_count(), nodes=nodes,
+                       source=f"torch.cuda for memory; rates of the table's {named.name}")
     from runtime.launch import available_cores
 
     tflops, cores = cpu_matmul_tflops(dtype=torch.bfloat16 if precision == "bf16" else torch.float32), available_cores()

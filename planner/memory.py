@@ -1,0 +1,131 @@
+"""Peak memory of one training (or forward-only) rank, by part.
+
+The peak comes early in backward: every activation backward needs is still held, the optimizer's moments
+exist (from the second step on), and the gradients are only those of the blocks already differentiated
+(FSDP reduce-scatters each block's as it goes; one process adds them as it goes). Late in backward the
+activations are gone and the whole gradient is there; the peak is the larger of the two.
+
+Each part is one function of the shape, the model's footprint and the hardware; `memory_parts` names them. A new
+term (adapters, offloaded activations, a tiled MLP) is one more function and one more entry there.
+"""
+
+from __future__ import annotations
+
+from models.footprint import Footprint
+from planner.hardware import Hardware
+from planner.shape import RunShape
+
+LOSS_CHUNK = 1024  # rows of logits models/loss.py forms at a time
+
+
+def compute_width(shape: RunShape) -> int:
+    """Bytes per value the matmuls read and write: bf16 under --precision bf16, else float32."""
+    return 2 if shape.precision == "bf16" else 4
+
+
+def activation_width(shape: RunShape, hardware: Hardware) -> int:
+    """Bytes per value the calibration's activation constants count in: the compute dtype's on CUDA; 4 on CPU, where
+    autocast saves most tensors in float32 (tiny at 4K tokens held 2,214 MiB in bf16, 2,523 in fp32), and bf16 has
+    constants of its own."""
+    return 4 if hardware.device == "cpu" else compute_width(shape)
+
+
+def residual_width(shape: RunShape, hardware: Hardware) -> int:
+    """Bytes per value of the residual stream: bf16 only where FSDP casts the parameters (CUDA, several
+    ranks); autocast over float32 parameters keeps the stream float32."""
+    return 2 if shape.precision == "bf16" and hardware.device == "cuda" and shape.world_size > 1 else 4
+
+
+def activation_bytes(shape: RunShape, model: Footprint, hardware: Hardware, mode: str) -> tuple[int, int]:
+    """(kept, working): the activations one rank's layers keep for backward under recomputation `mode` (none,
+    selective, full), and the working set of the block backward is in, held from its first block to its last.
+
+    kept: none, every other block's saved tensors; full, each block's input; selective, each block's input and
+    attention's output (and its log-sum-exp; on CPU more stays, selective_values_per_dim). working: the block's
+    saved tensors (recomputed, or its own), the gradients in flight through it (more when the whole block is
+    recomputed), and what lies outside the blocks (embedding output, final norm, the loss's hidden rows)."""
+    width, residual = activation_width(shape, hardware), residual_width(shape, hardware)
+    constants = hardware.constants(shape.precision)
+    block = constants.block_bytes_per_value * model.block_width * width / 2
+    selective = residual * model.dim + constants.selective_values_per_dim * width * model.dim
+    kept = {"none": (model.layers - 1) * block,
+            "selective": model.layers * (selective + 4 * model.heads),
+            "full": model.layers * residual * model.dim}[mode]
+    in_flight = constants.backward_bytes_per_value + (
+        constants.full_recompute_bytes_per_value if mode == "full" else 0.0)
+    working = block + in_flight * model.block_width * width / 2 + constants.outer_bytes_per_dim * model.dim
+    return int(shape.tokens_per_rank * kept), int(shape.tokens_per_rank * working)
+
+
+def forward_activation_bytes(shape: RunShape, model: Footprint, hardware: Hardware) -> int:
+    """Evaluation's activations: one block's, freed as the next runs."""
+    constants = hardware.constants(shape.precision)
+    return int(shape.tokens_per_rank * constants.block_bytes_per_value * model.block_width
+               * activation_width(shape, hardware) / 2)
+
+
+def attention_buffer_bytes(shape: RunShape, model: Footprint) -> int:
+    """One layer's BurstAttention buffers (cp > 1): the key/value blocks in flight (compute and receive buffer),
+    the float32 output and log-sum-exp accumulators, and in backward the travelling query side (q, dout in the
+    compute dtype, dq in float32, lse and delta), double-buffered too."""
+    if shape.cp == 1:
+        return 0
+    rows = shape.tokens_per_rank
+    width = compute_width(shape)
+    q, kv = model.heads * model.head_dim, model.kv_heads * model.head_dim
+    forward = 2 * 2 * rows * kv * width + rows * (q + model.heads) * 4
+    backward = 2 * rows * (2 * q * width + q * 4 + 2 * model.heads * 4) + 2 * rows * kv * 4
+    return forward if shape.forward_only else max(forward, backward)
+
+
+def loss_bytes(shape: RunShape, model: Footprint) -> int:
+    """The loss's chunk: float32 logits of LOSS_CHUNK rows and their softmax gradient (models/loss.py)."""
+    rows = min(LOSS_CHUNK, shape.tokens_per_rank)
+    return 2 * rows * model.vocab * 4
+
+
+def forward_parts(shape: RunShape, model: Footprint, hardware: Hardware) -> dict[str, int]:
+    """Evaluation's tensors: every rank holds each model whole in its dtype, one block's activations, attention's
+    buffers and the loss's chunk; no gradients or optimizer."""
+    return {"weights": shape.models * compute_width(shape) * model.parameters, "gathered weights": 0,
+            "activations": forward_activation_bytes(shape, model, hardware),
+            "attention buffers": attention_buffer_bytes(shape, model), "loss chunk": loss_bytes(shape, model)}
+
+
+def training_parts(shape: RunShape, model: Footprint, hardware: Hardware, mode: str) -> dict[str, int]:
+    """Training's tensors at the larger of the early and the late peak of backward (see the module docstring)."""
+    world = shape.world_size
+    # early in backward every layer's kept activations are held and few gradients; late, the whole gradient and
+    # none of them; the block being differentiated, its buffers and the outer activations at both
+    kept, working = activation_bytes(shape, model, hardware, mode)
+    early = 4 * (model.block + model.outer) // (world if world > 1 else 1)  # gradients held early in backward
+    late = 4 * model.parameters // world
+    early_peak = kept + loss_bytes(shape, model) + early >= late
+    return {"weights": 4 * model.parameters // world, "gradients": early if early_peak else late,
+            "optimizer state": 8 * model.parameters // world,
+            "gathered weights": (2 * model.block + model.outer) * compute_width(shape) if world > 1 else 0,
+            "activations": kept if early_peak else 0, "backward working set": working,
+            "attention buffers": attention_buffer_bytes(shape, model),
+            "loss chunk": loss_bytes(shape, model) if early_peak else 0}
+
+
+def memory_parts(shape: RunShape, model: Footprint, hardware: Hardware, mode: str | None = None) -> dict[str, int]:
+    """Bytes one rank holds at its peak, by part; `mode` defaults to the shape's recomputation. A forward-only shape
+    (evaluation) holds weights and one layer's activations, no gradients or optimizer."""
+    if shape.forward_only:
+        parts = forward_parts(shape, model, hardware)
+    else:
+        parts = training_parts(shape, model, hardware, mode or shape.activation_checkpointing)
+    constants = hardware.constants(shape.precision)
+    parts["allocator"] = int(sum(parts.values()) * constants.allocator_overhead)
+    parts["process"] = constants.process_bytes
+    return parts
+
+
+TENSOR_PARTS = ("weights", "gradients", "optimizer state", "gathered weights", "activations", "backward working set",
+                "attention buffers", "loss chunk")
+
+
+def allocated_bytes(parts: dict[str, int]) -> int:
+    """The tensors' bytes alone: what torch.cuda.max_memory_allocated measures."""
+    return sum(size for name, size in parts.items() if name in TENSOR_PARTS)

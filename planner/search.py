@@ -1,0 +1,44 @@
+"""Settings that fit: the layouts of the same GPUs (cp x dp), each recomputation mode, and the longest sequence.
+
+`burst plan --search` ranks what fits by speed; the fit check names the first few when it refuses a run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from models.config import ModelConfig
+from planner.estimate import fits
+from planner.hardware import Hardware
+from planner.shape import MODES, RunShape
+
+
+def layouts(shape: RunShape, gpus: int) -> list[RunShape]:
+    """Every cp x dp = gpus that can cut the sequence (2 x cp must divide it), under each recomputation mode."""
+    return [dataclasses.replace(shape, cp=cp, dp=gpus // cp, activation_checkpointing=mode)
+            for cp in range(1, gpus + 1) if gpus % cp == 0 and shape.seq_len % (2 * cp if cp > 1 else 1) == 0
+            for mode in MODES]
+
+
+def fitting(shape: RunShape, model_config: ModelConfig, hardware: Hardware, gpus: int, *,
+            local_ranks: int | None = None) -> list[RunShape]:
+    """The shapes of `layouts` that fit, in the order of `layouts` (fewest cp ranks, least recomputation first);
+    forward only (evaluation): --cp 1, 2, 4 or 8, a local process each."""
+    if shape.forward_only:  # evaluation: more context-parallel ranks (each a local process) split the sequence further
+        candidates = [dataclasses.replace(shape, cp=cp, dp=1) for cp in (1, 2, 4, 8)
+                      if shape.seq_len % (2 * cp if cp > 1 else 1) == 0]
+        return [c for c in candidates if fits(c, model_config, hardware)]
+    return [c for c in layouts(shape, gpus) if fits(c, model_config, hardware, local_ranks=local_ranks and min(
+        local_ranks, c.world_size))]
+
+
+def longest_sequence(shape: RunShape, model_config: ModelConfig, hardware: Hardware, *,
+                     local_ranks: int | None = None) -> int | None:
+    """The longest sequence (a power of two times 1,024, at most 16M tokens) at which `shape` fits; None: not even
+    1,024."""
+    best, seq_len = None, 1024
+    while seq_len <= 2**24:
+        if not fits(dataclasses.replace(shape, seq_len=seq_len), model_config, hardware, local_ranks=local_ranks):
+            break
+        best, seq_len = seq_len, seq_len * 2
+    return best
