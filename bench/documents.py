@@ -2,7 +2,7 @@
 
 The sequences are the trainer's (`burst train --doc-mask`): documents of a token store's train
 split packed in its seeded order (the CLI reads them, `data.packing`). For each sequence and each
-layout (zigzag, balanced) the plan is counted without running a kernel (`plan_sequences`): each
+layout (zigzag, balanced) the plan is counted without running a kernel (`count_sequences`): each
 rank's forward work (its queries' calls) and backward work (against its keys, where the "burst"
 backward computes; the "ring" backward computes on the query side, the forward's share) in
 tiles of 128 x 128, the slowest rank over the mean rank; the share of the computed tiles' area
@@ -38,9 +38,9 @@ from burst.balance import OPTIONS, choose_chunks, plan_work
 from burst.comm import SENT
 from burst.cost import plan_bytes
 from burst.kernels import default_scale, select_kernel
-from burst.layout import LAYOUTS, check_layout, row_layouts, shard_sequence, zigzag_layout
-from burst.plan import AttentionPlan
+from burst.layout import LAYOUTS, check_layout, shard_sequence, zigzag_layout
 from burst.ring import merge_block
+from planner.attention import sequence_plan
 from runtime.launch import run_local
 from runtime.process import init_worker_process_group, leaving_process_group
 
@@ -81,7 +81,7 @@ class DocumentsBenchConfig:
 
 
 @dataclass
-class SequencePlan:
+class SequenceWork:
     """One sequence under one layout, counted from its plan."""
 
     sequence: int
@@ -110,21 +110,13 @@ def _meta(config: AttentionBenchConfig) -> tuple[torch.Tensor, torch.Tensor]:
             torch.empty(config.batch, shard, config.kv_heads, config.head_dim, dtype=dtype, device="meta"))
 
 
-def sequence_plan(boundaries: list[int], sees: list[int] | None, layout: str,
-                  config: AttentionBenchConfig) -> AttentionPlan:
-    """The plan of one sequence, repeated over the batch rows, as burst_attn makes it."""
-    (chosen,) = row_layouts(layout, [boundaries], config.seq_len, config.nproc, 1, None if sees is None else [sees])
-    return AttentionPlan([chosen] * config.batch, True, [boundaries] * config.batch,
-                         None if sees is None else [sees] * config.batch)
-
-
-def plan_sequence(index: int, boundaries: list[int], layout: str, config: AttentionBenchConfig,
-                  sees: list[int] | None = None) -> SequencePlan:
+def count_sequence(index: int, boundaries: list[int], layout: str, config: AttentionBenchConfig,
+                  sees: list[int] | None = None) -> SequenceWork:
     world, seq_len = config.nproc, config.seq_len
     started = time.perf_counter()
     if layout == "balanced":  # timed without the memo: what a new sequence costs
         choose_chunks(boundaries, seq_len, world, zigzag_layout(seq_len, world).chunks, OPTIONS, sees)
-    plan = sequence_plan(boundaries, sees, layout, config)
+    plan = sequence_plan(config.seq_len, config.nproc, boundaries, sees, layout, config.batch)
     chosen = plan.layouts[0]
     for q_owner in range(world):  # every rank pair's calls and rows: more than any one rank works out
         for kv_owner in range(world):
@@ -139,13 +131,13 @@ def plan_sequence(index: int, boundaries: list[int], layout: str, config: Attent
     def ratio(loads: tuple[int, ...]) -> float:
         return max(loads) / (sum(loads) / len(loads))
 
-    return SequencePlan(index, layout, len(chosen.chunks[0]), ratio(work.forward), ratio(work.backward),
+    return SequenceWork(index, layout, len(chosen.chunks[0]), ratio(work.forward), ratio(work.backward),
                         work.masked_share, work.idle_pairs / max(world * (world - 1), 1), statistics.mean(sent),
                         max(sent), planning_ms, sum(work.forward))
 
 
-def plan_sequences(config: DocumentsBenchConfig) -> list[SequencePlan]:
-    return [plan_sequence(i, boundaries, layout, config.attention, config.sees_of(i))
+def count_sequences(config: DocumentsBenchConfig) -> list[SequenceWork]:
+    return [count_sequence(i, boundaries, layout, config.attention, config.sees_of(i))
             for i, boundaries in enumerate(config.sequences) for layout in config.layouts]
 
 
@@ -153,7 +145,7 @@ def p90(values: list[float]) -> float:
     return statistics.quantiles(values, n=10, method="inclusive")[-1] if len(values) > 1 else values[0]
 
 
-def summarize(plans: list[SequencePlan], layouts: list[str]) -> dict[str, dict[str, float]]:
+def summarize(plans: list[SequenceWork], layouts: list[str]) -> dict[str, dict[str, float]]:
     """Per layout: mean and p90 over the sequences of each figure."""
     summary = {}
     for layout in layouts:
@@ -170,7 +162,7 @@ def summarize(plans: list[SequencePlan], layouts: list[str]) -> dict[str, dict[s
     return summary
 
 
-def picked_sequences(plans: list[SequencePlan], quantiles: list[float]) -> list[int]:
+def picked_sequences(plans: list[SequenceWork], quantiles: list[float]) -> list[int]:
     """The sequences at these quantiles of zigzag's imbalance (0: the most balanced, 1: the least)."""
     ranked = sorted((p for p in plans if p.layout == "zigzag"), key=lambda p: (p.imbalance, p.sequence))
     picks = []
@@ -272,7 +264,7 @@ def _replay_once(boundaries: list[int], sees: list[int] | None, layout: str, mod
                  config: AttentionBenchConfig) -> tuple[list[float], list[float]]:
     """(forward, backward) thread CPU seconds of each rank's calls."""
     world, shard, scale = config.nproc, config.seq_len // config.nproc, default_scale(config.head_dim)
-    plan = sequence_plan(boundaries, sees, layout, config)
+    plan = sequence_plan(config.seq_len, config.nproc, boundaries, sees, layout, config.batch)
     # random inputs: any cut into shards serves; heads-first memory, as burst_attn hands the CPU kernels
     q, k, v, dout = ([heads_first(x) for x in t.chunk(world, dim=1)] for t in global_inputs(config, "cpu"))
     kernel = select_kernel(torch.device("cpu"), q[0].dtype, "auto", head_dim=config.head_dim)
@@ -302,10 +294,10 @@ def _replay_once(boundaries: list[int], sees: list[int] | None, layout: str, mod
     return forward, backward
 
 
-def run_documents_bench(config: DocumentsBenchConfig) -> tuple[list[SequencePlan], list[TimedRun]]:
+def run_documents_bench(config: DocumentsBenchConfig) -> tuple[list[SequenceWork], list[TimedRun]]:
     """Plan every sequence under every layout; unless plan_only, time the picked sequences (on ranks, or
     replayed)."""
-    plans = plan_sequences(config)
+    plans = count_sequences(config)
     if config.plan_only:
         return plans, []
     picks = picked_sequences(plans, config.quantiles)
@@ -315,7 +307,7 @@ def run_documents_bench(config: DocumentsBenchConfig) -> tuple[list[SequencePlan
     return plans, time_sequences(config, picks)
 
 
-def print_documents(config: DocumentsBenchConfig, plans: list[SequencePlan], timed: list[TimedRun]) -> None:
+def print_documents(config: DocumentsBenchConfig, plans: list[SequenceWork], timed: list[TimedRun]) -> None:
     """Two tables that stay legible at 80 columns: the plans' figures (a row per measure, a column per layout)
     and the timed runs (the totals; the forward/backward split is in --json)."""
     from rich import box
@@ -376,7 +368,7 @@ def print_documents(config: DocumentsBenchConfig, plans: list[SequencePlan], tim
                   "the rank that sent most", style="dim")
 
 
-def write_documents_json(path: str, config: DocumentsBenchConfig, plans: list[SequencePlan],
+def write_documents_json(path: str, config: DocumentsBenchConfig, plans: list[SequenceWork],
                          timed: list[TimedRun]) -> None:
     with open(path, "w") as f:
         json.dump({"config": asdict(config.attention) | {"sequences": len(config.sequences), "layouts": config.layouts},

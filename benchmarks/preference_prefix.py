@@ -29,12 +29,11 @@ import torch
 
 from burst.balance import plan_work
 from burst.cost import plan_bytes
-from burst.layout import row_layouts
-from burst.plan import AttentionPlan
 from data import SequenceLoader, TokenStore, default_store
 from data.chat import PLAIN
 from data.store import StoreWriter, token_dtype
 from models import ModelConfig
+from planner.attention import sequence_plan
 
 MIB = 2**20
 
@@ -62,18 +61,13 @@ def make_pairs(out: Path, prompt: int, answer: int, pairs: int) -> Path:
     return store
 
 
-def plan_figures(store: Path, seq_len: int, cp: int, sharing: bool, model: ModelConfig) -> dict:
+def sequence_figures(store: Path, seq_len: int, cp: int, sharing: bool, model: ModelConfig) -> dict:
     """Tiles and bytes of one packed sequence of `store` under the balanced layout."""
     batch = next(SequenceLoader(TokenStore(store), seq_len, 1, cp_size=cp, reset_positions=True,
                                 cp_layout="balanced", prefix_sharing=sharing))
-    boundaries = [b.tolist() for b in batch.doc_boundaries]
-    sees = None if batch.doc_sees is None else [s.tolist() for s in batch.doc_sees]
-    layouts = row_layouts("balanced", boundaries, seq_len, cp, 1, sees)
-    plan = AttentionPlan(layouts, True, boundaries, sees)
-    for q_owner in range(cp):
-        for kv_owner in range(cp):
-            plan.key_rows(q_owner, kv_owner)
-            plan.query_rows(q_owner, kv_owner)
+    (boundaries,) = [b.tolist() for b in batch.doc_boundaries]  # batch 1: one sequence
+    sees = None if batch.doc_sees is None else batch.doc_sees[0].tolist()
+    plan = sequence_plan(seq_len, cp, boundaries, sees, "balanced")
     work = plan_work(plan)
     shard = seq_len // cp
     q = torch.empty(1, shard, model.n_heads, model.head_dim, device="meta")
@@ -114,7 +108,7 @@ def main() -> None:
     results = {}
     for sharing, seq_len in lengths.items():
         seq_len += -seq_len % step  # a multiple of 2 x cp; the pair fits (+ 1 label)
-        figures = plan_figures(store, seq_len, args.cp, sharing, model)
+        figures = sequence_figures(store, seq_len, args.cp, sharing, model)
         if not args.plan_only:
             times = step_times(store, args.out, seq_len, args.cp, sharing, args)
             figures |= {"step_s": statistics.median(times), "step_times_s": times}

@@ -23,18 +23,18 @@ from runtime.launch import run_local
 from trainer.config import TrainConfig
 from trainer.distributed import init_distributed
 from trainer.parallelize import build_model
-from trainer.preflight import plan_run
+from trainer.preflight import check_run
 from trainer.step import train_step
 
 
 def steps_of_each(config: TrainConfig, setting: str, values: list, steps: int) -> dict[str, list[tuple]]:
     """{value: [(wall s, CPU s, loss) per step]} on this rank."""
-    plan = plan_run(config, config.world_size)
-    env = init_distributed(plan.config)
+    checked = check_run(config, config.world_size)
+    env = init_distributed(checked.config)
     runs = {}
     for value in values:
-        run_config = dataclasses.replace(plan.config, precision=plan.precision.name, **{setting: value})
-        model = build_model(plan.model_config, env.mesh, run_config, env.device)
+        run_config = dataclasses.replace(checked.config, precision=checked.precision.name, **{setting: value})
+        model = build_model(checked.model_config, env.mesh, run_config, env.device)
         loader = SequenceLoader(TokenStore(run_config.data).split("train"), run_config.seq_len, 1,
                                 cp_rank=env.cp_rank, cp_size=run_config.cp, seed=run_config.seed)
         runs[str(value)] = (run_config, model, torch.optim.AdamW(model.parameters(), lr=1e-3), loader, [])

@@ -1,7 +1,7 @@
 """What a model is made of, counted without building it: parameters by part and FLOPs per token.
 
 The counts follow models/checkpoint.py's `expected_shapes` (the shapes a checkpoint must have), so the
-estimate (trainer/estimate/) and the model cannot disagree on what a block holds.
+planner (planner/) and the model cannot disagree on what a block holds.
 """
 
 from __future__ import annotations

@@ -10,8 +10,9 @@ Parts, each a group of rows of the one table:
               fastest of SDPA's fused backends on the same inputs;
   burst_attn  burst_attn at a world of one ("auto" kernel) against the same;
   train       `burst train --model llama3.2-1b` at 32K and 131K tokens: plain, --doc-mask on the default corpus,
-              and --compile; tokens/s of the last step, model TFLOP/s and MFU by `model_flops_per_token`, peak
-              memory; with several GPUs also cp 2 and cp 4 at 131K.
+              and --compile; tokens/s of the last step, model TFLOP/s and MFU by the planner's FLOP count and GPU
+              table (planner/), as `burst plan` gives them for the same run, peak memory; with several GPUs also
+              cp 2 and cp 4 at 131K.
 Writes DIR/benchmark.md (the table) and DIR/benchmark.json, and prints the table last.
 """
 
@@ -37,13 +38,12 @@ sys.path.insert(0, str(REPO))
 
 import burst  # noqa: E402
 from burst.kernels import candidates, detect_machine, select_kernel  # noqa: E402
-from models import ModelConfig, Transformer  # noqa: E402
+from planner import mfu  # noqa: E402
+from planner.hardware import table_gpu  # noqa: E402
 
 COLUMNS = ("part", "run", "tokens", "ms fwd+bwd", "TFLOP/s", "x SDPA fastest", "tokens/s", "MFU", "peak MiB", "note")
 SDPA_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
                  "efficient": SDPBackend.EFFICIENT_ATTENTION}
-# Dense bf16 peak of the GPUs the docs quote (SXM parts); MFU is left out for others unless --peak-tflops is given.
-PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0}
 
 
 @dataclass(frozen=True)
@@ -74,15 +74,27 @@ def attention_flops(seq_len: int, heads: int, head_dim: int) -> float:
     return 3.5 * 4 * seq_len * seq_len * heads * head_dim / 2
 
 
-def model_flops_per_token(config: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token: 6 x the non-embedding parameters (the embedding table is a lookup; a tied
-    output head is not counted) + causal attention's 6 x layers x query heads x head dim x seq_len
-    (PaLM's 12 L H Q T halved by the causal mask)."""
-    with torch.device("meta"):
-        model = Transformer(config)
-    parameters = sum(p.numel() for name, p in model.named_parameters() if "tok_embeddings" not in name)
-    head_dim = config.dim // config.n_heads
-    return 6 * parameters + 6 * config.n_layers * config.n_heads * head_dim * seq_len
+def train_config(config: BenchmarkConfig, seq_len: int, variant: str, cp: int):
+    """The TrainConfig `burst train` gets from a training row's command (`train_rows`), on the default corpus."""
+    from data import default_store
+    from trainer.config import TrainConfig
+
+    return TrainConfig(model=config.model, seq_len=seq_len, batch_size=1, precision=config.precision,
+                       activation_checkpointing="selective", cp=cp, doc_mask=True if variant == "doc-mask" else None,
+                       compile=variant == "compile", data=[str(default_store(progress=False))])
+
+
+def planned(config: BenchmarkConfig, seq_len: int, variant: str, cp: int = 1) -> tuple[float, float | None]:
+    """(model FLOPs per token, the dense peak in TFLOP/s) of one training row, as `burst plan` counts them for the
+    same run: the planner's one FLOP count, and its GPU table's peak for this GPU (None: a GPU not in the table) or
+    this CPU's measured rate; --peak-tflops replaces the peak."""
+    from trainer.plan import PlanRequest, plan
+
+    _, estimate, _ = plan(PlanRequest(train_config(config, seq_len, variant, cp)))
+    peak = estimate.peak_tflops
+    if config.device == "cuda" and table_gpu(torch.cuda.get_device_name()) is None:
+        peak = None
+    return estimate.model_flops / estimate.tokens_per_step, config.peak_tflops or peak
 
 
 def timed(run, device: torch.device, iters: int) -> float:
@@ -174,10 +186,10 @@ def train_rows(config: BenchmarkConfig, out: Path, seq_len: int, variant: str, c
     if done.returncode != 0 or not steps:
         return row("train", run, seq_len, note=f"failed (exit {done.returncode}); see {log}")
     last = steps[-1]
-    tflops = last["tokens_per_s"] * model_flops_per_token(ModelConfig.from_name(config.model), seq_len) / 1e12 / cp
-    peak = config.peak_tflops
-    return row("train", run, seq_len, tokens_per_s=last["tokens_per_s"], tflops=tflops,
-               mfu=None if peak is None else tflops / peak, peak_mib=last["peak_mem_mib"],
+    flops_per_token, peak = planned(config, seq_len, variant, cp)
+    per_gpu = last["tokens_per_s"] / cp  # the run's tokens/s are its ranks' together
+    return row("train", run, seq_len, tokens_per_s=last["tokens_per_s"], tflops=per_gpu * flops_per_token / 1e12,
+               mfu=None if peak is None else mfu(per_gpu, flops_per_token, peak), peak_mib=last["peak_mem_mib"],
                note=f"step {last['step']} of {config.train_steps}" + (", TFLOP/s per GPU" if cp > 1 else ""))
 
 
@@ -235,17 +247,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, help="Run directory (default: runs/gpu-benchmark-DATE); must not exist.")
     parser.add_argument("--smoke", action="store_true", help="The same code on the CPU at tiny sizes, in seconds.")
-    parser.add_argument("--peak-tflops", type=float, help="The GPU's dense bf16 peak for MFU (default: from its "
-                                                          "name, for H100/H200/A100).")
+    parser.add_argument("--peak-tflops", type=float, help="The GPU's dense bf16 peak for MFU (default: the planner's "
+                                                          "GPU table's, as `burst plan` takes it).")
     args = parser.parse_args(argv)
     config = SMOKE if args.smoke else BenchmarkConfig()
     if config.device == "cuda" and not torch.cuda.is_available():
         parser.error("no GPU is visible; --smoke runs the same code on the CPU")
-    if config.device == "cuda":
-        name = torch.cuda.get_device_name()
-        known = next((peak for gpu, peak in PEAK_TFLOPS.items() if gpu in name), None)
-        config = dataclasses.replace(config, peak_tflops=args.peak_tflops or known)
-    elif args.peak_tflops:
+    if args.peak_tflops:
         config = dataclasses.replace(config, peak_tflops=args.peak_tflops)
     out = args.out or REPO / "runs" / f"gpu-benchmark-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     if out.exists():

@@ -303,11 +303,11 @@ def test_a_sequence_longer_than_the_training_split_is_refused_before_any_work(sm
 def test_a_sequence_whose_activations_cannot_fit_is_refused_before_any_work(small_store, monkeypatch):
     config = TrainConfig(model="debug", data=str(small_store), seq_len=1024)
     monkeypatch.setattr(planner_fit, "available_memory_bytes", lambda: 2**30)  # a machine of 1 GiB: it fits
-    preflight.plan_run(config, world_size=1)
+    preflight.check_run(config, world_size=1)
     monkeypatch.setattr(planner_fit, "available_memory_bytes", lambda: 2**28)  # 256 MiB: not even the process
     with pytest.raises(ValueError, match=r"1 local rank on this machine would need about 0.4 GiB \(per rank, "
                                          r"GiB: weights 0.00, .*activations 0.0\d, .*process 0.\d\d\) but 0.2 GiB"):
-        preflight.plan_run(config, world_size=1)
+        preflight.check_run(config, world_size=1)
 
 
 def test_activations_too_large_to_keep_are_refused_naming_the_recomputation_that_fits(monkeypatch):

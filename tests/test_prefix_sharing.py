@@ -13,13 +13,14 @@ import torch
 
 import burst
 from bench.attention import AttentionBenchConfig
-from bench.documents import DocumentsBenchConfig, plan_sequences, sequence_plan
+from bench.documents import DocumentsBenchConfig, count_sequences
 from burst import balance
 from burst.balance import chunk_work, plan_work
 from burst.cost import plan_bytes
 from burst.layout import balanced_layout, row_layouts, zigzag_layout
 from burst.plan import AttentionPlan, Rows
 from models import LocalAttention, ModelConfig, init_model
+from planner.attention import sequence_plan
 from tests.distributed import run_on_ranks
 from tests.test_balance import SMALL_TILES
 from tests.test_burst_attn import make_inputs
@@ -254,10 +255,11 @@ def test_the_documents_bench_counts_a_shared_pair_against_two_unshared_sequences
     shared = DocumentsBenchConfig(dataclasses.replace(plain.attention, seq_len=end + 3),
                                   [[0, prompt - 1, prompt + answer, end, end + 3]], plan_only=True,
                                   sees=[[-1, 0, 0, -1]])
-    (plain_zigzag, _), (shared_zigzag, shared_balanced) = plan_sequences(plain), plan_sequences(shared)
+    (plain_zigzag, _), (shared_zigzag, shared_balanced) = count_sequences(plain), count_sequences(shared)
     assert plain_zigzag.tiles / shared_zigzag.tiles >= 1.6
     assert shared_balanced.tiles <= shared_zigzag.tiles * 1.05
-    counted = plan_work(sequence_plan(shared.sequences[0], shared.sees[0], "zigzag", shared.attention))
+    counted = plan_work(sequence_plan(shared.attention.seq_len, shared.attention.nproc, shared.sequences[0],
+                                    shared.sees[0], "zigzag", shared.attention.batch))
     assert shared_zigzag.tiles == sum(counted.forward)
     with pytest.raises(ValueError, match="2 rows of seen documents for 1 sequences"):
         dataclasses.replace(shared, sees=[[-1, 0, 0, -1]] * 2)

@@ -17,7 +17,7 @@ from tests.test_preference import SEQ_LEN, make_pair_store
 from tests.test_train import burst_train
 from tests.test_train import store as store  # noqa: F401
 from trainer.config import RECIPE_FIELDS, load_config, load_run_config, recipe_origin, save_config, warmup_note
-from trainer.preflight import plan_run
+from trainer.preflight import check_run
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 FILE_VALUES = {"lr": 1e-4, "warmup": 7, "min_lr_ratio": 0.2, "weight_decay": 0.05, "beta1": 0.8, "beta2": 0.9,
@@ -110,11 +110,11 @@ def pair_store(tmp_path_factory) -> Path:
 def test_a_preference_store_turns_the_document_mask_on_and_refuses_it_off(pair_store, store, tmp_path):
     settings = {"model": "debug", "data": [str(pair_store)], "seq_len": SEQ_LEN, "batch_size": 2, "steps": 2,
                 "objective": "dpo", "precision": "fp32"}
-    plan = plan_run(load_config(None, {**settings, "out": str(tmp_path / "a")}), 1)
+    plan = check_run(load_config(None, {**settings, "out": str(tmp_path / "a")}), 1)
     assert plan.config.doc_mask is True and plan.config.sequence_layout == "balanced"
     with pytest.raises(ValueError, match="--no-doc-mask is refused for --data .*drop --no-doc-mask"):
-        plan_run(load_config(None, {**settings, "doc_mask": False, "out": str(tmp_path / "b")}), 1)
-    documents = plan_run(load_config(None, {"model": "debug", "data": [str(store)], "seq_len": 256,
+        check_run(load_config(None, {**settings, "doc_mask": False, "out": str(tmp_path / "b")}), 1)
+    documents = check_run(load_config(None, {"model": "debug", "data": [str(store)], "seq_len": 256,
                                             "out": str(tmp_path / "c")}), 1)
     assert documents.config.doc_mask is False  # a stream of documents trains across their boundaries
     done = burst_train("--data", pair_store, "--model", "debug", "--seq-len", SEQ_LEN, "--batch-size", 2, "--steps",

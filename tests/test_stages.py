@@ -24,7 +24,7 @@ from trainer.checkpoint import load_stage_start
 from trainer.config import TrainConfig, save_config
 from trainer.optim import build_optimizer, build_schedule
 from trainer.parallelize import build_model
-from trainer.preflight import plan_run, with_rope
+from trainer.preflight import check_run, with_rope
 from trainer.rundir import claim_run_directory
 
 
@@ -131,7 +131,7 @@ def test_a_stages_rope_scaling_extends_the_context_its_checkpoint_was_trained_at
     checkpoint = complete_checkpoints(run)[-1]
     config = TrainConfig(init_from=str(run), data=str(store), seq_len=512, rope_scaling="yarn:factor=8",
                          precision="fp32", out=str(tmp_path / "stage"))
-    plan = plan_run(config, 1)
+    plan = check_run(config, 1)
     assert plan.model_config.rope_scaling == YarnRope(factor=8.0, original_max_position_embeddings=256)
     assert plan.model_config.max_seq_len == 512  # the context it is now trained for: a next stage extends that
 

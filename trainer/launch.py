@@ -21,7 +21,7 @@ from checkpoints.training import complete_checkpoints
 from runtime.launch import first_failure, run_local, under_torchrun
 from trainer.config import TrainConfig
 from trainer.distributed import environment_world_size
-from trainer.preflight import default_run_dir, plan_run
+from trainer.preflight import check_run, default_run_dir
 from trainer.rundir import hold_run_directory
 from trainer.signals import TrainingInterrupted
 from trainer.train import train
@@ -45,7 +45,7 @@ def start_ranks(config: TrainConfig) -> None:
     """Check the run, then run it here (one process) or on cp x dp local worker processes."""
     # Before any process starts: refuses more ranks than GPUs (naming --device cpu), prepares the default corpus.
     # Each worker resolves the device again from the same request, environment and GPUs (and so says why).
-    config = dataclasses.replace(plan_run(config, world_size=config.world_size).config, device=config.device)
+    config = dataclasses.replace(check_run(config, world_size=config.world_size).config, device=config.device)
     if config.world_size == 1 and not config.max_restarts:  # a single process runs here, unless it may restart
         train(config)
         return

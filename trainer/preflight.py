@@ -1,6 +1,6 @@
 """Checks that run before any process starts work: a bad setting fails here, in seconds, not after an hour.
 
-`plan_run` resolves what the config leaves open (the embedded corpus, the run directory, the model's
+`check_run` resolves what the config leaves open (the embedded corpus, the run directory, the model's
 vocabulary) and refuses anything that could not train. The launcher calls it before starting worker
 processes, and every worker calls it again before joining the process group, so a run under torchrun
 is checked the same way.
@@ -46,7 +46,7 @@ DEFAULT_MODEL = "tiny"
 
 
 @dataclass(frozen=True)
-class RunPlan:
+class CheckedRun:
     """A checked run: the config with data and out resolved, the model to build, the weights to start from."""
 
     config: TrainConfig
@@ -264,7 +264,7 @@ def invocation_done(config: TrainConfig) -> bool:
     return bool(complete) and step_of(complete[-1]) >= min(config.steps, config.stop_after or config.steps)
 
 
-def plan_run(config: TrainConfig, world_size: int, restart: int = 0) -> RunPlan:
+def check_run(config: TrainConfig, world_size: int, restart: int = 0) -> CheckedRun:
     """Check `config` for a run on `world_size` processes and resolve its defaults; raises ValueError.
 
     restart > 0: the workers were restarted after one died. The run continues from its newest complete
@@ -296,7 +296,7 @@ def plan_run(config: TrainConfig, world_size: int, restart: int = 0) -> RunPlan:
         check_reference_kept(config, Path(out))
     precision = resolve_precision(config.precision, torch.device(device.kind))
     model = config.model or (None if config.init_from else DEFAULT_MODEL)
-    return RunPlan(dataclasses.replace(config, data=data, out=out, model=model, device=device.kind), model_config,
+    return CheckedRun(dataclasses.replace(config, data=data, out=out, model=model, device=device.kind), model_config,
                    checkpoint, precision, device, resume_from, restart, None if resume_from else init_from,
                    recorded_device(Path(out)) if config.resume else None)
 

@@ -1,4 +1,4 @@
-"""`train(config)`: one rank's whole invocation: check the plan, join the process group, run the Trainer.
+"""`train(config)`: one rank's whole invocation: check the checked, join the process group, run the Trainer.
 
 The phases of a run (set-up, resume, step, save, finish) are trainer/trainer.py's Trainer; one optimizer
 step is trainer/step.py; what may start at all is decided before any process joins (trainer/preflight.py).
@@ -20,7 +20,7 @@ from trainer.distributed import (
     is_collective_timeout,
     unresponsive_ranks,
 )
-from trainer.preflight import RunPlan, invocation_done, plan_run, restart_count
+from trainer.preflight import CheckedRun, check_run, invocation_done, restart_count
 from trainer.rundir import hold_run_directory
 from trainer.trainer import Trainer, TrainingStopped
 
@@ -40,17 +40,17 @@ def train(config: TrainConfig) -> None:
     # Rank 0 writes the run directory: it holds its lock (taken already when the launcher started this worker).
     held = hold_run_directory(config.out) if config.out and global_rank() == 0 else contextlib.nullcontext()
     with held:
-        plan = plan_run(config, environment_world_size(), restart_count())  # every rank checks before joining
-        run_rank(plan, started)
+        checked = check_run(config, environment_world_size(), restart_count())  # every rank checks before joining
+        run_rank(checked, started)
 
 
-def run_rank(plan: RunPlan, started: float) -> None:
+def run_rank(checked: CheckedRun, started: float) -> None:
     """Join the process group and run this rank's Trainer; a collective that times out names the hung rank."""
-    env = init_distributed(plan.config)
+    env = init_distributed(checked.config)
 
     def run() -> None:
-        check_settings_agree(plan.config, env)
-        trainer = Trainer(plan, env, started)
+        check_settings_agree(checked.config, env)
+        trainer = Trainer(checked, env, started)
         trainer.resume()
         trainer.train()
 
@@ -64,7 +64,7 @@ def run_rank(plan: RunPlan, started: float) -> None:
             if isinstance(err, TrainingStopped) or not is_collective_timeout(err):
                 raise
             # The other ranks have waited --timeout already: a minute more tells a hung rank from a slow one.
-            timeout = plan.config.timeout
+            timeout = checked.config.timeout
             answer = unresponsive_ranks(env, min(datetime.timedelta(minutes=timeout), datetime.timedelta(minutes=1)))
             raise TrainingStopped(f"a collective waited longer than --timeout {timeout:g} minutes ({err}); "
                                   f"{answer}. That rank hung (a deadlock, a stuck device or file system) or is "

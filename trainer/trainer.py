@@ -1,6 +1,6 @@
 """One rank's training run, in named phases (torchtitan's Trainer):
 
-    trainer = Trainer(plan, env, started)   # set-up: run directory, model, optimizer, schedule, data, saver, metrics
+    trainer = Trainer(checked, env, started)   # set-up: run directory, model, optimizer, schedule, data, saver, metrics
     trainer.resume()                       # continuing a run: the checkpoint's state, and the run's history trimmed
     trainer.train()                        # step() until the last step, save() on schedule, then finish()
 
@@ -40,7 +40,7 @@ from trainer.metrics import Metrics
 from trainer.optim import build_optimizer, build_schedule
 from trainer.parallelize import build_model
 from trainer.preference import Reference, load_or_compute_reference, needs_reference
-from trainer.preflight import RunPlan
+from trainer.preflight import CheckedRun
 from trainer.rundir import METRICS_FILE, SOURCE_TOKENIZERS, claim_run_directory
 from trainer.saving import CheckpointSaver, Saved
 from trainer.signals import StopRequest, TrainingInterrupted
@@ -71,20 +71,20 @@ class TrainState:
 
 
 class Trainer:
-    """The run of `plan` on this rank (`env`); `started` is when the invocation began (for its start-up time)."""
+    """The run of `checked` on this rank (`env`); `started` is when the invocation began (for its start-up time)."""
 
-    def __init__(self, plan: RunPlan, env: Distributed, started: float) -> None:
+    def __init__(self, checked: CheckedRun, env: Distributed, started: float) -> None:
         # The precision this machine resolved "auto" to: the run records it, so a resume elsewhere keeps it.
-        self.config = config = dataclasses.replace(plan.config, precision=plan.precision.name)
-        self.plan, self.env, self.started = plan, env, started
+        self.config = config = dataclasses.replace(checked.config, precision=checked.precision.name)
+        self.checked, self.env, self.started = checked, env, started
         self.out, self.console = Path(config.out), Console()
         self.sources = open_sources(parse_mixture(config.data))
         self.store = tokenizer_source(self.sources).store  # the same ids in every source; its files: the chat template
         if env.is_main:
             self.print_config()
         # A resumed run, or a new stage, builds no initial weights: its checkpoint's load fills every shard.
-        self.model = build_model(plan.model_config, env.mesh, config, env.device, plan.checkpoint,
-                                 fill=plan.resume_from is None and plan.init_from is None)
+        self.model = build_model(checked.model_config, env.mesh, config, env.device, checked.checkpoint,
+                                 fill=checked.resume_from is None and checked.init_from is None)
         self.optimizer = build_optimizer(self.model, config)
         self.schedule = build_schedule(self.optimizer, config)
         self.loader = SequenceLoader([source.store for source in self.sources], config.seq_len, config.batch_size,
@@ -94,7 +94,7 @@ class Trainer:
                                      long_conversations=config.long_conversations,
                                      train_on_prompt=config.train_on_prompt, prefix_sharing=config.prefix_sharing)
         self.state = TrainState()
-        self.saver = CheckpointSaver(self.out, plan.model_config, env.device, config.keep, config.async_checkpoint,
+        self.saver = CheckpointSaver(self.out, checked.model_config, env.device, config.keep, config.async_checkpoint,
                                      env.cpu_group, self.report_saved)
         self.metrics: Metrics | None = None  # rank 0's, once the run directory is written (`record`)
         # A preference run's held-out pairs are scored by `burst eval` (evaluation/preference.py), not by a token loss.
@@ -115,7 +115,7 @@ class Trainer:
         table = Table(title="burst train", show_header=False, title_justify="left")
         table.add_column(style="bold")
         table.add_column()
-        model = self.plan.model_config
+        model = self.checked.model_config
         # what an unset flag means in this run, so the table never shows a bare None where a value is in force
         unset = {"model": "the --init-from checkpoint's", "rope_theta": f"the model's: {model.rope_theta:g}",
                  "rope_scaling": f"the model's: {model.rope_scaling.to_dict() if model.rope_scaling else 'none'}"}
@@ -123,9 +123,9 @@ class Trainer:
                   if any(getattr(source.store, stores) for source in self.sources)]
         for name, value in dataclasses.asdict(self.config).items():
             if name == "precision":
-                value = f"{value} ({self.plan.precision.reason})"
+                value = f"{value} ({self.checked.precision.reason})"
             elif name == "device":
-                value = f"{value} ({self.plan.device.reason})"
+                value = f"{value} ({self.checked.device.reason})"
             elif value is None and name in unset and (name != "model" or self.config.init_from is not None):
                 value = unset[name]
             elif name in RECIPE_FIELDS:
@@ -143,55 +143,57 @@ class Trainer:
             self.console.print(f"note: {note}")
 
     def resume(self) -> None:
-        """Continue from the plan's checkpoint, if any: its weights, optimizer, schedule, data position and
+        """Continue from the checked's checkpoint, if any: its weights, optimizer, schedule, data position and
         counters; or start a new stage from another run's weights (and optimizer state, --init-optimizer). A
         resumed or restarted run forgets the history past that checkpoint (it trains those steps again). Then
         report the start-up."""
-        plan = self.plan
-        if plan.init_from is not None:
-            load_stage_start(plan.init_from, self.model, self.optimizer if self.config.init_optimizer else None)
-        if plan.resume_from is not None:
-            saved = load_checkpoint(plan.resume_from, self.model, self.optimizer, self.env.device)
+        checked = self.checked
+        if checked.init_from is not None:
+            load_stage_start(checked.init_from, self.model, self.optimizer if self.config.init_optimizer else None)
+        if checked.resume_from is not None:
+            saved = load_checkpoint(checked.resume_from, self.model, self.optimizer, self.env.device)
             self.schedule.load_state_dict(saved["schedule"])
             self.loader.load_state_dict(saved["loader"])
             self.state.load_state_dict(saved["train"])
         self.check_starting_weights()
         if self.env.is_main:
             self.record()
-        if self.metrics is not None and plan.init_from is not None:
-            self.metrics.event("initialised", {"from": str(plan.init_from), "optimizer": self.config.init_optimizer},
-                               f"initialised from {plan.init_from}"
+        if self.metrics is not None and checked.init_from is not None:
+            self.metrics.event("initialised", {"from": str(checked.init_from), "optimizer": self.config.init_optimizer},
+                               f"initialised from {checked.init_from}"
                                + (" (weights and optimizer state)" if self.config.init_optimizer else " (weights)"))
         self.report_model_ready()
         if needs_reference(self.config):  # after the start-up's report: the pass has its own progress and event
             self.reference = load_or_compute_reference(self.out, self.model, self.store, self.config, self.env,
-                                                       resumed=plan.resume_from is not None, metrics=self.metrics)
+                                                       resumed=checked.resume_from is not None, metrics=self.metrics)
         self.report_conversations()
         if self.metrics is not None:
             self.metrics.event("validation_plan", self.validator.plan_values(), self.validator.plan())
-        if self.metrics is not None and plan.restart:
-            self.metrics.event("restart", {"attempt": plan.restart, "from_step": self.state.step},
-                               f"restart {plan.restart} of the workers after one died: "
+        if self.metrics is not None and checked.restart:
+            self.metrics.event("restart", {"attempt": checked.restart, "from_step": self.state.step},
+                               f"restart {checked.restart} of the workers after one died: "
                                + (f"continuing from step {self.state.step}" if self.state.step
                                   else "starting over (no checkpoint yet)"))
-        elif self.metrics is not None and plan.resume_from is not None:
-            self.metrics.message(f"resumed from {plan.resume_from} (step {self.state.step})")
-        if self.metrics is not None and plan.recorded_device not in (None, self.config.device):
-            self.metrics.event("device_changed", {"from": plan.recorded_device, "to": self.config.device},
-                               f"device: the run ran on {plan.recorded_device} and continues on {self.config.device} "
-                               f"({plan.device.reason}); pass --device {plan.recorded_device} to keep it there")
+        elif self.metrics is not None and checked.resume_from is not None:
+            self.metrics.message(f"resumed from {checked.resume_from} (step {self.state.step})")
+        if self.metrics is not None and checked.recorded_device not in (None, self.config.device):
+            was = checked.recorded_device
+            self.metrics.event("device_changed", {"from": was, "to": self.config.device},
+                               f"device: the run ran on {was} and continues on {self.config.device} "
+                               f"({checked.device.reason}); pass --device {was} to keep it there")
 
     def record(self) -> None:
         """Rank 0 writes the run directory, once everything it starts from is loaded and checked: a new run's
         config.toml and its data's tokenizer; on --resume the layout this invocation runs with (config.toml,
         replaced whole), the tokenizer only read (preflight compared it with the data's). A continued run
         forgets the history past its checkpoint (it trains those steps again). Then the metrics log opens."""
-        plan, config = self.plan, self.config
-        continued = plan.resume_from is not None or plan.restart > 0
+        checked, config = self.checked, self.config
+        continued = checked.resume_from is not None or checked.restart > 0
         claim_run_directory(self.out)
-        save_config(config, self.out / "config.toml", notes=f"precision {config.precision}: {plan.precision.reason}\n"
-                                                            f"device {config.device}: {plan.device.reason}")
-        if plan.resume_from is None:  # never replaced (preflight compared its ids on resume); exports carry it
+        save_config(config, self.out / "config.toml",
+                    notes=f"precision {config.precision}: {checked.precision.reason}\n"
+                          f"device {config.device}: {checked.device.reason}")
+        if checked.resume_from is None:  # never replaced (preflight compared its ids on resume); exports carry it
             self.store.copy_tokenizer(self.out)
             for source in self.sources:  # the same ids, other files (no chat template): kept aside, by source
                 if source.store.metadata["tokenizer"]["files"] != self.store.metadata["tokenizer"]["files"]:
@@ -209,8 +211,8 @@ class Trainer:
         fail at its first step and blame the learning rate."""
         bad = non_finite_weights(self.model, self.env)
         if bad:
-            plan = self.plan
-            source = plan.resume_from or plan.init_from or plan.checkpoint or f"--seed {self.config.seed}"
+            checked = self.checked
+            source = checked.resume_from or checked.init_from or checked.checkpoint or f"--seed {self.config.seed}"
             raise ValueError(f"the starting weights from {source} hold non-finite values (nan or inf) in "
                              f"{', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''} ({len(bad)} tensors): the "
                              f"checkpoint is damaged or comes from a diverged run; start from another one")
