@@ -27,6 +27,7 @@ COPY runtime runtime
 COPY data data
 COPY models models
 COPY checkpoints checkpoints
+COPY planner planner
 COPY trainer trainer
 COPY evaluation evaluation
 COPY bench bench
