@@ -342,20 +342,22 @@ app.command("train")(_train_command)
 
 def _plan_command(config: Path | None = None, gpu: str | None = None, gpus_per_node: int | None = None,
                   nodes: int = 1, search: bool = False, json_path: Path | None = None, vocab_size: int | None = None,
-                  doc_len: int | None = None, **flags: Any) -> None:
+                  doc_len: int | None = None, force: bool = False, **flags: Any) -> None:
     """What a training run needs per rank (memory by part, fits or not) and how fast it goes (step time by part,
     tokens/s per GPU, MFU), before it starts: for this machine, or --gpu NAME. Takes `burst train`'s settings.
     With --search: the cp x dp x recomputation settings of the GPUs that fit, fastest first."""
     from trainer.config import load_config
-    from trainer.plan import PlanRequest, format_plan, format_search, plan, to_json, write_json
+    from trainer.plan import PlanRequest, check_json_path, format_plan, format_search, plan, to_json, write_json
     from trainer.plan import search as search_settings
 
     flags.pop("val_sequences", None)
     overrides = {name: value for name, value in flags.items() if value is not None}
     with _exits():
         request = PlanRequest(load_config(config, overrides), gpu, gpus_per_node, nodes, vocab_size, doc_len)
+        if json_path is not None:
+            check_json_path(json_path, force)
         shape, result, hardware = plan(request)
-        found = None
+        found = longest = None
         if search:
             found, longest, hardware = search_settings(request)
             typer.echo(format_search(request.config, found, longest, hardware))
@@ -364,7 +366,7 @@ def _plan_command(config: Path | None = None, gpu: str | None = None, gpus_per_n
         else:
             typer.echo(format_plan(request.config, shape, result, hardware))
         if json_path is not None:
-            write_json(json_path, to_json(request.config, shape, result, hardware, found))
+            write_json(json_path, to_json(request.config, shape, result, hardware, found, longest))
 
 
 _plan_command.__signature__ = inspect.Signature([
@@ -381,6 +383,8 @@ _plan_command.__signature__ = inspect.Signature([
                       default=typer.Option(False, "--search", help="Rank the settings that fit by tokens/s per GPU.")),
     inspect.Parameter("json_path", inspect.Parameter.KEYWORD_ONLY, annotation=Path | None,
                       default=typer.Option(None, "--json", help="Also write the plan to this JSON file.")),
+    inspect.Parameter("force", inspect.Parameter.KEYWORD_ONLY, annotation=bool,
+                      default=typer.Option(False, "--force", help="Replace the --json file if it exists.")),
     inspect.Parameter("vocab_size", inspect.Parameter.KEYWORD_ONLY, annotation=int | None,
                       default=typer.Option(None, "--vocab-size", help="The tokenizer's vocabulary, replacing the "
                                                                       "preset's.")),

@@ -290,7 +290,8 @@ def check_memory(config: EvalConfig) -> None:
     check of its longest sequence, forward only (the weights in its precision, one block's activations, attention's
     buffers and the loss's chunk)."""
     longest = max([config.seq_len] + (config.passkey_lengths if config.passkey_trials else []))
-    shape = RunShape(seq_len=longest, cp=config.cp, precision=config.precision, forward_only=True)
+    shape = RunShape(seq_len=longest, cp=config.cp, precision=config.precision, forward_only=True,
+                     models=1 if config.reference is None else 2)  # --reference: its model is held beside
     check_fits(shape, load_for_eval(config.checkpoint).config, int(os.environ.get("LOCAL_WORLD_SIZE", config.cp)),
                config.device)
 

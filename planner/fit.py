@@ -46,7 +46,11 @@ def check_fits(shape: RunShape, model_config: ModelConfig, local_ranks: int, dev
     use = f"use {' or '.join(need(c) for c in options[:3])}, " if options else ""
     longest = longest_sequence(shape, model_config, hardware, local_ranks=local_ranks)
     lower = f"lower --seq-len (to {longest:,} as set)" if longest else "lower --seq-len"
+    if shape.forward_only:  # evaluation: no batch size, no data parallelism; more ranks split the sequence
+        advice = f"{use}{lower} (and any longer --passkey-lengths)"
+    else:
+        advice = (f"{use}{lower}, --batch-size or --dp x --cp on one machine, raise --cp to split sequences further, "
+                  f"or spread the ranks over more machines with torchrun (`burst plan --search` ranks what fits by "
+                  f"speed)")
     raise ValueError(f"{what} would need about {ranks * needed / GIB:,.1f} GiB (per rank, GiB: {shown}) but "
-                     f"{ranks * capacity / GIB:,.1f} GiB are available; {use}{lower}, --batch-size or "
-                     f"--dp x --cp on one machine, raise --cp to split sequences further, or spread the ranks over "
-                     f"more machines with torchrun (`burst plan --search` ranks what fits by speed)")
+                     f"{ranks * capacity / GIB:,.1f} GiB are available; {advice}")

@@ -52,6 +52,8 @@ class Hardware:
     def peak_tflops(self, precision: str) -> float:
         """The dense matmul peak in `precision`: MFU's denominator. A GPU's bf16 peak needs tensor cores, which fp32
         matmuls do not use (burst leaves TF32 off); a CPU's rate is measured in the run's precision."""
+        if self.device == "cuda" and precision != "bf16" and self.fp32_tflops:
+            return self.fp32_tflops
         return self.matmul_tflops
 
     def attention_tflops_in(self, precision: str) -> float:
@@ -96,12 +98,13 @@ def table_gpu(device_name: str) -> Hardware | None:
     return next((GPUS[key] for key in GPUS if key in device_name.lower()), None)
 
 
-def local_hardware(gpus_per_node: int | None = None, nodes: int = 1, precision: str = "fp32") -> Hardware:
-    """This machine: its first GPU (matched to the table by name for the rates), else its CPU, whose matmul rate in
-    `precision` (fp32 or bf16) is measured once and cached."""
+def local_hardware(gpus_per_node: int | None = None, nodes: int = 1, precision: str = "fp32",
+                   device: str = "auto") -> Hardware:
+    """This machine: its first GPU (matched to the table by name for the rates; not under device "cpu"), else its
+    CPU, whose matmul rate in `precision` (fp32 or bf16) is measured once and cached."""
     import torch
 
-    if torch.cuda.is_available():
+    if device != "cpu" and torch.cuda.is_available():
         properties = torch.cuda.get_device_properties(0)
         named = table_gpu(properties.name) or GPUS["h100"]
         return replace(named, name=properties.name, memory_bytes=properties.total_memory,

@@ -267,3 +267,131 @@ def test_a_cpu_plan_in_bf16_takes_the_bf16_constants_and_says_so_where_the_cpu_h
     assert "no native bf16" not in plan_module.format_plan(TrainConfig(model="tiny"), fp32_shape, fp32, cpu)
     monkeypatch.setattr(plan_module, "native_cpu_bf16", lambda: True)
     assert "no native bf16" not in plan_module.format_plan(TrainConfig(model="tiny"), bf16_shape, bf16, cpu)
+
+
+# Issue 45's `burst plan` defects, each refused or fixed where it entered.
+
+def test_the_json_file_is_not_replaced_without_force(tmp_path):
+    """Defect 1: --json replaced any file, the store's metadata or the config file it read too."""
+    out = tmp_path / "plan.json"
+    out.write_text("keep me")
+    args = ["plan", "--gpu", "h100", "--model", "tiny", "--seq-len", 4096, "--json", out]
+    refused = invoke(*args)
+    assert refused.exit_code == 2 and "already exists" in refused.output and "--force" in refused.output
+    assert out.read_text() == "keep me"
+    assert invoke(*args, "--force").exit_code == 0 and json.loads(out.read_text())["fits"] is True
+    directory = invoke("plan", "--gpu", "h100", "--json", tmp_path)
+    assert directory.exit_code == 2 and "is a directory" in directory.output
+
+
+@pytest.mark.parametrize("doc_len", [0, -5])
+def test_a_document_length_below_one_is_refused(doc_len):
+    """Defect 2: --doc-len 0 never returned, its boundaries growing without bound."""
+    result = invoke("plan", "--gpu", "h100", "--model", "tiny", "--seq-len", 4096, "--doc-mask", "--doc-len", doc_len)
+    assert result.exit_code == 2 and f"--doc-len {doc_len} must be at least 1" in result.output
+
+
+def test_doc_len_needs_doc_mask_and_one_longer_than_the_sequence_counts_one_document(tmp_path):
+    """Defect 10: --doc-len without --doc-mask was ignored in silence, and one longer than the sequence was reported
+    as the length attention was counted for."""
+    alone = invoke("plan", "--gpu", "h100", "--model", "tiny", "--seq-len", 4096, "--doc-len", 512)
+    assert alone.exit_code == 2 and "add --doc-mask, or drop --doc-len" in alone.output
+    out = tmp_path / "plan.json"
+    longer = invoke("plan", "--gpu", "h100", "--model", "tiny", "--seq-len", 4096, "--doc-mask", "--doc-len", 8192,
+                    "--json", out)
+    assert longer.exit_code == 0, longer.output
+    assert "documents of 8,192" not in longer.output and json.loads(out.read_text())["doc_len"] is None
+
+
+@pytest.mark.parametrize("flag, value", [("--gpus-per-node", 0), ("--nodes", 0), ("--nodes", -2),
+                                         ("--vocab-size", 0)])
+def test_hardware_flags_below_one_are_refused(flag, value):
+    """Defect 13: 0 was taken as "not given", a negative planned nonsense."""
+    result = invoke("plan", "--gpu", "h100", "--model", "tiny", "--seq-len", 4096, flag, value)
+    assert result.exit_code == 2 and f"{flag} {value} must be at least 1" in result.output
+
+
+def test_the_search_names_the_processors_it_lays_out_and_the_longest_fitting_length_in_its_json(tmp_path):
+    """Defect 11: on a CPU the header named 1 x this CPU while laying out cp x dp processes; a search where nothing
+    fits wrote no longest-fitting length in its JSON."""
+    cpu = invoke("plan", "--model", "debug", "--seq-len", 4096, "--cp", 2, "--precision", "fp32", "--search")
+    assert cpu.exit_code == 0, cpu.output
+    assert "on 2 processes on this CPU" in cpu.output.splitlines()[0]
+    out = tmp_path / "search.json"
+    none = invoke("plan", "--gpu", "a100", "--gpus-per-node", 8, "--model", "llama3.1-8b", "--seq-len", 2**24,
+                  "--search", "--json", out)
+    assert none.exit_code == 0, none.output
+    document = json.loads(out.read_text())
+    assert document["search"] == [] and document["longest_seq_len"] == search(PlanRequest(
+        TrainConfig(model="llama3.1-8b", seq_len=2**24), gpu="a100", gpus_per_node=8))[1]
+    assert f"{document['longest_seq_len']:,}" in none.output
+
+
+def test_fp32_on_a_gpu_is_counted_at_its_fp32_rate():
+    """Defect 17: --gpu h100 --precision fp32 counted fp32 matmuls at the bf16 tensor-core rate (989 TFLOP/s, where
+    fp32 without TF32 runs at the datasheet's 67)."""
+    tiny, h100 = ModelConfig.from_name("tiny"), gpu("h100")
+    fp32 = estimate(RunShape(seq_len=4096, precision="fp32"), tiny, h100)
+    bf16 = estimate(RunShape(seq_len=4096, precision="bf16"), tiny, h100)
+    assert fp32.peak_tflops == 67.0 and bf16.peak_tflops == 989.0
+    assert fp32.step_time_parts["matmuls"] == pytest.approx(bf16.step_time_parts["matmuls"] * 989 / 67)
+
+
+def test_the_plan_takes_device_and_burst_device_as_train_does(monkeypatch):
+    """Defect 9: on a machine with a GPU, --device cpu (or BURST_DEVICE=cpu) still planned the GPU's ranks."""
+    import torch
+
+    monkeypatch.delenv("BURST_DEVICE", raising=False)  # the suite's conftest sets it
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    properties = type("Properties", (), {"name": "NVIDIA H100 80GB HBM3", "total_memory": 80 * 2**30})
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: properties)
+    args = ("plan", "--model", "debug", "--seq-len", 1024, "--precision", "fp32")
+    assert "on NVIDIA H100 80GB HBM3" in invoke(*args).output.splitlines()[0]
+    assert "on this CPU" in invoke(*args, "--device", "cpu").output.splitlines()[0]
+    monkeypatch.setenv("BURST_DEVICE", "cpu")
+    assert "on this CPU" in invoke(*args).output.splitlines()[0]
+    both = invoke("plan", "--gpu", "h100", "--device", "cpu")
+    assert both.exit_code == 2 and "drop one" in both.output
+
+
+def test_the_plan_resolves_and_refuses_document_masks_as_train_does(tmp_path):
+    """Defect 5: the plan neither took --doc-mask from an instruction store (on by default there, as in train) nor
+    refused what train refuses (--no-doc-mask on it, --objective nll on a preference store)."""
+    from tests.test_conversation_packing import make_chat_store
+
+    make_chat_store(tmp_path / "chat", [60] * 30)
+    args = ("plan", "--model", "debug", "--seq-len", 1024, "--precision", "fp32", "--data", tmp_path / "chat")
+    implied = invoke(*args)
+    assert implied.exit_code == 0 and "documents: attention counted for documents of" in implied.output
+    refused = invoke(*args, "--no-doc-mask")
+    assert refused.exit_code == 2 and "--no-doc-mask is refused" in refused.output
+    wrong = invoke(*args, "--objective", "simpo")
+    assert wrong.exit_code == 2 and "trains on one preference store" in wrong.output
+
+
+def test_eval_counts_its_reference_model_and_suggests_only_eval_settings(tmp_path, monkeypatch):
+    """Defects 8 and 14: eval's memory check left out --reference's model (held beside the policy), and its refusal
+    suggested training's settings (--batch-size, --dp) that eval does not take."""
+    from evaluation.run import EvalConfig, check_memory
+
+    debug = ModelConfig.from_name("debug")
+    model = tmp_path / "model"
+    save_model(Transformer(debug), debug, model)
+    one = sum(memory_estimate(RunShape(seq_len=1024, precision="fp32", forward_only=True), debug,
+                              memory_only("cpu", 2**40))[0].values())
+    two = sum(memory_estimate(RunShape(seq_len=1024, precision="fp32", forward_only=True, models=2), debug,
+                              memory_only("cpu", 2**40))[0].values())
+    from models.footprint import footprint
+    from planner.hardware import memory_only as machine
+    from planner.memory import memory_parts
+
+    weights = [memory_parts(RunShape(seq_len=1024, precision="fp32", forward_only=True, models=n), footprint(debug),
+                            machine("cpu", 2**40))["weights"] for n in (1, 2)]
+    assert weights == [4 * n * sum(p.numel() for p in Transformer(debug).parameters()) for n in (1, 2)]
+    monkeypatch.setattr(planner_fit, "available_memory_bytes", lambda: (one + two) // 2)
+    settings = dict(checkpoint=model, seq_len=1024, passkey_trials=0, precision="fp32", device="cpu")
+    check_memory(EvalConfig(**settings))  # the policy alone fits
+    with pytest.raises(ValueError, match="would need about") as refused:
+        check_memory(EvalConfig(**settings, reference=model))
+    assert "--batch-size" not in str(refused.value) and "--dp" not in str(refused.value)

@@ -34,17 +34,40 @@ class PlanRequest:
     vocab_size: int | None = None  # replace the preset's vocabulary (a store prepared with another tokenizer)
     doc_len: int | None = None  # with --doc-mask: the packed documents' length (None: one per sequence)
 
+    def __post_init__(self) -> None:
+        """Refuse hardware and document settings that cannot describe a run, naming the flag."""
+        for flag, value in (("--gpus-per-node", self.gpus_per_node), ("--nodes", self.nodes),
+                            ("--vocab-size", self.vocab_size)):
+            if value is not None and value < 1:
+                raise ValueError(f"{flag} {value} must be at least 1 (leave it out for "
+                                 f"{'the table' if flag != '--vocab-size' else 'the preset'}'s or this machine's)")
+        if self.doc_len is not None and self.doc_len < 1:
+            raise ValueError(f"--doc-len {self.doc_len} must be at least 1 token: the packed documents' length; leave "
+                             f"it out to take the stores' length-weighted mean")
+        if self.gpu is not None and self.config.device == "cpu":
+            raise ValueError("--gpu plans for GPUs of the table, --device cpu for this machine's CPU: drop one")
+
+
+def check_json_path(path: Path, force: bool) -> None:
+    """Refuse a --json that would replace a file (without --force), or that is a directory, before any work."""
+    if path.is_dir():
+        raise ValueError(f"--json {path} is a directory; pass a file, e.g. {path / 'plan.json'}")
+    if path.exists() and not force:
+        raise ValueError(f"--json: {path} already exists; choose another file, or pass --force to replace it")
+
 
 def hardware_of(request: PlanRequest) -> Hardware:
     if request.gpu is not None:
         return gpu(request.gpu, request.gpus_per_node, request.nodes)
     import torch
 
+    from runtime.device import resolve_device
     from runtime.precision import resolve_precision
 
+    device = resolve_device(request.config.device).kind  # --device, else BURST_DEVICE, else auto: as train takes it
     # the CPU's rate is measured in the precision the run would take (bf16 with AMX runs several times fp32's)
-    precision = resolve_precision(request.config.precision, torch.device("cpu")).name
-    return local_hardware(request.gpus_per_node, request.nodes, precision)
+    precision = resolve_precision(request.config.precision, torch.device(device)).name
+    return local_hardware(request.gpus_per_node, request.nodes, precision, device)
 
 
 def first_store(config: TrainConfig):
@@ -71,6 +94,11 @@ def documents_length(request: PlanRequest) -> int | None:
     """The packed documents' length the attention term counts: --doc-len, else with --doc-mask (nll) that of the
     stores `burst train` would read (--data, by share, or the embedded corpus): `store_doc_len` of each."""
     config = request.config
+    if request.doc_len is not None and not config.doc_mask:
+        raise ValueError("--doc-len is the length of documents --doc-mask keeps apart; without --doc-mask a sequence "
+                         "attends as one document: add --doc-mask, or drop --doc-len")
+    if request.doc_len is not None and request.doc_len >= config.seq_len:
+        return None  # one document fills every sequence: counted as one, and said so
     if request.doc_len is not None or not config.doc_mask or config.objective != "nll":
         return request.doc_len
     from data import default_store
@@ -105,8 +133,29 @@ def resolved(config: TrainConfig, hardware: Hardware) -> TrainConfig:
     return dataclasses.replace(config, precision=resolve_precision("auto", torch.device("cpu")).name)
 
 
+def with_data_settings(request: PlanRequest) -> PlanRequest:
+    """The request with --doc-mask resolved from the --data stores as `burst train` resolves it (on for instruction
+    and preference stores) and refused where `burst train` refuses it (--no-doc-mask there, a preference store with
+    --objective nll, an objective without one); without --data (data elsewhere) --doc-mask defaults to the
+    objective's: on for a preference objective."""
+    config = request.config
+    if not config.data:
+        return dataclasses.replace(request, config=dataclasses.replace(
+            config, doc_mask=config.objective != "nll" if config.doc_mask is None else config.doc_mask))
+    from data.mixture import open_sources, parse_mixture
+    from trainer.preference import check_preferences
+    from trainer.preflight import check_conversations, with_document_mask
+
+    sources = open_sources(parse_mixture(config.data))
+    config = with_document_mask(config, sources)
+    check_preferences(config, sources)
+    check_conversations(config, sources)
+    return dataclasses.replace(request, config=config)
+
+
 def plan(request: PlanRequest) -> tuple[RunShape, Estimate, Hardware]:
     """The estimate of the request's own settings."""
+    request = with_data_settings(request)
     hardware = hardware_of(request)
     config = resolved(request.config, hardware)
     gpus = hardware.gpus_per_node * hardware.nodes
@@ -115,6 +164,11 @@ def plan(request: PlanRequest) -> tuple[RunShape, Estimate, Hardware]:
                          f"node(s) of {hardware.gpus_per_node} GPUs have {gpus}; raise --gpus-per-node or --nodes")
     shape = run_shape(config, documents_length(request))
     return shape, estimate(shape, model_config_of(request), hardware), hardware
+
+
+def processors(hardware: Hardware, config: TrainConfig) -> int:
+    """The ranks a search lays out: every GPU of the nodes, or on a CPU the run's own cp x dp processes."""
+    return hardware.gpus_per_node * hardware.nodes if hardware.device == "cuda" else config.world_size
 
 
 @dataclass(frozen=True)
@@ -127,10 +181,11 @@ def search(request: PlanRequest, top: int = 8) -> tuple[list[Candidate], int | N
     """The settings of every GPU (cp x dp = gpus_per_node x nodes, each recomputation mode) that fit, fastest first
     (tokens/s per GPU), at most `top`; and when none fits, the longest sequence that fits with cp over every GPU
     and full recomputation (None: not even 1,024 tokens)."""
+    request = with_data_settings(request)
     hardware = hardware_of(request)
     config = resolved(request.config, hardware)
     model = model_config_of(request)
-    gpus = hardware.gpus_per_node * hardware.nodes if hardware.device == "cuda" else config.world_size
+    gpus = processors(hardware, config)
     shape = run_shape(config, documents_length(request))
     found = [Candidate(c, e) for c in layouts(shape, gpus) if (e := estimate(c, model, hardware)).fits]
     found.sort(key=lambda candidate: -candidate.estimate.tokens_per_s)
@@ -181,11 +236,13 @@ def native_cpu_bf16() -> bool:
 
 
 def format_search(config: TrainConfig, found: list[Candidate], longest: int | None, hardware: Hardware) -> str:
-    gpus = hardware.gpus_per_node * hardware.nodes
-    head = f"settings that fit {model_name(config)} at --seq-len {config.seq_len:,} on {gpus} x {hardware.name}"
+    ranks = processors(hardware, config)
+    where = f"{ranks} x {hardware.name}" if hardware.device == "cuda" else \
+        f"{ranks} process{'es' if ranks > 1 else ''} on {hardware.name}"
+    head = f"settings that fit {model_name(config)} at --seq-len {config.seq_len:,} on {where}"
     if not found:
-        return (f"nothing fits {model_name(config)} at --seq-len {config.seq_len:,} on {gpus} x {hardware.name}; "
-                + (f"the longest sequence that fits (--cp over every GPU, full recomputation) is {longest:,}"
+        return (f"nothing fits {model_name(config)} at --seq-len {config.seq_len:,} on {where}; "
+                + (f"the longest sequence that fits (--cp over every rank, full recomputation) is {longest:,}"
                    if longest else "not even 1,024 tokens fit"))
     rows = [head + ", fastest first:",
             f"  {'cp':>3} {'dp':>3} {'recompute':<10} {'peak GiB':>9} {'step s':>8} {'tok/s/GPU':>10} {'MFU':>6}"]
@@ -196,8 +253,9 @@ def format_search(config: TrainConfig, found: list[Candidate], longest: int | No
 
 
 def to_json(config: TrainConfig, shape: RunShape, result: Estimate, hardware: Hardware,
-            found: list[Candidate] | None = None) -> dict:
-    """The plan as one JSON object (see docs/plan.md for the keys)."""
+            found: list[Candidate] | None = None, longest: int | None = None) -> dict:
+    """The plan as one JSON object (see docs/plan.md for the keys); with --search, the ranked settings, and where
+    none fits, the longest sequence that does (`longest_seq_len`, null: not even 1,024 tokens)."""
     document = {**result.to_json(), "settings": {"model": config.model, "seq_len": shape.seq_len, "cp": shape.cp,
                                                  "dp": shape.dp, "batch_size": shape.batch_size,
                                                  "activation_checkpointing": shape.activation_checkpointing,
@@ -207,6 +265,8 @@ def to_json(config: TrainConfig, shape: RunShape, result: Estimate, hardware: Ha
         document["search"] = [{"cp": c.shape.cp, "dp": c.shape.dp,
                                "activation_checkpointing": c.shape.activation_checkpointing, **c.estimate.to_json()}
                               for c in found]
+        if not found:
+            document["longest_seq_len"] = longest
     return document
 
 
