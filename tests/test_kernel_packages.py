@@ -179,10 +179,12 @@ def fa4_source():
 def test_fa4_is_found_without_flash_attn_2(fa4_source):
     """The wheel installs flash_attn/cute with no flash_attn/__init__.py: reading flash-attn 2's version from
     `flash_attn` raised AttributeError in every CUDA run's kernel choice."""
+    if packages.module_file(packages.FA2_MODULE) is not None:
+        pytest.skip("flash-attn 2 is installed here too")
     assert importlib.metadata.version("flash-attn-4") == FA4_TESTED_VERSION
     assert not fa4_source.parent.parent.joinpath("__init__.py").exists()  # a namespace package: FA4's alone
     assert packages.installed_flash_attn_version() is None
-    assert installed_packages() == {"fa4"}
+    assert "fa4" in installed_packages() and "flash-attn" not in installed_packages()
 
 
 def test_fa4_that_cannot_be_imported_is_refused_in_one_line(fa4_source, caplog):

@@ -91,8 +91,8 @@ def fa4_installed() -> bool:
 
 
 def import_kernel_module(kernel: str, names: tuple[str, ...]) -> ModuleType:
-    """The first of modules `names` that is installed, imported. ModuleNotFoundError with the install hint
-    when none is; any other failure of the import (a dependency missing, a CUDA extension built for another
+    """The first of modules `names` that is installed, imported. ModuleNotFoundError when none is; any other
+    failure of the import (a dependency missing, a CUDA extension built for another
     torch) propagates as it is, and the kernel is refused with it in one line (choice.py)."""
     for name in names:
         try:
@@ -101,7 +101,7 @@ def import_kernel_module(kernel: str, names: tuple[str, ...]) -> ModuleType:
             parts = name.split(".")
             if error.name not in {".".join(parts[:i]) for i in range(1, len(parts) + 1)}:
                 raise  # the module is there, one of its dependencies is not
-    raise ModuleNotFoundError(f"{kernel} is not installed (none of {', '.join(names)}): {INSTALL_HINTS[kernel]}")
+    raise ModuleNotFoundError(f"{kernel} is not installed (none of {', '.join(names)})")
 
 
 def parameter_names(function) -> tuple[str, ...]:
@@ -189,7 +189,8 @@ class FlashAttnKernel(BottomRightCausal):
 
 class FlashAttn3Kernel(BottomRightCausal):
     """FlashAttention-3 (Hopper, sm90): `_flash_attn_forward/_backward` of `flash_attn_interface`, from its
-    January 2025 rewrite on. What changed since, and is followed here by parameter name: every feature
+    January 2025 rewrite on (tests/test_kernel_packages.py holds its May, October and November 2025
+    signatures). What changed since, and is followed here by parameter name: every feature
     argument required until September 2025 (burst passes None for those a release takes), the backward's
     `causal` renamed `is_causal` (July 2025), the forward's `out` renamed `out_` (November 2025), both
     functions torch.library custom ops (July 2025), and the backward returning only softmax_d (it writes
