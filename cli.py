@@ -55,6 +55,7 @@ def _exits(failed: tuple[type[Exception], ...] = ()) -> Iterator[None]:
 class TargetFormat(str, enum.Enum):
     burst = "burst"
     hf = "hf"
+    peft = "peft"
 
 
 @app.command("convert-checkpoint")
@@ -62,7 +63,9 @@ def convert_checkpoint_command(
     src: Path = typer.Argument(..., help="Checkpoint directory to convert (format detected): Hugging Face, native, "
                                          "a training checkpoint, or a run directory (its newest checkpoint)."),
     dst: Path = typer.Argument(..., help="Directory to write; created only once complete."),
-    to: TargetFormat = typer.Option(..., "--to", help="Format to write: burst (native) or hf (Hugging Face)."),
+    to: TargetFormat = typer.Option(..., "--to", help="Format to write: burst (native), hf (Hugging Face; a LoRA "
+                                                           "run's adapter merged in) or peft (a LoRA run's adapter "
+                                                           "alone, for PEFT)."),
     force: bool = typer.Option(False, "--force", help="Replace DST if it is a model directory burst wrote."),
 ) -> None:
     """Convert a model checkpoint between the Hugging Face LLaMA and native formats.

@@ -35,8 +35,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from models.checkpoint import CONFIG_NAME, check_tensor_shapes, expected_shapes, read_config
-from models.convert import Checkpoint
+from models.convert import Checkpoint, expected_adapter_shapes
 from models.hf_tokenizer import tokenizer_beside
+from models.lora import Adapter, LoRAConfig, is_adapter, is_trainable, merged
 from runtime.digest import file_sha256
 
 CHECKPOINTS_DIR = "checkpoints"
@@ -197,20 +198,46 @@ def step_of(path: Path) -> int:
 
 def read_model_checkpoint(path: Path) -> Checkpoint:
     """The model weights of a training checkpoint (or of a run directory's newest), read in this one process
-    without the ranks that wrote them; validated from metadata, tensors read one at a time."""
+    without the ranks that wrote them; validated from metadata, tensors read one at a time. A LoRA run's weights
+    come merged (W + B A alpha / rank), and its adapter alone through `Checkpoint.adapter`."""
     path = resolve_checkpoint(Path(path))
     config = read_config(path)
     items = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     tensors = {key.removeprefix(MODEL_PREFIX): meta for key, meta in items.items()
                if key.startswith(MODEL_PREFIX) and isinstance(meta, TensorStorageMetadata)}
-    check_tensor_shapes({name: tuple(meta.size) for name, meta in tensors.items()}, expected_shapes(config),
-                        str(path))
+    lora = lora_of(path) if any(is_adapter(name) for name in tensors) else None
+    adapter_shapes = expected_adapter_shapes(config, lora) if lora is not None else {}
+    check_tensor_shapes({name: tuple(meta.size) for name, meta in tensors.items()},
+                        {**expected_shapes(config), **adapter_shapes}, str(path))
+
+    def load(name: str) -> torch.Tensor:
+        meta = tensors[name]
+        state = {"model": {name: torch.empty(meta.size, dtype=meta.properties.dtype)}}
+        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+        return state["model"][name]
 
     def read() -> Iterator[tuple[str, torch.Tensor]]:
-        for name, meta in tensors.items():
-            state = {"model": {name: torch.empty(meta.size, dtype=meta.properties.dtype)}}
-            dcp.load(state, checkpoint_id=str(path), no_dist=True)
-            yield name, state["model"][name]
+        for name in tensors:
+            if is_adapter(name):
+                continue
+            stem = name.removesuffix(".weight")
+            if f"{stem}.lora_a" in tensors:
+                yield name, merged(load(name), load(f"{stem}.lora_a"), load(f"{stem}.lora_b"), lora)
+            else:
+                yield name, load(name)
+
+    def adapter() -> Adapter:
+        trained = [name for name in tensors if is_adapter(name) or is_trainable(name, lora)]
+        return Adapter(lora, {name: load(name) for name in trained})
 
     run_dir = path.parent.parent  # RUN/checkpoints/step-N: the run keeps the tokenizer its data was made with
-    return Checkpoint(config, read, tokenizer_beside(path) or tokenizer_beside(run_dir))
+    return Checkpoint(config, read, tokenizer_beside(path) or tokenizer_beside(run_dir),
+                      adapter=adapter if lora is not None else None)
+
+
+def lora_of(path: Path) -> LoRAConfig:
+    """The LoRA settings a training checkpoint's run trained with (its train_state.json's settings)."""
+    settings = read_train_state(path).get("settings", {})
+    return LoRAConfig(rank=settings["lora_rank"], alpha=settings["lora_alpha"], dropout=settings["lora_dropout"],
+                      targets=LoRAConfig.parse_targets(settings["lora_targets"]),
+                      train_embeddings_and_norms=settings["train_embeddings_and_norms"])

@@ -18,11 +18,24 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from models.checkpoint import CONFIG_NAME, check_tensor_shapes, expected_shapes, is_native_checkpoint, read_config
 from models.config import ModelConfig
 from models.hf_config import config_from_hf, config_to_hf, generation_config_to_hf
 from models.hf_tokenizer import check_tokenizer, copy_tokenizer_files, tokenizer_beside, write_hf_tokenizer
+from models.lora import (
+    PEFT_CONFIG,
+    PEFT_WEIGHTS,
+    TARGETS,
+    Adapter,
+    LoRAConfig,
+    config_from_peft,
+    is_trainable,
+    native_name,
+    peft_config,
+    peft_name,
+)
 from models.storage import (
     DEFAULT_MAX_SHARD_BYTES,
     read_json,
@@ -77,9 +90,10 @@ class Checkpoint:
     """
 
     config: ModelConfig
-    tensors: Callable[[], Iterator[tuple[str, torch.Tensor]]]
+    tensors: Callable[[], Iterator[tuple[str, torch.Tensor]]]  # a LoRA run's merged into its base (models/lora.py)
     tokenizer: Path | None = None  # the directory keeping the tokenizer the model was trained with, if any
     rows: Callable[[str, range], torch.Tensor] | None = None
+    adapter: Callable[[], Adapter] | None = None  # a LoRA run's adapter alone (read when called)
 
 
 # ---- Hugging Face side -----------------------------------------------------------------------------------------
@@ -115,6 +129,49 @@ def write_hf(checkpoint: Checkpoint, dst: Path, max_shard_bytes: int) -> None:
     write_json(config_to_hf(checkpoint.config, dtypes[0]), dst / CONFIG_NAME)
 
 
+# ---- PEFT adapters ------------------------------------------------------------------------------------------------
+
+def read_peft(src: Path, config: ModelConfig) -> Adapter:
+    """The PEFT LoRA adapter in `src` (adapter_config.json, adapter_model.safetensors) under native names, checked
+    against the base model `config` it is to load onto (--init-adapter)."""
+    lora = config_from_peft(read_json(src / PEFT_CONFIG), str(src / PEFT_CONFIG))
+    if not (src / PEFT_WEIGHTS).is_file():
+        raise ValueError(f"{src} holds no {PEFT_WEIGHTS}; pass a PEFT adapter directory (save_pretrained writes one)")
+    tensors = {native_name(name, lambda hf: rename(hf, HF_TO_NATIVE)): tensor
+               for name, tensor in load_file(str(src / PEFT_WEIGHTS)).items()}
+    expected = expected_adapter_shapes(config, lora)
+    trained = {name: shape for name, shape in expected_shapes(config).items()
+               if lora.train_embeddings_and_norms and is_trainable(name, lora)}
+    found = {name: tuple(tensor.shape) for name, tensor in tensors.items()}
+    missing = sorted(set(expected) - set(found))
+    wrong = sorted(name for name, shape in found.items() if {**expected, **trained}.get(name) != shape)
+    if missing or wrong:
+        raise ValueError(f"{src} does not fit the base model (dim {config.dim}, {config.n_layers} layers): "
+                         + (f"missing {', '.join(missing[:3])}" if missing else f"unexpected {', '.join(wrong[:3])}")
+                         + "; pass the adapter trained on this base model")
+    return Adapter(lora, tensors)
+
+
+def expected_adapter_shapes(config: ModelConfig, lora: LoRAConfig) -> dict[str, tuple[int, ...]]:
+    """Each adapter tensor's native name and shape for `lora` on a model of `config`."""
+    shapes = {}
+    for name, shape in expected_shapes(config).items():
+        target = next((t for t, (path, _) in TARGETS.items() if name.endswith(f".{path}.weight")), None)
+        if target in lora.targets and name.startswith("layers."):
+            (out_features, in_features), stem = shape, name.removesuffix(".weight")
+            shapes[f"{stem}.lora_a"], shapes[f"{stem}.lora_b"] = (lora.rank, in_features), (out_features, lora.rank)
+    return shapes
+
+
+def write_peft(checkpoint: Checkpoint, dst: Path, max_shard_bytes: int) -> None:
+    """The checkpoint's adapter as a PEFT directory that `PeftModel.from_pretrained` loads onto the base."""
+    adapter = checkpoint.adapter()
+    tensors = [(peft_name(name, lambda native: rename(native, NATIVE_TO_HF)), tensor.contiguous())
+               for name, tensor in adapter.tensors.items()]
+    write_json(peft_config(adapter.lora, None), dst / PEFT_CONFIG)
+    save_file(dict(tensors), str(dst / PEFT_WEIGHTS), metadata={"format": "pt"})
+
+
 # ---- native side -----------------------------------------------------------------------------------------------
 
 def read_native(src: Path) -> Checkpoint:
@@ -144,7 +201,8 @@ SOURCE_FORMATS: SourceFormats = {
                        read_hf),
     "burst": SourceFormat("a burst checkpoint (config.json with dim, n_layers)", is_native_checkpoint, read_native),
 }
-TARGET_FORMATS: dict[str, Callable[[Checkpoint, Path, int], None]] = {"hf": write_hf, "burst": write_native}
+TARGET_FORMATS: dict[str, Callable[[Checkpoint, Path, int], None]] = {"hf": write_hf, "burst": write_native,
+                                                                      "peft": write_peft}
 
 
 def detect_format(path: Path, formats: SourceFormats = SOURCE_FORMATS) -> str:
@@ -195,6 +253,9 @@ def convert_checkpoint(src: str | Path, dst: str | Path, to: str, force: bool = 
     with exclusive_writer(dst, "model") as directory:  # refused while another process writes `dst`
         directory.check_replaceable(force, recognize=lambda path: _recognize(path, formats))  # by name
         checkpoint = read_checkpoint(src, formats)
+        if to == "peft" and checkpoint.adapter is None:
+            raise ValueError(f"{src} holds no LoRA adapter: --to peft exports the adapter of a run trained with "
+                             f"--lora-rank; --to hf or burst converts a whole model")
         if checkpoint.tokenizer is not None:
             check_tokenizer(checkpoint.tokenizer)  # a damaged one is refused here, before DST is touched
         kept = f"; {dst} is as it was before" if dst.exists() else f"; {dst} was not created"

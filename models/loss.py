@@ -69,7 +69,8 @@ def _backward(ctx, grad_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
     with torch.autocast(hidden.device.type, enabled=False):
         weight_mm = weight.to(_matmul_dtype(hidden, weight))
         grad_hidden = torch.empty_like(hidden)  # [N, dim]
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32)  # [vocab, dim]
+        # A frozen head (LoRA: the embedding matrix of a tied model) gets no gradient: no [vocab, dim] buffer.
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             rows = slice(start, start + ctx.chunk_size)
             hidden_mm = hidden[rows].to(weight_mm.dtype)
@@ -81,11 +82,13 @@ def _backward(ctx, grad_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
             grad_logits.mul_((valid[rows] * (grad_rows if grad_rows.dim() == 0 else grad_rows[rows]))[:, None])
             grad_logits_mm = grad_logits.to(weight_mm.dtype)
             grad_hidden[rows] = grad_logits_mm @ weight_mm
+            if grad_weight is None:
+                continue
             if grad_logits_mm.dtype == torch.float32:
                 grad_weight.addmm_(grad_logits_mm.t(), hidden_mm)  # in place: no [vocab, dim] temporary
             else:  # addmm_ cannot mix dtypes: a bf16 product per chunk, summed in float32
                 grad_weight += grad_logits_mm.t() @ hidden_mm
-    return grad_hidden, grad_weight.to(weight.dtype), None, None, None
+    return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None
 
 
 class ChunkedTokenLosses(torch.autograd.Function):

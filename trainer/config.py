@@ -21,6 +21,7 @@ import tomllib
 
 if TYPE_CHECKING:
     from models.config import TrainingRecipe
+    from models.lora import LoRAConfig
 
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 # The settings a model's training recipe fills in when neither a flag nor the config file sets them.
@@ -142,6 +143,24 @@ class TrainConfig:
     prefix_sharing: bool = setting(True, "Pack a preference pair's prompt once, both answers seeing it (each at the "
                                          "positions it would have after the prompt alone); --no-prefix-sharing packs "
                                          "prompt + chosen and prompt + rejected as two documents.")
+    # LoRA (models/lora.py; docs/lora.md): one section, `lora` below gathers it.
+    lora_rank: int = setting(0, "Train a LoRA adapter of this rank on the frozen model (0: full fine-tuning; 8 to 64 "
+                                "are usual); only the adapters get gradients and optimizer state.")
+    lora_alpha: float = setting(16.0, "LoRA's alpha: the adapter's update is scaled by alpha / rank.")
+    lora_dropout: float = setting(0.0, "Dropout on the adapters' input (0 to 0.1 are usual).")
+    lora_targets: str = setting("q,k,v,o", "The linear layers that get adapters, comma-separated: q, k, v, o "
+                                           "(attention) and gate, up, down (the MLP).")
+    train_embeddings_and_norms: bool = setting(False, "With --lora-rank, also train the token embeddings and the "
+                                                      "RMSNorm gains (LongLoRA: needed to extend the context).")
+    init_adapter: str | None = setting(None, "A PEFT LoRA adapter directory (adapter_config.json, "
+                                             "adapter_model.safetensors) to start the adapter from, on --model's "
+                                             "weights; its rank, alpha and targets become the run's.")
+    # Memory at long sequences (docs/lora.md): none changes the result.
+    offload_activations: bool = setting(False, "Keep each block's saved input in pinned host memory between forward "
+                                               "and backward (needs --activation-checkpointing full or selective).")
+    mlp_tile: int = setting(0, "Compute the MLP over slices of this many tokens, so its [tokens, ffn] intermediate "
+                               "never spans the whole sequence (0: the whole sequence at once).")
+    loss_tile: int = setting(1024, "Tokens whose logits the loss forms at once (the [tokens, vocab] slice).")
     seed: int = setting(0, "Seed of the initial weights and the data order.")
     val_tokens: int | None = setting(None, "Held-out tokens (the data's validation split) scored at the start and the "
                                            "end of each invocation and every --val-every steps, rounded up to whole "
@@ -248,6 +267,22 @@ class TrainConfig:
         check_topology(self.cp_topology, "--cp-topology")
         if self.cp_layout != "auto":
             check_layout(self.cp_layout, "--cp-layout")
+        if self.init_adapter is not None:
+            object.__setattr__(self, "init_adapter", str(Path(self.init_adapter).resolve()))
+            adopted = adapter_settings(self.init_adapter)
+            if self.lora_rank not in (0, adopted["lora_rank"]):
+                raise ValueError(f"--lora-rank {self.lora_rank} differs from the rank {adopted['lora_rank']} of "
+                                 f"--init-adapter {self.init_adapter}; drop --lora-rank (the adapter's is used)")
+            for name, value in adopted.items():
+                object.__setattr__(self, name, value)
+        self.lora  # noqa: B018 -- checks the LoRA settings, each naming its flag
+        for name in ("mlp_tile", "loss_tile"):
+            if getattr(self, name) < 0 or (name == "loss_tile" and self.loss_tile == 0):
+                raise ValueError(f"{flag(name)} {getattr(self, name)} must be " + ("at least 0 (0: no slicing)" if
+                                 name == "mlp_tile" else "at least 1 (1024 is usual)"))
+        if self.offload_activations and self.activation_checkpointing == "none":
+            raise ValueError("--offload-activations moves the block inputs that activation checkpointing keeps: "
+                             "pass --activation-checkpointing full (or selective) too")
         if self.cp_layout == "balanced" and not self.doc_mask:
             raise ValueError("--cp-layout balanced is chosen from each sequence's documents, which attention sees "
                              "only with --doc-mask; add --doc-mask, or use --cp-layout zigzag (or auto)")
@@ -299,6 +334,15 @@ class TrainConfig:
         return "balanced" if self.doc_mask else "zigzag"
 
     @property
+    def lora(self) -> LoRAConfig:
+        """The LoRA section of the run (rank 0: full fine-tuning)."""
+        from models.lora import LoRAConfig
+
+        return LoRAConfig(rank=self.lora_rank, alpha=self.lora_alpha, dropout=self.lora_dropout,
+                          targets=LoRAConfig.parse_targets(self.lora_targets),
+                          train_embeddings_and_norms=self.train_embeddings_and_norms)
+
+    @property
     def world_size(self) -> int:
         return self.cp * self.dp
 
@@ -306,6 +350,20 @@ class TrainConfig:
     def tokens_per_step(self) -> int:
         """Tokens of one optimizer step over all ranks."""
         return self.seq_len * self.batch_size * self.dp * self.grad_accum
+
+
+def adapter_settings(directory: str) -> dict[str, Any]:
+    """The LoRA settings (TrainConfig fields) of the PEFT adapter in `directory`, for --init-adapter."""
+    from models.lora import PEFT_CONFIG, config_from_peft
+    from models.storage import read_json
+
+    path = Path(directory) / PEFT_CONFIG
+    if not path.is_file():
+        raise ValueError(f"--init-adapter {directory} holds no {PEFT_CONFIG}: pass a PEFT LoRA adapter directory "
+                         f"(`burst convert-checkpoint RUN DIR --to peft` writes one)")
+    lora = config_from_peft(read_json(path), str(path))
+    return {"lora_rank": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout,
+            "lora_targets": ",".join(lora.targets), "train_embeddings_and_norms": lora.train_embeddings_and_norms}
 
 
 def recipe_value(config: TrainConfig, name: str) -> float | int:
@@ -346,7 +404,8 @@ INVOCATION_FIELDS = ("resume", "stop_after")
 RESUMABLE_CHANGES = ("device", "cp", "dp", "batch_size", "grad_accum", "activation_checkpointing",
                      "attention_backward", "attention_kernel", "cp_topology", "cp_layout", "compile",
                      "check_ranks_every", "log_every", "checkpoint_every", "keep", "async_checkpoint", "max_restarts",
-                     "timeout", "val_tokens", "val_every", *INVOCATION_FIELDS)
+                     "timeout", "val_tokens", "val_every", "offload_activations", "mlp_tile", "loss_tile",
+                     *INVOCATION_FIELDS)
 
 
 def run_identity(config: TrainConfig) -> dict[str, Any]:

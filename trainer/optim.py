@@ -16,13 +16,15 @@ from trainer.config import TrainConfig
 
 
 def build_optimizer(model: nn.Module, config: TrainConfig) -> AdamW:
-    """AdamW over the model's parameters; norms (1-D weights) and embeddings are not decayed.
+    """AdamW over the model's trainable parameters; norms (1-D weights) and embeddings are not decayed.
 
     Decay pulls weights towards zero: right for projection matrices, wrong for norm gains (whose
     neutral value is 1) and for embedding rows that rare tokens update seldom.
     """
     decay, no_decay = [], []
     for name, param in model.named_parameters():
+        if not param.requires_grad:  # LoRA's frozen weights: no gradient, no optimizer state
+            continue
         (no_decay if param.ndim < 2 or "tok_embeddings" in name else decay).append(param)
     groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2))

@@ -1,18 +1,23 @@
 """Parallelism applied to the model from outside, in one documented order (torchtitan's):
 
+0. LoRA (--lora-rank): the targeted linear layers get adapters and everything else is frozen, in the run's
+   compute precision (bf16 on CUDA: the frozen weights keep no float32 master copy), models/lora.py;
 1. sequence parallelism: every block's `attention.core_attention` becomes a `burst.BurstAttention`
    over the mesh's "cp" dimension (when cp > 1), cutting sequences by the
    layout the data loader cuts them with (`TrainConfig.sequence_layout`); the model code never knows;
+   the MLP computes over slices of --mlp-tile tokens (trainer/memory.py);
 2. activation checkpointing: each block is wrapped to recompute its activations in backward
    ("full"), or all of them but attention's output ("selective": the ring forward, the costliest
    part of a long-context block, never runs twice); it wraps the blocks before FSDP so that FSDP's
-   per-block units see the recomputation;
+   per-block units see the recomputation; with --offload-activations the input each block keeps for
+   its recomputation waits in host memory (trainer/memory.py);
 3. compilation (--compile): each block, checkpoint wrapper included, becomes `torch.compile`d;
    attention is one opaque operator (`torch.ops.burst.attention`) in its graph, document tensors
    are dynamic in length (`mark_documents_dynamic`), so the first step compiles and no later one does
    (docs/one-process-attention.md);
 4. FSDP2: `fully_shard` on every block, then on the root, over the flattened dp x cp mesh (when
-   world > 1). Parameters, gradients and optimizer state are sharded over all ranks: cp ranks hold
+   world > 1), frozen and trainable weights alike (only the trainable ones get gradients to reduce).
+   Parameters, gradients and optimizer state are sharded over all ranks: cp ranks hold
    the same weights, so they share the sharding with the dp ranks. With bf16 on CUDA, parameters are
    gathered and used in bf16 over float32 master weights (see `mixed_precision_policy`).
 
@@ -37,9 +42,11 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 import burst
 from models import ModelConfig, Transformer
-from models.convert import Checkpoint, read_checkpoint
+from models.convert import Checkpoint, read_checkpoint, read_peft
 from models.init import initial_rows
+from models.lora import Adapter, apply_lora, initial_adapter_rows, is_adapter
 from trainer.config import TrainConfig
+from trainer.memory import offloading_checkpoint, tile_feed_forward
 
 
 def parallelize(model: Transformer, mesh: DeviceMesh | None, config: TrainConfig) -> Transformer:
@@ -47,6 +54,8 @@ def parallelize(model: Transformer, mesh: DeviceMesh | None, config: TrainConfig
 
     mesh: the ("dp", "cp") DeviceMesh, or None for a single process (checkpointing and compilation apply).
     """
+    if config.lora.enabled:
+        apply_lora(model, config.lora, frozen_dtype(config, mesh.device_type if mesh is not None else None))
     if mesh is not None and mesh["cp"].size() > 1:
         # At cp = 1 the model's own LocalAttention is burst's attention at a world of one (burst.local_attn):
         # the same plan and kernels, masked blocks skipped, with no process group and no ranks to compare.
@@ -60,9 +69,16 @@ def parallelize(model: Transformer, mesh: DeviceMesh | None, config: TrainConfig
         for block in model.layers:
             block.attention.core_attention.kernel = config.attention_kernel
 
+    if config.mlp_tile:
+        for block in model.layers:
+            tile_feed_forward(block.feed_forward, config.mlp_tile)
+
     if config.activation_checkpointing != "none":
+        options = checkpoint_options(config.activation_checkpointing)
+        if config.offload_activations:
+            options = {"checkpoint_fn": offloading_checkpoint(options)}
         for index, block in enumerate(model.layers):
-            model.layers[index] = checkpoint_wrapper(block, **checkpoint_options(config.activation_checkpointing))
+            model.layers[index] = checkpoint_wrapper(block, **options)
 
     if config.compile:
         for block in model.layers:
@@ -103,6 +119,13 @@ def end_forward_only(model: torch.nn.Module) -> None:
     relative off); `reset_iter_state` clears it. A no-op on an unsharded model."""
     if isinstance(model, FSDPModule):
         model.reset_iter_state()
+
+
+def frozen_dtype(config: TrainConfig, device_type: str | None) -> torch.dtype | None:
+    """The dtype LoRA's frozen weights are kept in: bf16 where the run computes in bf16 on CUDA (they never
+    update, so a float32 master copy would only cost memory); None (as built, float32) elsewhere, where bf16 is
+    autocast over float32 weights."""
+    return torch.bfloat16 if config.precision == "bf16" and device_type == "cuda" else None
 
 
 def mixed_precision_policy(config: TrainConfig, device_type: str) -> MixedPrecisionPolicy:
@@ -159,16 +182,22 @@ def local_rows(param: torch.Tensor) -> tuple[torch.Tensor, range]:
 
 
 @torch.no_grad()
-def fill_initial_weights(model: Transformer, seed: int, checkpoint: Checkpoint | None) -> None:
-    """Write this rank's rows of every parameter: the checkpoint's (read alone), or fresh ones from `seed`."""
+def fill_initial_weights(model: Transformer, seed: int, checkpoint: Checkpoint | None,
+                         adapter: Adapter | None = None) -> None:
+    """Write this rank's rows of every parameter: the checkpoint's (read alone), or fresh ones from `seed`; LoRA's
+    adapters (and the embeddings and norms it trains) from `adapter` (--init-adapter), else fresh (B zero)."""
     for name, param in model.named_parameters():
         name = model_name(name)
         local, rows = local_rows(param)
-        if checkpoint is not None:
+        if adapter is not None and name in adapter.tensors:
+            values = adapter.tensors[name][rows.start:rows.stop]
+        elif is_adapter(name):
+            values = initial_adapter_rows(name, tuple(param.shape), seed, rows)
+        elif checkpoint is not None:
             values = checkpoint.rows(name, rows)
         else:
             values = initial_rows(model.config, name, tuple(param.shape), seed, rows)
-        local.copy_(values)  # [len(rows), *shape[1:]], cast to float32 (the master weights) on `device`
+        local.copy_(values)  # [len(rows), *shape[1:]], cast to the parameter's dtype on `device`
 
 
 def build_model(model_config: ModelConfig, mesh: DeviceMesh | None, config: TrainConfig, device: torch.device,
@@ -180,6 +209,7 @@ def build_model(model_config: ModelConfig, mesh: DeviceMesh | None, config: Trai
     parallelize(model, mesh, config)
     model.to_empty(device=device)
     if fill:
-        fill_initial_weights(model, config.seed, read_checkpoint(checkpoint) if checkpoint is not None else None)
+        fill_initial_weights(model, config.seed, read_checkpoint(checkpoint) if checkpoint is not None else None,
+                             read_peft(Path(config.init_adapter), model_config) if config.init_adapter else None)
     return model
 

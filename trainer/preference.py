@@ -11,7 +11,8 @@ pairs of the global batch (every dp rank, every micro-batch): each rank backprop
 divided by that global count, and FSDP sums the shares (trainer/parallelize.py), as for token losses.
 
 The reference model's log-probabilities (DPO, IPO) are computed once, before the first step, with the starting
-weights (--model DIR, --init-from RUN, or the seed's): one pass over the training pairs, packed as training packs
+weights (--model DIR, --init-from RUN, or the seed's; under LoRA the frozen base with its adapters off, so an
+--init-adapter run's reference is still the base model): one pass over the training pairs, packed as training packs
 them (epoch 0 holds every pair once), saved in the run directory as reference_logps.npz with the SHA-256 of the
 weights it was computed from; the run's "reference" event records the same digest and the pass's time. A resumed
 run reads the file back and refuses one that is damaged or from other starting weights (its own weights have
@@ -36,6 +37,7 @@ from torch.distributed.tensor import DTensor
 from data import Batch, SequenceLoader, TokenStore
 from data.mixture import Source
 from models import Transformer
+from models.lora import adapters_off
 from models.preference import NEEDS_REFERENCE, OBJECTIVES, pair_losses, summed
 from runtime.process import all_reduce
 from trainer.checkpoint import metrics_rows
@@ -103,7 +105,8 @@ def batch_logps(model: Transformer, batch: Batch, config: TrainConfig, env: Dist
     mark_documents_dynamic(config, batch.doc_boundaries, batch.doc_sees)
     with torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=config.precision == "bf16"):
         logps, counts = model.answer_logps(tokens, labels, answers, 2 * batch.num_pairs, positions,
-                                           batch.doc_boundaries, batch.doc_sees, rope_length=batch.rope_length)
+                                           batch.doc_boundaries, batch.doc_sees, chunk_size=config.loss_tile,
+                                           rope_length=batch.rope_length)
     group = cp_group(env)
     return summed(logps, lambda t: all_reduce(t, group)), all_reduce(counts, group)
 
@@ -195,7 +198,8 @@ def compute_reference(model: Transformer, store: TokenStore, config: TrainConfig
     progress(0, steps)
     for step in range(steps):  # every rank takes as many steps (the last may repeat pairs)
         batch = next(loader)
-        logps, _ = batch_logps(model, batch, config, env)
+        with adapters_off(model):  # LoRA: the reference model is the frozen base, in the same model
+            logps, _ = batch_logps(model, batch, config, env)
         documents = batch.pair_documents.to(env.device)
         sums.index_add_(0, documents, logps.detach().double().view(-1, 2))
         seen.index_add_(0, documents, torch.ones(len(documents), 1, dtype=torch.float64, device=env.device))

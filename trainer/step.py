@@ -54,7 +54,8 @@ def forward_backward(model: Transformer, batch: Batch, global_count: torch.Tenso
     doc_boundaries = batch.doc_boundaries if config.doc_mask else None  # offsets over the full sequence
     mark_documents_dynamic(config, doc_boundaries)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.precision == "bf16"):
-        loss_sum, _ = model.loss(tokens, labels, positions, doc_boundaries, rope_length=batch.rope_length)
+        loss_sum, _ = model.loss(tokens, labels, positions, doc_boundaries, chunk_size=config.loss_tile,
+                                 rope_length=batch.rope_length)
     (loss_sum / global_count).backward()
     return loss_sum.detach()
 

@@ -82,6 +82,9 @@ class Trainer:
         self.store = tokenizer_source(self.sources).store  # the same ids in every source; its files: the chat template
         if env.is_main:
             self.print_config()
+        # The draws of training itself (LoRA's dropout) come from the seed, a stream per rank; a resumed run's
+        # checkpoint restores the streams where they were.
+        torch.manual_seed(config.seed * 65_537 + env.rank)
         # A resumed run, or a new stage, builds no initial weights: its checkpoint's load fills every shard.
         self.model = build_model(checked.model_config, env.mesh, config, env.device, checked.checkpoint,
                                  fill=checked.resume_from is None and checked.init_from is None)
