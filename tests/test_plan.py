@@ -395,3 +395,19 @@ def test_eval_counts_its_reference_model_and_suggests_only_eval_settings(tmp_pat
     with pytest.raises(ValueError, match="would need about") as refused:
         check_memory(EvalConfig(**settings, reference=model))
     assert "--batch-size" not in str(refused.value) and "--dp" not in str(refused.value)
+
+
+def test_init_from_plans_the_runs_model(tmp_path):
+    """Defect 4: `burst plan --init-from RUN` planned the tiny preset; it now resolves the model as `burst train`
+    does (trainer/preflight.py's resolve_model): the run's own, here debug's weights."""
+    run = tmp_path / "run"
+    trained = invoke("train", "--model", "debug", "--seq-len", 256, "--steps", 1, "--precision", "fp32",
+                     "--val-tokens", 0, "--out", run)  # the embedded corpus: a 4,096-token vocabulary
+    assert trained.exit_code == 0, trained.output
+    out = tmp_path / "plan.json"
+    planned = invoke("plan", "--init-from", run, "--seq-len", 256, "--precision", "fp32", "--json", out)
+    assert planned.exit_code == 0, planned.output
+    debug = dataclasses.replace(ModelConfig.from_name("debug"), vocab_size=4096)
+    parameters = sum(p.numel() for p in Transformer(debug).parameters())
+    assert json.loads(out.read_text())["memory_bytes"]["weights"] == 4 * parameters
+    assert planned.output.startswith(f"plan: --init-from {run},")
