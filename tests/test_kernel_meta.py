@@ -8,10 +8,13 @@ torch 2.13's meta function for `_efficient_attention_backward` is itself broken 
 schema instead, and a test notices when torch fixes it.
 """
 
+import inspect
+
 import pytest
 import torch
 
 from burst.kernels import TorchCUDAEfficientKernel, TorchCUDAFlashKernel, TorchCUDNNKernel
+from tests import test_kernel_args as fakes
 from tests.test_kernel_args import BLOCKS
 
 META = torch.device("meta")
@@ -109,3 +112,20 @@ def test_torch_meta_for_the_efficient_backward_is_still_broken():
     out, lse = kernel.forward(q, k, v, False, 0.3)
     with pytest.raises(TypeError, match="got multiple values for argument 'scale'"):
         kernel.backward(dout, q, k, v, out, lse, False, 0.3)
+
+
+@pytest.mark.parametrize("op, fake", [
+    ("_scaled_dot_product_cudnn_attention", fakes.fake_cudnn_forward),
+    ("_scaled_dot_product_cudnn_attention_backward", fakes.fake_cudnn_backward),
+    ("_scaled_dot_product_flash_attention", fakes.fake_flash_forward),
+    ("_scaled_dot_product_flash_attention_backward", fakes.fake_flash_backward),
+    ("_efficient_attention_forward", fakes.fake_efficient_forward),
+    ("_efficient_attention_backward", fakes.fake_efficient_backward)], ids=lambda x: x if isinstance(x, str) else "")
+def test_the_cpu_fakes_take_the_arguments_the_ops_take(op, fake):
+    """tests/test_kernel_args.py's fakes stand in for these ops: as many positional arguments, and keywords the
+    op has, so a call that suits a fake suits the op."""
+    parameters = inspect.signature(fake).parameters.values()
+    positional = [p for p in parameters if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    keywords = {p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    assert len(positional) == len([a for a in SCHEMAS[op].arguments if not a.kwarg_only]), SCHEMAS[op]
+    assert keywords <= {a.name for a in SCHEMAS[op].arguments if a.kwarg_only}, SCHEMAS[op]
