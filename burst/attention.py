@@ -14,7 +14,7 @@ from burst.cost import choose_backward, choose_topology
 from burst.groups import group_rank_and_size
 from burst.kernels import KERNEL_NAMES, default_scale, select_kernel
 from burst.layout import LAYOUTS, Layout, check_layout, row_layouts, whole_sequence
-from burst.plan import AttentionPlan, normalize_boundaries, normalize_sees, sees_by_row
+from burst.plan import AttentionPlan, check_window, normalize_boundaries, normalize_sees, sees_by_row
 from burst.ring import burst_backward, ring_backward, ring_forward
 from burst.topology import (
     TOPOLOGIES,
@@ -103,6 +103,7 @@ _SIGNATURE_FIELDS = (
     ("node_size", 1, lambda x: str(x[0])),
     ("layout", 1, lambda x: LAYOUTS[x[0]] if x[0] >= 0 else "unknown"),
     ("chosen layouts", 1, lambda x: "zigzag" if x[0] == 0 else f"fingerprint {x[0] & 0xFFFFFF:06x}"),
+    ("window", 1, lambda x: "none" if x[0] == 0 else str(x[0])),
 )
 
 
@@ -113,7 +114,7 @@ def _digest(value) -> int:
 
 def input_signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, backward: str, kernel: str,
                     doc_boundaries, topology: str = "flat", node_size=1, layout: str = "zigzag",
-                    world_size: int = 1, doc_sees=None) -> list[int]:
+                    world_size: int = 1, doc_sees=None, window: int | None = None) -> list[int]:
     """What every rank of the group must agree on, as ints (see `_SIGNATURE_FIELDS`).
 
     Ranks that disagree would post ring messages of different sizes (a gloo error or an NCCL
@@ -139,7 +140,7 @@ def input_signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
             _code(BACKWARD_MODES, backward), _code(KERNEL_NAMES, kernel), 0 if rows is None else _digest(rows),
             0 if sees is None else _digest(sees),
             _code(TOPOLOGIES, topology), node_size if isinstance(node_size, int) else -1, _code(LAYOUTS, layout),
-            chosen]
+            chosen, window if isinstance(window, int) else 0]
 
 
 def check_ranks_agree(group: dist.ProcessGroup | None, signature: list[int], device: torch.device,
@@ -158,7 +159,7 @@ def check_ranks_agree(group: dist.ProcessGroup | None, signature: list[int], dev
     raise ValueError(f"burst_attn got different inputs on the ranks of its group ({'; '.join(differences)}). "
                      "Every rank must pass its shard of the same global sequence (see burst.shard_sequence) with "
                      "the same shapes, dtypes, causal flag, backward mode, kernel, doc_boundaries, doc_sees, topology, "
-                     "node_size and layout")
+                     "node_size, layout and window")
 
 
 def heads_first(x: torch.Tensor) -> torch.Tensor:
@@ -265,7 +266,7 @@ def sequence_layouts(doc_boundaries: torch.Tensor | None, batch: int, seq_len: i
 
 def ring_and_plan(q: torch.Tensor, doc_boundaries: torch.Tensor | None, doc_sees: torch.Tensor | None, causal: bool,
                   group: str, topology: str, node_size: int, layout: str,
-                  traffic: Traffic) -> tuple[Schedule, AttentionPlan]:
+                  traffic: Traffic, window: int | None = None) -> tuple[Schedule, AttentionPlan]:
     """The schedule and plan of one call of the operators: "flat" or "two-level" over the group, or
     "ulysses" for the ring across nodes that ulysses_attn runs on node-sized blocks (the layout
     grouped by node)."""
@@ -275,7 +276,7 @@ def ring_and_plan(q: torch.Tensor, doc_boundaries: torch.Tensor | None, doc_sees
         sees = sees_rows(doc_sees, rows)
         return one_process_schedule(traffic), shared_plan((whole_sequence(q.shape[1]),) * q.shape[0], causal,
                                                           None if rows is None else tuple(map(tuple, rows)),
-                                                          None if sees is None else tuple(map(tuple, sees)))
+                                                          None if sees is None else tuple(map(tuple, sees)), window)
     group_ = resolve_group(group)
     schedule = node_ring_schedule(group_, node_size, traffic) if topology == "ulysses" else \
         make_schedule(topology, group_, node_size, traffic)
@@ -285,25 +286,26 @@ def ring_and_plan(q: torch.Tensor, doc_boundaries: torch.Tensor | None, doc_sees
     if topology == "ulysses":
         layouts = [lay.grouped(node_size) for lay in layouts]
     return schedule, shared_plan(tuple(layouts), causal, None if rows is None else tuple(map(tuple, rows)),
-                                 None if sees is None else tuple(map(tuple, sees)))
+                                 None if sees is None else tuple(map(tuple, sees)), window)
 
 
 @functools.lru_cache(maxsize=16)
 def shared_plan(layouts: tuple[Layout, ...], causal: bool, boundaries: tuple[tuple[int, ...], ...] | None,
-                sees: tuple[tuple[int, ...], ...] | None = None) -> AttentionPlan:
+                sees: tuple[tuple[int, ...], ...] | None = None, window: int | None = None) -> AttentionPlan:
     """One plan for every call on the same sequences: a model's layers, forward and backward, reuse the
     segments and rows it has worked out (they cost milliseconds per call at 128K tokens)."""
     return AttentionPlan(list(layouts), causal, None if boundaries is None else [list(b) for b in boundaries],
-                         None if sees is None else [list(s) for s in sees])
+                         None if sees is None else [list(s) for s in sees], window)
 
 
 @torch.library.custom_op("burst::attention", mutates_args=())
 def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_boundaries: torch.Tensor | None,
                  doc_sees: torch.Tensor | None, causal: bool, scale: float, group: str, topology: str, node_size: int,
-                 backward: str, kernel: str, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+                 backward: str, kernel: str, layout: str, window: int | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of the ring; see `burst_attn`, which checks the arguments (group: a `group_name`)."""
     schedule, plan = ring_and_plan(q, doc_boundaries, doc_sees, causal, group, topology, node_size, layout,
-                                   Traffic(fresh=False))
+                                   Traffic(fresh=False), window)
     q, k, v = kernel_layout(q), kernel_layout(k), kernel_layout(v)
     kernel_ = select_kernel(q.device, q.dtype, kernel, head_dim=q.shape[-1], groups=q.shape[2] // k.shape[2])
     with torch.autocast(q.device.type, enabled=False):  # the kernels choose their own precision
@@ -311,7 +313,8 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_boundari
 
 
 @attention_op.register_fake
-def _(q, k, v, doc_boundaries, doc_sees, causal, scale, group, topology, node_size, backward, kernel, layout):
+def _(q, k, v, doc_boundaries, doc_sees, causal, scale, group, topology, node_size, backward, kernel, layout,
+      window=None):
     batch, shard_len, heads, _ = q.shape
     return q.new_empty(q.shape), q.new_empty(batch, heads, shard_len, dtype=torch.float32)  # contiguous, as made
 
@@ -321,11 +324,13 @@ def attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
                           lse: torch.Tensor, doc_boundaries: torch.Tensor | None, doc_sees: torch.Tensor | None,
                           causal: bool, scale: float,
                           group: str, topology: str, node_size: int, backward: str,
-                          kernel: str, layout: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                          kernel: str, layout: str, window: int | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of `torch.ops.burst.attention`."""
     traffic = Traffic(fresh=False)
     traffic.enter_backward(fresh=topology != "ulysses")  # ulysses' exchange back from the node came first
-    schedule, plan = ring_and_plan(q, doc_boundaries, doc_sees, causal, group, topology, node_size, layout, traffic)
+    schedule, plan = ring_and_plan(q, doc_boundaries, doc_sees, causal, group, topology, node_size, layout, traffic,
+                                   window)
     # the layout the forward computed in (on CPU a copy: the saved inputs are the caller's)
     q, k, v, dout = kernel_layout(q), kernel_layout(k), kernel_layout(v), kernel_layout(dout)
     kernel_ = select_kernel(q.device, q.dtype, kernel, head_dim=q.shape[-1], groups=q.shape[2] // k.shape[2])
@@ -336,7 +341,7 @@ def attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
 
 @attention_backward_op.register_fake
 def _(dout, q, k, v, out, lse, doc_boundaries, doc_sees, causal, scale, group, topology, node_size, backward, kernel,
-      layout):
+      layout, window=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous, as made
 
 
@@ -361,7 +366,7 @@ def burst_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
                backward: str = "auto", kernel: str = "auto", doc_boundaries=None,
                return_lse: bool = False, topology: str = "auto", node_size: int | None = None,
                check_ranks: bool = True, layout: str = "zigzag",
-               doc_sees=None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+               doc_sees=None, window: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact softmax attention of this rank's queries against the whole sharded sequence.
 
     q [batch, local_seq, q_heads, head_dim]; k, v [batch, local_seq, kv_heads, head_dim], each
@@ -381,6 +386,10 @@ def burst_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
     (0 <= j < i) lets document i's queries also see every key of document j (prefix sharing:
     two answers that see their prompt), -1 only their own document; None: -1 everywhere. Seen
     documents are computed as full rectangles; only the rows that a rank's calls touch travel.
+    window: a sliding window W (with causal): the query at global position i sees keys j with
+    i - W < j <= i only, within its document (a seen document counts as lying just before the
+    document that sees it); None: all earlier keys. Blocks outside every window are neither computed
+    nor sent (burst/plan.py).
     layout: how the sequence is cut into the ranks' shards (burst/layout.py): "zigzag", or
     "balanced", chosen per batch row from its doc_boundaries (required) so that every rank does the
     same work; the offsets stay over the global sequence in its original order.
@@ -401,11 +410,12 @@ def burst_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
     traffic = Traffic()
     if check_ranks:
         check_ranks_agree(group, input_signature(q, k, v, causal, backward, kernel, doc_boundaries, topology,
-                                                 node_size, layout, world_size, doc_sees), q.device, traffic,
-                          node_size)
+                                                 node_size, layout, world_size, doc_sees, window), q.device,
+                          traffic, node_size)
     validate_inputs(q, k, v, world_size, backward, kernel)  # the same verdict on every rank now
     validate_topology(topology, node_size, world_size)
     check_layout(layout)
+    check_window(window, causal)
     if layout == "balanced" and doc_boundaries is None:
         raise ValueError("layout 'balanced' is chosen from the documents' boundaries: pass doc_boundaries (one row "
                          "of cumulative offsets per batch row), or use layout 'zigzag'")
@@ -417,14 +427,14 @@ def burst_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
     scale = default_scale(q.shape[-1]) if softmax_scale is None else softmax_scale
     if topology == "ulysses":
         return ulysses_attn(q, k, v, group, node_size, causal, boundaries, sees, scale, backward, kernel, layout,
-                            traffic, return_lse)
+                            traffic, return_lse, window)
     out, lse = torch.ops.burst.attention(q, k, v, boundaries, sees, causal, scale, group_name(group), topology,
-                                         node_size, backward, kernel, layout)
+                                         node_size, backward, kernel, layout, window)
     return (out, lse) if return_lse else out
 
 
 def ulysses_attn(q, k, v, group, node_size: int, causal: bool, boundaries, sees, scale: float, backward: str,
-                 kernel: str, layout: str, traffic: Traffic, return_lse: bool):
+                 kernel: str, layout: str, traffic: Traffic, return_lse: bool, window: int | None = None):
     """burst_attn's "ulysses" topology: heads exchanged inside the node (burst/ulysses.py), the
     ring over the I nodes on node-sized blocks [b, L x C, heads / L, d], and back."""
     q_heads, kv_heads = heads_per_rank(q.shape[2], k.shape[2], node_size)  # raises before any traffic
@@ -437,7 +447,7 @@ def ulysses_attn(q, k, v, group, node_size: int, causal: bool, boundaries, sees,
     node_q = to_node(q, q_heads, heads_group, traffic, order)
     node_k, node_v = (to_node(x, kv_heads, heads_group, traffic, order) for x in (k, v))
     out, lse = torch.ops.burst.attention(node_q, node_k, node_v, boundaries, sees, causal, scale, group_name(group),
-                                         "ulysses", node_size, backward, kernel, layout)
+                                         "ulysses", node_size, backward, kernel, layout, window)
     out = from_node(out, node_size, heads_group, traffic, order)
     if not return_lse:
         return out

@@ -13,7 +13,7 @@ import torch
 
 from burst.attention import ONE_PROCESS, boundaries_tensor, check_qkv, sees_tensor
 from burst.kernels import default_scale
-from burst.plan import sees_by_row
+from burst.plan import check_window, sees_by_row
 
 
 def check_local_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel: str) -> None:
@@ -25,7 +25,7 @@ def check_local_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel
 
 def local_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
                softmax_scale: float | None = None, kernel: str = "auto", doc_boundaries=None, doc_sees=None,
-               return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+               return_lse: bool = False, window: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact softmax attention over the whole sequence held by this process.
 
     q [batch, seq, q_heads, head_dim]; k, v [batch, seq, kv_heads, head_dim] (kv_heads divides q_heads;
@@ -36,11 +36,13 @@ def local_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
     doc_boundaries, doc_sees: as `burst_attn` takes them (cumulative document offsets per batch row, and
     per row the earlier document each document also sees whole, or -1). A query sees keys of its own
     document (and of the one it sees) only; masked rectangles are never computed.
+    window: a sliding window W (with causal): the query at i sees keys i - W < j <= i only, as `burst_attn`.
     """
     check_local_inputs(q, k, v, kernel)
+    check_window(window, causal)
     if doc_sees is not None:  # its shapes here; its values with the boundaries', in the operator
         sees_by_row(doc_sees, None if doc_boundaries is None else [len(row) - 1 for row in doc_boundaries])
     scale = default_scale(q.shape[-1]) if softmax_scale is None else softmax_scale
     out, lse = torch.ops.burst.attention(q, k, v, boundaries_tensor(doc_boundaries), sees_tensor(doc_sees), causal,
-                                         scale, ONE_PROCESS, "flat", 1, "auto", kernel, "zigzag")
+                                         scale, ONE_PROCESS, "flat", 1, "auto", kernel, "zigzag", window)
     return (out, lse) if return_lse else out

@@ -32,10 +32,11 @@ class BurstAttention(nn.Module):
         self.check_ranks = True
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_boundaries=None,
-                doc_sees=None) -> torch.Tensor:
+                doc_sees=None, window: int | None = None) -> torch.Tensor:
+        """window: the calling layer's sliding window (burst_attn's), or None."""
         return burst_attn(q, k, v, causal=True, group=self.group, backward=self.backward, kernel=self.kernel,
                           doc_boundaries=doc_boundaries, topology=self.topology, node_size=self.node_size,
-                          check_ranks=self.check_ranks, layout=self.layout, doc_sees=doc_sees)
+                          check_ranks=self.check_ranks, layout=self.layout, doc_sees=doc_sees, window=window)
 
     def extra_repr(self) -> str:
         return (f"backward={self.backward!r}, kernel={self.kernel!r}, topology={self.topology!r}, "

@@ -22,6 +22,14 @@ none: prefix sharing, where both answers of a preference pair see their prompt).
 meet the seen document's keys in full rectangles as well (the seen document lies wholly before them,
 so no causal mask cuts them); consecutive documents that see the same one share a call. Nothing else
 changes: a shard that holds only documents no query of another shard sees still gets nothing.
+
+A sliding window W (`window`, always with the causal mask) lets the query at position i see keys j with
+i - W < j <= i, within its document (a seen document counts as lying just before the document that sees
+it, at the positions a run of the two alone would give them). Every visible rectangle above is cut by
+the band (`band_segments`): in strips of query rows, a full rectangle between two partly covered edges,
+the causal one a causal square and the window's a `band` segment that the kernels mask themselves
+(burst/kernels/contract.py). Rectangles wholly outside the band cost no call, and rows no call touches
+do not travel: a shard whose keys lie outside every window of another's queries sends it nothing.
 """
 
 from __future__ import annotations
@@ -38,12 +46,67 @@ from burst.layout import Layout, Run
 ALL = slice(None)
 
 
+Band = tuple[int, int]  # (lo, hi): a segment's query row r sees its key row c iff lo <= r - c <= hi
+
+
 @dataclass(frozen=True)
 class Segment:
     batch: slice
     q_rows: slice
     kv_rows: slice
     causal: bool
+    band: Band | None = None  # set: the pairs the segment sees (causal is then False); every row and column sees one
+
+    @property
+    def mask(self) -> bool | Band:
+        """What the kernel call masks: its band, else the causal flag (burst/varlen.py)."""
+        return self.causal if self.band is None else self.band
+
+
+def band_strip(window: int) -> int:
+    """Query rows per strip of a band: a quarter of the window (the partly covered edges, computed in full
+    and masked, are then about an eighth of the work), a power of two between 64 and 512 rows (each
+    band segment's mask stays within 512 x 1,023 entries: memory linear in the sequence)."""
+    return min(512, max(64, 1 << max(window // 4, 1).bit_length() - 1))
+
+
+def band_segments(batch: slice, q_rows: slice, kv_rows: slice, distance: int, causal: bool,
+                  window: int | None) -> list[Segment]:
+    """The visible part of one rectangle, as segments: the query at row r sees the key at column c of it
+    iff d = distance + r - c (its distance back in positions) satisfies 0 <= d (when `causal`) and
+    d < window (when `window`). The rows and columns of each segment all see something, so no kernel
+    returns an empty row and the kernels' own alignment of a band holds (burst/kernels/contract.py)."""
+    rows, cols = q_rows.stop - q_rows.start, kv_rows.stop - kv_rows.start
+    beyond = rows + cols + abs(distance)  # further than any pair of the rectangle
+    lo, hi = (0 if causal else -beyond), (window - 1 if window else beyond)
+    segments = []
+
+    def add(r0: int, r1: int, c0: int, c1: int) -> None:
+        """The part of rows [r0, r1) x columns [c0, c1) that sees something, as one segment."""
+        c0, c1 = max(c0, 0), min(c1, cols)
+        r0, r1 = max(r0, c0 - distance + lo), min(r1, c1 - distance + hi)
+        c0, c1 = max(c0, r0 + distance - hi), min(c1, r1 - 1 + distance - lo + 1)
+        if r0 >= r1 or c0 >= c1:
+            return
+        n_r, n_c, shift = r1 - r0, c1 - c0, distance + r0 - c0
+        band = (max(lo - shift, 1 - n_c), min(hi - shift, n_r - 1))
+        full, square = band == (1 - n_c, n_r - 1), band == (0, n_r - 1) and n_r == n_c
+        segments.append(Segment(batch, slice(q_rows.start + r0, q_rows.start + r1),
+                                slice(kv_rows.start + c0, kv_rows.start + c1), square,
+                                None if full or square else band))
+
+    strip = band_strip(window) if distance + rows - 1 > hi else rows  # strips only where the window cuts
+    for r0 in range(0, rows, strip):
+        r1 = min(rows, r0 + strip)
+        # the columns every row of the strip sees; left of them the window's edge, right the causal one
+        every_lo, every_hi = r1 - 1 + distance - hi, r0 + distance - lo
+        if every_lo >= every_hi:
+            add(r0, r1, 0, cols)  # the strip is taller than the band is wide: one band segment
+            continue
+        add(r0, r1, 0, every_lo)
+        add(r0, r1, every_lo, every_hi)
+        add(r0, r1, every_hi, cols)
+    return segments
 
 
 def run_pairs(q_runs: Sequence[Run], kv_runs: Sequence[Run], causal: bool):
@@ -55,30 +118,46 @@ def run_pairs(q_runs: Sequence[Run], kv_runs: Sequence[Run], causal: bool):
             yield q, k, causal and k.start == q.start
 
 
-def block_segments(layout: Layout, query_owner: int, kv_owner: int, causal: bool) -> list[Segment]:
+def block_segments(layout: Layout, query_owner: int, kv_owner: int, causal: bool,
+                   window: int | None = None) -> list[Segment]:
     """The work between two shards of one layout that every batch row shares, with no document mask.
 
     Without a causal mask, one call on the whole block. With one, a call per visible pair of runs:
     under zigzag every rank then makes calls of the same shape at every step (its own shard: two
     half-size causal diagonals and one full pair; any other shard: two full pairs), so no rank waits
     for a slower one, and the fused kernels waste less on half-size diagonals than on one causal
-    call over the shard (about 10% of that block on PyTorch's CPU kernel).
+    call over the shard (about 10% of that block on PyTorch's CPU kernel). A `window` cuts each pair
+    (`band_segments`).
     """
     if not causal:
         return [Segment(ALL, ALL, ALL, False)]
-    return [Segment(ALL, slice(q.local, q.local + q.length), slice(k.local, k.local + k.length), diagonal)
-            for q, k, diagonal in run_pairs(layout.runs(query_owner), layout.runs(kv_owner), causal)]
+    if window is None:
+        return [Segment(ALL, slice(q.local, q.local + q.length), slice(k.local, k.local + k.length), diagonal)
+                for q, k, diagonal in run_pairs(layout.runs(query_owner), layout.runs(kv_owner), causal)]
+    return [segment for q, k, _ in run_pairs(layout.runs(query_owner), layout.runs(kv_owner), causal)
+            for segment in band_segments(ALL, slice(q.local, q.local + q.length), slice(k.local, k.local + k.length),
+                                         q.start - k.start, True, window)]
 
 
 def document_segments(layout: Layout, query_owner: int, kv_owner: int, causal: bool, offsets: Sequence[int],
-                      row: int, sees: Sequence[int] | None = None) -> list[Segment]:
+                      row: int, sees: Sequence[int] | None = None, window: int | None = None) -> list[Segment]:
     """The unmasked rectangles of batch row `row` between two shards when queries see only their own
     document, and the one it sees (if any). offsets: the row's cumulative document offsets over the
     global sequence, [0, ..., seq_len]; sees: per document, the index of the earlier document its queries
     also see whole, or -1 (None: -1 for all). Within a document attention is causal when `causal`, else
-    full; a seen document is seen in full."""
+    full; a seen document is seen in full. A `window` cuts each rectangle (`band_segments`), a seen
+    document's as if the document that sees it began where it ends."""
     batch = slice(row, row + 1)
     segments = []
+
+    def visible(q_lo: int, q_hi: int, k_lo: int, k_hi: int, causal_: bool, distance: int) -> list[Segment]:
+        """Global positions [q_lo, q_hi) x [k_lo, k_hi) of the pair of runs, the first query `distance` after
+        the first key (where the window counts it), as segments of the shards' rows."""
+        q_rows, kv_rows = slice(q_lo + q_shift, q_hi + q_shift), slice(k_lo + k_shift, k_hi + k_shift)
+        if window is None:
+            return [Segment(batch, q_rows, kv_rows, causal_)]
+        return band_segments(batch, q_rows, kv_rows, distance, True, window)
+
     for q, k, diagonal in run_pairs(layout.runs(query_owner), layout.runs(kv_owner), causal):
         q_shift, k_shift = q.local - q.start, k.local - k.start
         seen: list[list[int]] = []  # [q_lo, q_hi, k_lo, k_hi] of the seen documents' rectangles, merged
@@ -86,14 +165,15 @@ def document_segments(layout: Layout, query_owner: int, kv_owner: int, causal: b
             q_lo, q_hi = max(doc_start, q.start), min(doc_end, q.start + q.length)
             k_lo, k_hi = max(doc_start, k.start), min(doc_end, k.start + k.length)
             if k_lo < k_hi:  # the document is in both runs
-                segments.append(Segment(batch, slice(q_lo + q_shift, q_hi + q_shift),
-                                        slice(k_lo + k_shift, k_hi + k_shift), diagonal))
+                segments += visible(q_lo, q_hi, k_lo, k_hi, diagonal, q_lo - k_lo)
             if sees is None or sees[doc] < 0:
                 continue
             k_lo, k_hi = max(offsets[sees[doc]], k.start), min(offsets[sees[doc] + 1], k.start + k.length)
             if k_lo >= k_hi:
                 continue  # the seen document is not in the key run
-            if seen and seen[-1][1] == q_lo and seen[-1][2:] == [k_lo, k_hi]:
+            if window is not None:  # the document's queries counted from the seen document's end
+                segments += visible(q_lo, q_hi, k_lo, k_hi, False, q_lo - doc_start + offsets[sees[doc] + 1] - k_lo)
+            elif seen and seen[-1][1] == q_lo and seen[-1][2:] == [k_lo, k_hi]:
                 seen[-1][1] = q_hi  # the previous document sees the same keys: one call for both
             else:
                 seen.append([q_lo, q_hi, k_lo, k_hi])
@@ -197,13 +277,14 @@ class AttentionPlan:
 
     layouts: the layout of each batch row (one shared by all rows without document masking);
     boundaries: each row's document offsets, or None; sees: each row's seen document per document
-    (`document_segments`), or None (no document sees another).
+    (`document_segments`), or None (no document sees another); window: the sliding window (with the
+    causal mask), or None.
     """
 
     def __init__(self, layouts: list[Layout], causal: bool, boundaries: list[list[int]] | None,
-                 sees: list[list[int]] | None = None):
+                 sees: list[list[int]] | None = None, window: int | None = None):
         self.layouts, self.causal, self.boundaries = layouts, causal, boundaries
-        self.sees = sees
+        self.sees, self.window = sees, window
         self.world_size, self.shard_len = layouts[0].world_size, layouts[0].shard_len
         self._cache: dict[tuple[int, int], list[Segment]] = {}
         self._rows_cache: dict[tuple[int, int, str], Rows | None] = {}
@@ -212,13 +293,13 @@ class AttentionPlan:
         key = (query_owner, kv_owner)
         if key not in self._cache:
             if self.boundaries is None:
-                self._cache[key] = block_segments(self.layouts[0], query_owner, kv_owner, self.causal)
+                self._cache[key] = block_segments(self.layouts[0], query_owner, kv_owner, self.causal, self.window)
             else:
                 sees = self.sees if self.sees is not None else [None] * len(self.layouts)
                 self._cache[key] = [segment for row, (layout, offsets, seen) in
                                     enumerate(zip(self.layouts, self.boundaries, sees, strict=True))
                                     for segment in document_segments(layout, query_owner, kv_owner, self.causal,
-                                                                     offsets, row, seen)]
+                                                                     offsets, row, seen, self.window)]
         return self._cache[key]
 
     def has_work(self, query_owner: int, kv_owner: int) -> bool:
@@ -240,6 +321,18 @@ class AttentionPlan:
             self._rows_cache[key] = Rows.union([getattr(s, side) for s in segments], self.shard_len) \
                 if segments else None
         return self._rows_cache[key]
+
+
+def check_window(window, causal: bool) -> None:
+    """Refuse a sliding window that is not a positive int, or one without the causal mask; None passes."""
+    if window is None:
+        return
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be a positive number of positions (a query at i sees keys i - window < j <= i) "
+                         f"or None, got {window!r}")
+    if not causal:
+        raise ValueError("a sliding window is a causal mask's (a query sees the keys up to `window` positions back): "
+                         "pass causal=True, or window=None")
 
 
 def normalize_boundaries(doc_boundaries, batch: int, seq_len: int) -> list[list[int]]:

@@ -84,7 +84,7 @@ def ring_forward(schedule: Schedule, kernel: AttentionKernel, plan: AttentionPla
     def step(kv: list[torch.Tensor], owner: int, held: Rows) -> GradPieces:
         segments = plan(schedule.rank, owner)
         blocks = [(q[seg.batch, seg.q_rows], kv[0][seg.batch, held.local(seg.kv_rows)],
-                   kv[1][seg.batch, held.local(seg.kv_rows)], seg.causal) for seg in segments]
+                   kv[1][seg.batch, held.local(seg.kv_rows)], seg.mask) for seg in segments]
         for seg, (block_out, block_lse) in zip(segments, forward_blocks(kernel, blocks, scale), strict=True):
             merge_block(out[seg.batch, seg.q_rows], lse[seg.batch, :, seg.q_rows], block_out, block_lse)
         return []
@@ -261,7 +261,7 @@ def burst_backward(schedule: Schedule, kernel: AttentionKernel, plan: AttentionP
             b, rows, cols = seg.batch, held.local(seg.q_rows), seg.kv_rows
             vout = out[b, rows] if owner == schedule.rank else output_with_delta(vdout[b, rows], vdelta[b, :, rows])
             blocks.append((vdout[b, rows], vq[b, rows], k[b, cols], v[b, cols], vout, vlse[b, :, rows].contiguous(),
-                           seg.causal))
+                           seg.mask))
         for seg, (dq_blk, dk_blk, dv_blk) in zip(segments, backward_blocks(kernel, blocks, scale), strict=True):
             b, rows, cols = seg.batch, held.local(seg.q_rows), seg.kv_rows
             dk[b, cols] += dk_blk
@@ -285,7 +285,7 @@ def ring_backward(schedule: Schedule, kernel: AttentionKernel, plan: AttentionPl
         segments = plan(schedule.rank, owner)
         blocks = [(dout[seg.batch, seg.q_rows], q[seg.batch, seg.q_rows], vk[seg.batch, held.local(seg.kv_rows)],
                    vv[seg.batch, held.local(seg.kv_rows)], out[seg.batch, seg.q_rows],
-                   lse[seg.batch, :, seg.q_rows].contiguous(), seg.causal) for seg in segments]
+                   lse[seg.batch, :, seg.q_rows].contiguous(), seg.mask) for seg in segments]
         for seg, (dq_blk, dk_blk, dv_blk) in zip(segments, backward_blocks(kernel, blocks, scale), strict=True):
             dq[seg.batch, seg.q_rows] += dq_blk
             pieces.append((seg.batch, held.local(seg.kv_rows), [dk_blk, dv_blk]))

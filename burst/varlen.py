@@ -10,6 +10,10 @@ rectangle's lengths max_q / max_k; its log-sum-exp comes back [heads, total_q] a
 burst's [b, h, s] per block. Causal and unmasked rectangles go in separate calls (one flag per call;
 causal ones are square, where the kernels' bottom-right alignment is burst's top-left).
 
+A block masked by a band (a sliding window's edge, burst/plan.py) has a tuple (lo, hi) for its causal
+flag; it goes alone to the kernel's `forward_band` / `backward_band` once choice.py has checked them
+(`use_band`), else to the math kernel's (band blocks are small: burst/kernels/contract.py).
+
 Kernels with `forward_varlen` / `backward_varlen` (burst/kernels/cuda.py, flash_attn.py) use it only
 once choice.py has checked their varlen path against the math kernel (`use_varlen`); everything else,
 the CPU kernel included (per-rectangle calls are fastest there), gets one call per block.
@@ -26,9 +30,10 @@ from dataclasses import dataclass
 import torch
 
 from burst.kernels.contract import AttentionKernel
+from burst.kernels.math import MathKernel
 
-ForwardBlock = tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]  # q, k, v [nb, len, h, d], causal
-BackwardBlock = tuple[torch.Tensor, ...]  # dout, q, k, v, out [nb, len, h, d], lse [nb, h, len], then causal
+ForwardBlock = tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]  # q, k, v [nb, len, h, d], causal or band
+BackwardBlock = tuple[torch.Tensor, ...]  # dout, q, k, v, out [nb, len, h, d], lse [nb, h, len], then causal or band
 
 
 @dataclass(frozen=True)
@@ -66,13 +71,32 @@ def _lengths(blocks: list[torch.Tensor]) -> list[int]:
     return [t.shape[1] for t in blocks for _ in range(t.shape[0])]
 
 
-def _varlen_groups(kernel: AttentionKernel, causal_flags: list[bool]) -> list[list[int]]:
+def _varlen_groups(kernel: AttentionKernel, causal_flags: list) -> list[list[int]]:
     """Indices of the blocks to pack together: per causal flag, when the kernel's varlen path is
-    checked and packing saves a call; otherwise one group per block."""
+    checked and packing saves a call; otherwise (and for every band) one group per block."""
     if not getattr(kernel, "use_varlen", False):
         return [[i] for i in range(len(causal_flags))]
-    groups = [[i for i, c in enumerate(causal_flags) if c == flag] for flag in (True, False)]
-    return [g for g in groups if g]
+    groups = [[i for i, c in enumerate(causal_flags) if c is flag] for flag in (True, False)]
+    return [g for g in groups if g] + [[i] for i, c in enumerate(causal_flags) if isinstance(c, tuple)]
+
+
+def band_kernel(kernel: AttentionKernel) -> AttentionKernel:
+    """The kernel that computes band blocks: `kernel` where its band path passed its self-check, else the math one."""
+    return kernel if getattr(kernel, "use_band", False) or isinstance(kernel, MathKernel) else MathKernel()
+
+
+def forward_block(kernel: AttentionKernel, q, k, v, mask, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block's (out, lse): mask is the causal flag, or a band."""
+    if isinstance(mask, tuple):
+        return band_kernel(kernel).forward_band(q, k, v, mask, scale)
+    return kernel.forward(q, k, v, mask, scale)
+
+
+def backward_block(kernel: AttentionKernel, dout, q, k, v, out, lse, mask, scale: float):
+    """One block's (dq, dk, dv): mask is the causal flag, or a band."""
+    if isinstance(mask, tuple):
+        return band_kernel(kernel).backward_band(dout, q, k, v, out, lse, mask, scale)
+    return kernel.backward(dout, q, k, v, out, lse, mask, scale)
 
 
 def forward_blocks(kernel: AttentionKernel, blocks: list[ForwardBlock], scale: float
@@ -81,7 +105,7 @@ def forward_blocks(kernel: AttentionKernel, blocks: list[ForwardBlock], scale: f
     results: list = [None] * len(blocks)
     for group in _varlen_groups(kernel, [b[3] for b in blocks]):
         if len(group) == 1:
-            results[group[0]] = kernel.forward(*blocks[group[0]][:3], blocks[group[0]][3], scale)
+            results[group[0]] = forward_block(kernel, *blocks[group[0]], scale)
             continue
         qs, ks, vs = ([blocks[i][j] for i in group] for j in range(3))
         offsets = Offsets.of(_lengths(qs), _lengths(ks), qs[0].device)
@@ -98,7 +122,7 @@ def backward_blocks(kernel: AttentionKernel, blocks: list[BackwardBlock], scale:
     results: list = [None] * len(blocks)
     for group in _varlen_groups(kernel, [b[6] for b in blocks]):
         if len(group) == 1:
-            results[group[0]] = kernel.backward(*blocks[group[0]][:6], blocks[group[0]][6], scale)
+            results[group[0]] = backward_block(kernel, *blocks[group[0]], scale)
             continue
         douts, qs, ks, vs, outs, lses = ([blocks[i][j] for i in group] for j in range(6))
         offsets = Offsets.of(_lengths(qs), _lengths(ks), qs[0].device)

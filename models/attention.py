@@ -30,13 +30,14 @@ class LocalAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 doc_boundaries: Sequence[torch.Tensor] | None = None,
-                doc_sees: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+                doc_sees: Sequence[torch.Tensor] | None = None, window: int | None = None) -> torch.Tensor:
         """q [batch, seq, n_heads, head_dim], k/v [batch, seq, n_kv_heads, head_dim] -> [batch, seq, n_heads, head_dim].
 
         doc_boundaries: None, or one 1-D int tensor of document offsets per batch row
         (first 0, last seq): a token attends to earlier tokens of its own document only.
         doc_sees: None, or per batch row an int tensor [n_docs]: the earlier document each document
         also sees whole (prefix sharing), or -1.
+        window: the layer's sliding window W (a query at i sees keys i - W < j <= i), or None.
         """
         return local_attn(q, k, v, causal=True, kernel=self.kernel, doc_boundaries=doc_boundaries,
-                          doc_sees=doc_sees)
+                          doc_sees=doc_sees, window=window)

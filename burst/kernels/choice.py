@@ -42,7 +42,7 @@ from burst.kernels.flash_attn import (
     installed_flash_attn_version,
 )
 from burst.kernels.math import MathKernel
-from burst.kernels.selfcheck import one_line, self_check, varlen_self_check
+from burst.kernels.selfcheck import band_self_check, one_line, self_check, varlen_self_check
 
 log = logging.getLogger("burst.kernels")
 
@@ -174,6 +174,7 @@ def choose_kernel(machine: Machine, device: torch.device, dtype: torch.dtype, he
             problem = None if candidate == "math" else self_check(kernel, device, dtype, head_dim, groups)
         if problem is None:
             enable_varlen(kernel, device, dtype, head_dim, groups, candidate)
+            enable_band(kernel, device, dtype, head_dim, groups, candidate)
             return kernel
         if name not in ("auto", "torch"):
             raise ValueError(f"attention kernel {name!r} disagrees with the math kernel for {dtype} head_dim "
@@ -195,6 +196,20 @@ def enable_varlen(kernel: AttentionKernel, device: torch.device, dtype: torch.dt
         log.warning("burst: attention kernel %r takes documents one call each for %s head_dim %d GQA group %d: "
                     "its varlen path failed its self-check: %s", name, str(dtype).removeprefix("torch."), head_dim,
                     groups, problem)
+
+
+def enable_band(kernel: AttentionKernel, device: torch.device, dtype: torch.dtype, head_dim: int, groups: int,
+                name: str) -> None:
+    """Let the kernel mask a sliding window's band blocks itself (burst/varlen.py) when its band path agrees
+    with the math kernel; otherwise say why in one line, and the math kernel computes them."""
+    if not hasattr(kernel, "forward_band") or isinstance(kernel, MathKernel):
+        return
+    problem = band_self_check(kernel, device, dtype, head_dim, groups)
+    kernel.use_band = problem is None
+    if problem:
+        log.warning("burst: attention kernel %r leaves sliding-window band blocks to the math kernel for %s head_dim "
+                    "%d GQA group %d: its band path failed its self-check: %s", name,
+                    str(dtype).removeprefix("torch."), head_dim, groups, problem)
 
 
 _CHOSEN: dict[tuple, AttentionKernel] = {}

@@ -15,6 +15,13 @@ backward(dout, q, k, v, out, lse, causal, scale) -> (dq, dk, dv), each like its 
 top-left aligned on any block, square or not: query row i sees key rows 0..i. FlashAttention 2/3/4
 align it bottom-right, which agrees only on squares; `BottomRightCausal` adapts them.
 
+A kernel may also take a *band* (burst/plan.py's sliding-window edges): (lo, hi), where query row r of
+the block sees key row c iff lo <= r - c <= hi, and every row and every column sees at least one key
+(so lo <= q_len - kv_len <= hi: the window sizes of a bottom-right aligned kernel, `window_sizes`, are
+never negative). forward_band(q, k, v, band, scale) and backward_band(dout, q, k, v, out, lse, band,
+scale) are optional; a kernel without them, or whose band path fails its self-check, has its band
+blocks computed by the math kernel (small: at most 512 x 1,023 rows each).
+
 Each kernel class states what it needs of its arguments in a `KernelContract` (`contract`): the
 ring passes row slices of larger tensors, and a CUDA kernel that takes a raw pointer reads a slice
 with the wrong strides silently. tests/test_kernel_contract.py checks the ring against the
@@ -149,6 +156,13 @@ class BottomRightCausal:
         dq_rest, dk_rest, dv_rest = self.block_backward(
             dout[:, rest], q[:, rest], k, v, out[:, rest], lse[:, :, rest].contiguous(), False, scale)
         return torch.cat([dq_square, dq_rest], 1), dk_square + dk_rest, dv_square + dv_rest
+
+
+def window_sizes(band: tuple[int, int], q_len: int, kv_len: int) -> tuple[int, int]:
+    """(left, right) of FlashAttention's window_size, aligned bottom-right, for a band (lo, hi): key c is
+    seen by query r iff r + kv_len - q_len - left <= c <= r + kv_len - q_len + right."""
+    lo, hi = band
+    return hi - (q_len - kv_len), (q_len - kv_len) - lo
 
 
 def repeat_heads(x: torch.Tensor, groups: int) -> torch.Tensor:

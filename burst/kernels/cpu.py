@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from burst.kernels.contract import FLOAT_DTYPES, KernelContract
+from burst.kernels.math import visible_pairs
 
 
 def fold_heads(x: torch.Tensor, group: int) -> torch.Tensor:
@@ -36,17 +37,32 @@ class TorchCPUKernel:
     name = "cpu"
     contract = KernelContract(dtypes=FLOAT_DTYPES)
 
-    def forward(self, q, k, v, causal, scale):
+    def forward(self, q, k, v, causal, scale, mask=None):
         batch, q_len, heads, _ = q.shape
         group = heads // k.shape[2]
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            fold_heads(q, group), fold_heads(k, 1), fold_heads(v, 1), 0.0, causal, scale=scale)
+            fold_heads(q, group), fold_heads(k, 1), fold_heads(v, 1), 0.0, causal, attn_mask=mask, scale=scale)
         return unfold_heads(out, batch), lse.reshape(batch, heads, q_len)
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale):
+    def backward(self, dout, q, k, v, out, lse, causal, scale, mask=None):
         batch, q_len, heads, _ = q.shape
         group = heads // k.shape[2]
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             fold_heads(dout, group), fold_heads(q, group), fold_heads(k, 1), fold_heads(v, 1),
-            fold_heads(out, group), lse.reshape(batch * heads // group, group, q_len), 0.0, causal, scale=scale)
+            fold_heads(out, group), lse.reshape(batch * heads // group, group, q_len), 0.0, causal, attn_mask=mask,
+            scale=scale)
         return tuple(unfold_heads(g, batch) for g in grads)
+
+    # A band (burst/plan.py's window edges) as an additive mask [q_len, kv_len] in q's dtype, the ops' only
+    # form of one: the plan keeps band blocks within 512 x 1,023 rows, so the mask stays small.
+    def forward_band(self, q, k, v, band, scale):
+        return self.forward(q, k, v, False, scale, band_mask(q, k, band))
+
+    def backward_band(self, dout, q, k, v, out, lse, band, scale):
+        return self.backward(dout, q, k, v, out, lse, False, scale, band_mask(q, k, band))
+
+
+def band_mask(q: torch.Tensor, k: torch.Tensor, band: tuple[int, int]) -> torch.Tensor:
+    """0 where the band sees a pair, -inf elsewhere: [q_len, kv_len] in q's dtype."""
+    visible = visible_pairs(q.shape[1], k.shape[1], tuple(band), q.device)
+    return torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf"))

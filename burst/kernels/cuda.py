@@ -16,6 +16,7 @@ from burst.kernels.contract import (
     KernelContract,
     repeat_heads,
     sum_head_groups,
+    window_sizes,
 )
 
 
@@ -59,6 +60,39 @@ class TorchCUDAFlashKernel(BottomRightCausal):
         return tuple(torch.ops.aten._flash_attention_backward(
             dout.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), cu_q, cu_k, max_q, max_k, 0.0, causal,
             no_rng, no_rng, scale=scale))
+
+
+    # A band (burst/kernels/contract.py) through the varlen ops, the ones with window sizes: each batch row
+    # one sequence of the packed rows.
+    def forward_band(self, q, k, v, band, scale):
+        batch, q_len, heads, dim = q.shape
+        left, right = window_sizes(band, q_len, k.shape[1])
+        packed_q = _rows(q)
+        out, lse, *_ = torch.ops.aten._flash_attention_forward(
+            packed_q, _rows(k), _rows(v), *_row_offsets(q, k), q_len, k.shape[1], 0.0, False, False, scale=scale,
+            window_size_left=left, window_size_right=right)
+        return out.view(batch, q_len, heads, dim), packed_lse(lse, packed_q).view(heads, batch, q_len).transpose(0, 1)
+
+    def backward_band(self, dout, q, k, v, out, lse, band, scale):
+        batch, q_len, heads, _ = q.shape
+        left, right = window_sizes(band, q_len, k.shape[1])
+        no_rng = _no_rng(q.device)
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            _rows(dout).contiguous(), _rows(q), _rows(k), _rows(v), _rows(out).contiguous(),
+            lse.transpose(0, 1).reshape(heads, batch * q_len).contiguous(), *_row_offsets(q, k), q_len, k.shape[1],
+            0.0, False, no_rng, no_rng, scale=scale, window_size_left=left, window_size_right=right)
+        return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """[b, s, h, d] -> [b x s, h, d] (a copy unless the rows are dense)."""
+    return x.reshape(-1, *x.shape[2:])
+
+
+def _row_offsets(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cu_seqlens of q's and k's batch rows as one packed sequence each: int32 [b + 1] twice."""
+    return tuple(torch.arange(0, (q.shape[0] + 1) * x.shape[1], x.shape[1], dtype=torch.int32, device=q.device)
+                 for x in (q, k))
 
 
 def packed_lse(lse: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

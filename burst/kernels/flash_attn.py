@@ -27,7 +27,7 @@ from types import ModuleType
 import torch
 from torch.torch_version import TorchVersion
 
-from burst.kernels.contract import FLASH_ATTN_CONTRACT, HALF_DTYPES, BottomRightCausal, KernelContract
+from burst.kernels.contract import FLASH_ATTN_CONTRACT, HALF_DTYPES, BottomRightCausal, KernelContract, window_sizes
 from burst.kernels.cuda import packed_lse
 
 FLASH_ATTN_MIN_VERSION = "2.7"
@@ -143,8 +143,27 @@ class LibraryFunction:
     def __call__(self, *args, **kwargs):
         return self.function(*args, **kwargs)
 
+    def window(self, left: int, right: int) -> dict:
+        """The keywords of a sliding window (left, right) in this release's names (the band path,
+        burst/kernels/contract.py); a release with none raises, and the self-check leaves bands to the math kernel."""
+        if "window_size_left" in self.parameters:
+            return {"window_size_left": left, "window_size_right": right}
+        return {self.name("window_size"): (left, right)}
 
-class FlashAttnKernel(BottomRightCausal):
+
+class BandByWindow:
+    """`forward_band` / `backward_band` (burst/kernels/contract.py) through a kernel's bottom-right
+    window sizes: its `block_forward` / `block_backward` with a `window` (left, right) keyword."""
+
+    def forward_band(self, q, k, v, band, scale):
+        return self.block_forward(q, k, v, False, scale, window=window_sizes(band, q.shape[1], k.shape[1]))
+
+    def backward_band(self, dout, q, k, v, out, lse, band, scale):
+        return self.block_backward(dout, q, k, v, out, lse, False, scale,
+                                   window=window_sizes(band, q.shape[1], k.shape[1]))
+
+
+class FlashAttnKernel(BandByWindow, BottomRightCausal):
     """flash-attn >= 2.7 (the keyword API of `_flash_attn_forward/_backward`, the same through 2.8.3):
     FlashAttention-2.
 
@@ -158,17 +177,17 @@ class FlashAttnKernel(BottomRightCausal):
     def __init__(self) -> None:
         self._fa = import_kernel_module(self.name, (FA2_MODULE,))
 
-    def block_forward(self, q, k, v, causal, scale):
+    def block_forward(self, q, k, v, causal, scale, window=(-1, -1)):
         out, lse, *_ = self._fa._flash_attn_forward(
-            q, k, v, dropout_p=0.0, softmax_scale=scale, causal=causal, window_size_left=-1,
-            window_size_right=-1, softcap=0.0, alibi_slopes=None, return_softmax=False)
+            q, k, v, dropout_p=0.0, softmax_scale=scale, causal=causal, window_size_left=window[0],
+            window_size_right=window[1], softcap=0.0, alibi_slopes=None, return_softmax=False)
         return out, lse
 
-    def block_backward(self, dout, q, k, v, out, lse, causal, scale):
+    def block_backward(self, dout, q, k, v, out, lse, causal, scale, window=(-1, -1)):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         self._fa._flash_attn_backward(
             dout, q, k, v, out, lse.contiguous(), dq, dk, dv, dropout_p=0.0, softmax_scale=scale, causal=causal,
-            window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
+            window_size_left=window[0], window_size_right=window[1], softcap=0.0, alibi_slopes=None,
             deterministic=False, rng_state=None)
         return dq, dk, dv
 
@@ -187,7 +206,7 @@ class FlashAttnKernel(BottomRightCausal):
         return dq, dk, dv
 
 
-class FlashAttn3Kernel(BottomRightCausal):
+class FlashAttn3Kernel(BandByWindow, BottomRightCausal):
     """FlashAttention-3 (Hopper, sm90): `_flash_attn_forward/_backward` of `flash_attn_interface`, from its
     January 2025 rewrite on (tests/test_kernel_packages.py holds its May, October and November 2025
     signatures). What changed since, and is followed here by parameter name: every feature
@@ -220,18 +239,20 @@ class FlashAttn3Kernel(BottomRightCausal):
         self._backward_unused = self._backward.unused(  # `sequed`: the library's own spelling
             "cu_seqlens_q", "cu_seqlens_k", "sequed_q", "sequed_k", "max_seqlen_q", "max_seqlen_k")
 
-    def block_forward(self, q, k, v, causal, scale):
-        out, lse, *_ = self._forward(q, k, v, **self._forward_unused, softmax_scale=scale, causal=causal)
+    def block_forward(self, q, k, v, causal, scale, window=None):
+        out, lse, *_ = self._forward(q, k, v, **self._forward_unused, softmax_scale=scale, causal=causal,
+                                     **(self._forward.window(*window) if window else {}))
         return out, lse
 
-    def block_backward(self, dout, q, k, v, out, lse, causal, scale):
+    def block_backward(self, dout, q, k, v, out, lse, causal, scale, window=None):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         self._backward(dout, q, k, v, out, lse.contiguous(), **self._backward_unused, dq=dq, dk=dk, dv=dv,
-                       softmax_scale=scale, **{self._backward_causal: causal})
+                       softmax_scale=scale, **{self._backward_causal: causal},
+                       **(self._backward.window(*window) if window else {}))
         return dq, dk, dv
 
 
-class FlashAttn4Kernel(BottomRightCausal):
+class FlashAttn4Kernel(BandByWindow, BottomRightCausal):
     """FlashAttention-4 (sm90 and sm100): `flash_attn.cute.interface._flash_attn_fwd/_bwd` of the
     `flash-attn-4` wheel (pre-releases only; 4.0.0b40 read by the tests), found and imported without
     flash-attn 2.
@@ -256,11 +277,12 @@ class FlashAttn4Kernel(BottomRightCausal):
         self._forward.names("q", "k", "v", "softmax_scale", "causal", "return_lse")
         self._backward.names("q", "k", "v", "out", "dout", "lse", "softmax_scale", "causal")
 
-    def block_forward(self, q, k, v, causal, scale):
-        out, lse, *_ = self._forward(q=q, k=k, v=v, softmax_scale=scale, causal=causal, return_lse=True)
+    def block_forward(self, q, k, v, causal, scale, window=None):
+        out, lse, *_ = self._forward(q=q, k=k, v=v, softmax_scale=scale, causal=causal, return_lse=True,
+                                     **(self._forward.window(*window) if window else {}))
         return out, lse
 
-    def block_backward(self, dout, q, k, v, out, lse, causal, scale):
+    def block_backward(self, dout, q, k, v, out, lse, causal, scale, window=None):
         dq, dk, dv, *_ = self._backward(q=q, k=k, v=v, out=out, dout=dout, lse=lse.contiguous(), softmax_scale=scale,
-                                        causal=causal)
+                                        causal=causal, **(self._backward.window(*window) if window else {}))
         return dq, dk, dv

@@ -7,11 +7,28 @@ import torch
 from burst.kernels.contract import FLOAT_DTYPES, KernelContract, repeat_heads, sum_head_groups
 
 
+def visible_pairs(q_len: int, kv_len: int, mask, device: torch.device) -> torch.Tensor | None:
+    """bool [q_len, kv_len] of the pairs a call sees: mask False (all: None), True (causal top-left) or a
+    band (lo, hi) (row r sees column c iff lo <= r - c <= hi, burst/kernels/contract.py)."""
+    if mask is False:
+        return None
+    distance = torch.arange(q_len, device=device)[:, None] - torch.arange(kv_len, device=device)[None, :]
+    lo, hi = (0, q_len) if mask is True else mask
+    return (distance >= lo) & (distance <= hi)
+
+
 class MathKernel:
-    """Explicit scores: slow, simple, exact. K/V heads repeated locally for GQA; causal top-left."""
+    """Explicit scores: slow, simple, exact. K/V heads repeated locally for GQA; causal top-left; a band
+    masked explicitly (`forward_band`, the reference of the kernels' own)."""
 
     name = "math"
     contract = KernelContract(dtypes=FLOAT_DTYPES, gqa="repeated")
+
+    def forward_band(self, q, k, v, band, scale):
+        return self.forward(q, k, v, tuple(band), scale)
+
+    def backward_band(self, dout, q, k, v, out, lse, band, scale):
+        return self.backward(dout, q, k, v, out, lse, tuple(band), scale)
 
     @staticmethod
     def _probabilities_and_lse(q, k, causal, scale):
@@ -19,9 +36,9 @@ class MathKernel:
         groups = q.shape[2] // k.shape[2]
         qh, kh = q.to(compute).transpose(1, 2), repeat_heads(k, groups).to(compute).transpose(1, 2)
         scores = qh @ kh.transpose(-1, -2) * scale  # [b, h, q_len, kv_len]
-        if causal:
-            mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
-            scores = scores.masked_fill(mask, float("-inf"))
+        visible = visible_pairs(q.shape[1], k.shape[1], causal, q.device)  # causal: a flag, or a band
+        if visible is not None:
+            scores = scores.masked_fill(~visible, float("-inf"))
         return scores, torch.logsumexp(scores, dim=-1)
 
     def forward(self, q, k, v, causal, scale):

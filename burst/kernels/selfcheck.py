@@ -145,3 +145,40 @@ def varlen_self_check(kernel: AttentionKernel, device: torch.device, dtype: torc
     finally:
         kernel.use_varlen = checked
     return None
+
+
+# (query rows, key rows, band) of the band check: a window's edge (an upper triangle) and a wider band block
+BAND_BLOCKS = ((slice(0, CHUNK), slice(0, CHUNK), (1 - CHUNK, 0)),
+               (slice(CHUNK, CHUNK + 64), slice(0, 100), (-60, 0)))
+
+
+def band_self_check(kernel: AttentionKernel, device: torch.device, dtype: torch.dtype, head_dim: int,
+                    groups: int = 1) -> str | None:
+    """Why `kernel`'s band path (`forward_band` / `backward_band`, burst/kernels/contract.py) must not be
+    used, or None when it gives the math kernel's results on blocks cut by a sliding window's band."""
+    generator = torch.Generator(device=device).manual_seed(2)
+
+    def shard(heads: int) -> torch.Tensor:  # heads-first memory, as the ring's
+        x = torch.randn(BATCH, heads, 2 * CHUNK, head_dim, generator=generator, device=device, dtype=torch.float32)
+        return x.to(dtype).transpose(1, 2)
+
+    q, k, v, dout = shard(KV_HEADS * groups), shard(KV_HEADS), shard(KV_HEADS), shard(KV_HEADS * groups)
+    out_tol, lse_tol, grad_tol = TOLERANCES[dtype]
+    reference, scale = MathKernel(), head_dim ** -0.5
+    try:
+        with torch.no_grad(), torch.autocast(device.type, enabled=False):
+            for rows, cols, band in BAND_BLOCKS:
+                bq, bk, bv, bdout = q[:, rows], k[:, cols], v[:, cols], dout[:, rows]
+                ref_out, ref_lse = reference.forward_band(bq, bk, bv, band, scale)
+                out, lse = kernel.forward_band(bq, bk, bv, band, scale)
+                if problem := (_max_error("band forward out", out, ref_out, out_tol)
+                               or _max_error("band forward lse", lse, ref_lse, lse_tol)):
+                    return f"{problem} on band {band}"
+                expected = reference.backward_band(bdout, bq, bk, bv, ref_out, ref_lse, band, scale)
+                grads = kernel.backward_band(bdout, bq, bk, bv, ref_out, ref_lse.contiguous(), band, scale)
+                for name, got, want in zip(("dq", "dk", "dv"), grads, expected, strict=True):
+                    if problem := _max_error(f"band backward {name}", got, want, grad_tol):
+                        return f"{problem} on band {band}"
+    except Exception as error:  # noqa: BLE001 - any failure sends band blocks to the math kernel, with its message
+        return f"it raised {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}".rstrip(": ")
+    return None
