@@ -211,8 +211,12 @@ def bench_attention_command(
     docs: Path | None = typer.Option(None, "--docs", help="Token store: time and count real packed sequences, "
                                                           "packed as `burst train --doc-mask` packs them."),
     sequences: int = typer.Option(32, "--sequences", help="With --docs: packed sequences to plan."),
-    plan_only: bool = typer.Option(False, "--plan-only", help="With --docs: count the plans only, run no kernel "
-                                                              "(any --nproc and --seq-len on any machine)."),
+    plan_only: bool = typer.Option(False, "--plan-only", help="With --docs or --window: count the plans only, run "
+                                                              "no kernel (any --nproc and --seq-len on any machine)."),
+    window: int | None = typer.Option(None, "--window", help="Sliding window W (a query at i sees keys i - W < j <= "
+                                                             "i): windowed runs beside full causal ones, and each "
+                                                             "rank's kernel calls, pairs and bytes against the "
+                                                             "band's own (docs/benchmarks-window.md)."),
     replay: bool = typer.Option(False, "--replay", help="With --docs: replay each rank's kernel calls one after "
                                                          "another in this process and time them in CPU seconds, "
                                                          "instead of running the ranks."),
@@ -239,13 +243,17 @@ def bench_attention_command(
     try:
         config = AttentionBenchConfig(nproc=nproc, seq_len=seq_len, heads=heads, kv_heads=kv_heads,
                                       head_dim=head_dim, batch=batch, dtype=dtype, causal=causal, iters=iters,
-                                      modes=_name_list(modes), doc_length=doc_length,
+                                      modes=_name_list(modes), doc_length=doc_length, window=window,
                                       layouts=layout_list if layout_list and docs is None else ["zigzag"],
                                       topology=topology, node_size=node_size,
                                       device="cpu" if plan_only else device)  # counting plans runs no kernel
-        if docs is None and (plan_only or replay or layout_list and layout_list != ["zigzag"] and doc_length is None):
+        if docs is None and (plan_only and window is None or replay
+                             or layout_list and layout_list != ["zigzag"] and doc_length is None):
             raise ValueError("--plan-only, --replay and --layouts balanced count or time packed documents: pass "
-                             "--docs STORE (or --doc-length N for equal documents)")
+                             "--docs STORE (or --doc-length N for equal documents); --plan-only also counts a "
+                             "--window")
+        if docs is not None and window is not None:
+            raise ValueError("--window counts and times a sequence without documents: leave out --docs")
         if docs is not None:
             from data.packing import packed_document_offsets
 
@@ -262,6 +270,15 @@ def bench_attention_command(
         if json_path:
             write_documents_json(str(json_path), documents, plans, timed)
         return
+    if window is not None:
+        from bench.window import print_window_counts, window_counts, write_window_json
+
+        counts = window_counts(config, window)
+        print_window_counts(config, window, counts)
+        if plan_only:
+            if json_path:
+                write_window_json(str(json_path), config, window, counts)
+            return
     rows = run_attention_bench(config)
     print_table(config, rows)
     if json_path:

@@ -43,6 +43,7 @@ class AttentionBenchConfig:
     iters: int = 2
     modes: list[str] = field(default_factory=lambda: ["burst", "ring"])
     doc_length: int | None = None  # packed documents of this many tokens: masked runs beside unmasked ones
+    window: int | None = None  # a sliding window: windowed runs beside full causal ones (bench/window.py counts them)
     single_process: bool = True
     layouts: list[str] = field(default_factory=lambda: ["zigzag"])  # of the document-masked runs (burst/layout.py)
     topology: str = "auto"  # how blocks travel between nodes (burst/topology.py)
@@ -76,17 +77,21 @@ class AttentionBenchConfig:
             raise ValueError(f"--doc-length must be between 1 and --seq-len {self.seq_len}, got {self.doc_length}")
         for layout in self.layouts:
             check_layout(layout, "--layouts layout")
+        if self.window is not None and (self.window < 1 or not self.causal):
+            raise ValueError(f"--window {self.window} must be a positive number of positions, with --causal")
         if self.layouts != ["zigzag"] and self.doc_length is None:
             raise ValueError("--layouts other than zigzag need packed documents: pass --doc-length N, or --docs STORE "
                              "for real ones")
         check_kernel_serves(torch.device(self.device), DTYPES[self.dtype], self.head_dim)  # --attention-kernel
 
-    def variants(self) -> list[tuple[str, str, bool, str]]:
-        """(name, backward mode, document-masked, layout) of each run; unmasked runs (zigzag) come too for
-        comparison."""
-        runs = [(mode, mode, False, "zigzag") for mode in self.modes]
+    def variants(self) -> list[tuple[str, str, bool, str, int | None]]:
+        """(name, backward mode, document-masked, layout, window) of each run; unmasked runs (zigzag, full causal)
+        come too for comparison."""
+        runs = [(mode, mode, False, "zigzag", None) for mode in self.modes]
+        if self.window:
+            runs += [(f"{mode} window {self.window}", mode, False, "zigzag", self.window) for mode in self.modes]
         if self.doc_length:
-            runs += [(f"{mode} docs{'' if layout == 'zigzag' else ' ' + layout}", mode, True, layout)
+            runs += [(f"{mode} docs{'' if layout == 'zigzag' else ' ' + layout}", mode, True, layout, None)
                      for layout in self.layouts for mode in self.modes]
         return runs
 
@@ -143,7 +148,7 @@ def time_call(q, k, v, dout, device: torch.device, **attention) -> tuple[float, 
     return middle - start, time.perf_counter() - middle, forward_cpu, backward_cpu
 
 
-def _measure(config: AttentionBenchConfig, variants: list[tuple[str, str, bool, str]], inputs,
+def _measure(config: AttentionBenchConfig, variants: list[tuple[str, str, bool, str, int | None]], inputs,
              device) -> dict[str, dict]:
     """Median forward/backward seconds, bytes sent and peak memory of each variant on this rank.
     inputs: layout -> (q, k, v, dout) as the ranks hold them."""
@@ -151,12 +156,12 @@ def _measure(config: AttentionBenchConfig, variants: list[tuple[str, str, bool, 
     peaks: dict[str, float] = {}
     sent: dict[str, tuple[int, int, int]] = {}
     for i in range(config.iters + 1):  # the first round warms up
-        for name, mode, masked, layout in variants:
+        for name, mode, masked, layout, window in variants:
             reset_peak_memory(device)
             node_size = config.node_size if dist.is_initialized() else None  # the single process is one node
             fwd, bwd, _, _ = time_call(*inputs[layout], device, causal=config.causal, backward=mode,
                                        topology=config.topology, node_size=node_size, layout=layout,
-                                       doc_boundaries=config.doc_boundaries() if masked else None)
+                                       doc_boundaries=config.doc_boundaries() if masked else None, window=window)
             peaks[name] = max(peaks.get(name, 0.0), peak_memory_mib(device))
             sent[name] = (SENT.last_forward, SENT.last_backward,
                           SENT.last_forward_inter_node + SENT.last_backward_inter_node)
@@ -193,9 +198,11 @@ def run_attention_bench(config: AttentionBenchConfig) -> list[BenchRow]:
     if config.single_process:
         device = torch.device(config.device)
         torch.set_num_threads(threads_per_process(config.nproc))  # the same cores per process as a rank
-        variants = [("single process", "auto", False, "zigzag")]
+        variants = [("single process", "auto", False, "zigzag", None)]
+        if config.window:
+            variants.append((f"single process window {config.window}", "auto", False, "zigzag", config.window))
         if config.doc_length:
-            variants.append(("single process docs", "auto", True, "zigzag"))
+            variants.append(("single process docs", "auto", True, "zigzag", None))
         single = _measure(config, variants, {"zigzag": global_inputs(config, device)}, device)
         rows[:0] = [_rows(name, 1, [single[name]]) for name, *_ in variants]
     return rows
@@ -209,6 +216,7 @@ def print_table(config: AttentionBenchConfig, rows: list[BenchRow]) -> None:
     title = (f"burst_attn: {config.seq_len:,} tokens, {config.heads}/{config.kv_heads} heads x {config.head_dim}, "
              f"{config.dtype}, {'causal' if config.causal else 'full'}, batch {config.batch}"
              + (f", docs of {config.doc_length:,} tokens" if config.doc_length else "")
+            + (f", window {config.window:,}" if config.window else "")
              + f", topology {config.topology}" + (f", nodes of {config.node_size}" if config.node_size else ""))
     # light borders, one space between columns: the table fits 80 columns
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, padding=0, show_edge=False)

@@ -3,10 +3,12 @@ the plan's band segments, one process, 2 and 4 gloo ranks in both backward modes
 Ulysses, with packed documents and prefix sharing; blocks outside every window cost no call and no bytes."""
 
 import itertools
+import json
 import random
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
 import burst
 from burst import balance
@@ -14,9 +16,11 @@ from burst.comm import SENT
 from burst.cost import plan_bytes
 from burst.layout import row_layouts, zigzag_layout
 from burst.plan import ALL, AttentionPlan, band_segments, band_strip
+from cli import app
 from models import LocalAttention
 from tests.distributed import run_on_ranks
 from tests.test_balance import SMALL_TILES
+from tests.test_bench import legible_at_80_columns
 from tests.test_burst_attn import make_inputs
 
 OUT_TOLERANCE, GRAD_TOLERANCE = 1e-5, 1e-4  # float32 inputs against the float64 reference
@@ -226,3 +230,36 @@ def _cases(rank, world_size):
 def test_ranks_match_the_reference(world_size):
     """Both backward modes, zigzag and balanced, with documents and prefix sharing; two-level and Ulysses on 2 x 2."""
     run_on_ranks(_cases, world_size, timeout_s=300)
+
+
+# ---- the benchmark
+
+
+def test_bench_counts_each_rank_against_the_band(tmp_path):
+    """`burst bench attention --window --plan-only`: every rank's computed pairs and bytes within 1.25x of what the
+    window itself asks of it (worked out from the positions the ranks hold), far below full causal's."""
+    out = tmp_path / "window.json"
+    result = CliRunner().invoke(app, ["bench", "attention", "--window", "256", "--seq-len", "4096", "--nproc", "4",
+                                      "--plan-only", "--modes", "burst", "--dtype", "bf16", "--json", str(out)],
+                                env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    legible_at_80_columns(result.output, "per rank", "causal / window")
+    ranks = json.loads(out.read_text())["ranks"]
+    for window, causal, band in zip(ranks["window"], ranks["causal"], ranks["band"], strict=True):
+        assert band["visible_pairs"] <= window["computed_pairs"] <= 1.25 * band["visible_pairs"]
+        for sent in ("sent_forward_mib", "sent_backward_mib"):
+            assert 0 < band[sent] <= window[sent] <= 1.25 * band[sent]
+            assert causal[sent] > 4 * window[sent]
+        assert causal["computed_pairs"] > 4 * window["computed_pairs"]
+
+
+def test_bench_times_windowed_runs_beside_full_causal(tmp_path):
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(app, ["bench", "attention", "--window", "16", "--nproc", "2", "--seq-len", "256",
+                                      "--heads", "2", "--head-dim", "16", "--iters", "1", "--modes", "burst",
+                                      "--dtype", "bf16", "--json", str(out)], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    runs = {r["name"]: r for r in json.loads(out.read_text())["runs"]}
+    assert set(runs) == {"single process", "single process window 16", "burst x2", "burst window 16 x2"}
+    # the window's 15 keys of k and v before rank 1's first chunk, against all of rank 0's shard
+    assert runs["burst window 16 x2"]["sent_forward_mib"] < runs["burst x2"]["sent_forward_mib"] / 4
