@@ -14,10 +14,13 @@ Names:
 "auto" on CUDA tries, in this order, every kernel whose contract takes the inputs:
   capability >= 9.0: fa4, fa3, cudnn, flash-attn, flash, efficient (cuDNN 1.65-1.72x FA2 on H200)
   older GPUs:        flash-attn, flash, cudnn, efficient
-Each candidate is checked once per (device, dtype, head dim, GQA group) against the math kernel
+Each candidate is built (a package kernel imports its package then: any failure of that import
+refuses it) and checked once per (device, dtype, head dim, GQA group) against the math kernel
 (selfcheck.py); one that fails is logged in one line and the next is tried. A kernel forced by
-name is checked too, and refused with the reason. `--attention-kernel NAME` (burst train, eval,
-bench attention) forces one; eval and bench set $BURST_ATTENTION_KERNEL for their ranks.
+name is checked too, and refused in one line with the reason and, when it could not be loaded, how
+to install it. `--attention-kernel NAME` (burst train, eval, bench attention) forces one; eval and
+bench set $BURST_ATTENTION_KERNEL for their ranks, and bench refuses one that cannot run here
+before it starts them (`check_kernel_serves`).
 """
 
 from __future__ import annotations
