@@ -22,6 +22,7 @@ from burst.kernels import (
     TorchCUDAFlashKernel,
     TorchCUDNNKernel,
 )
+from burst.kernels.selfcheck import band_self_check, self_check
 from tests.test_kernel_choice import BottomRightKernel
 
 MATH, BOTTOM_RIGHT = MathKernel(), BottomRightKernel()
@@ -107,27 +108,37 @@ def fake_module(name: str, **functions) -> types.ModuleType:
     return module
 
 
-def package_forward(q, k, v, scale, causal):
+def flash_band(q_len: int, kv_len: int, causal: bool, left: int | None, right: int | None) -> tuple[int, int]:
+    """What FlashAttention's causal flag and window_size (left, right; -1 or None: unbounded) show, aligned
+    bottom-right, as the math kernel's band (lo, hi): query row r sees key row c iff lo <= r - c <= hi.
+    Causal means right = 0; key c is seen iff r + kv_len - q_len - left <= c <= r + kv_len - q_len + right."""
+    unbounded, offset = q_len + kv_len, kv_len - q_len
+    right = 0 if causal else right
+    return (-(offset + right) if right is not None and right >= 0 else -unbounded,
+            left - offset if left is not None and left >= 0 else unbounded)
+
+
+def package_forward(q, k, v, scale, causal, window=(None, None)):
     _assert_last_dim(q=q, k=k, v=v)
     received_kv_heads.append(k.shape[2])
-    return BOTTOM_RIGHT.forward(q, k, v, causal, scale)
+    return MATH.forward(q, k, v, flash_band(q.shape[1], k.shape[1], causal, *window), scale)
 
 
-def package_backward(dout, q, k, v, out, lse, scale, causal):
+def package_backward(dout, q, k, v, out, lse, scale, causal, window=(None, None)):
     _assert_dense(lse=lse)
     assert lse.shape == (q.shape[0], q.shape[2], q.shape[1])
-    return BOTTOM_RIGHT.backward(dout, q, k, v, out, lse, causal, scale)
+    return MATH.backward(dout, q, k, v, out, lse, flash_band(q.shape[1], k.shape[1], causal, *window), scale)
 
 
 def fa2_forward(q, k, v, *, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
                 alibi_slopes, return_softmax):
-    return (*package_forward(q, k, v, softmax_scale, causal), None, None)
+    return (*package_forward(q, k, v, softmax_scale, causal, (window_size_left, window_size_right)), None, None)
 
 
 def fa2_backward(dout, q, k, v, out, lse, dq, dk, dv, *, dropout_p, softmax_scale, causal, window_size_left,
                  window_size_right, softcap, alibi_slopes, deterministic, rng_state):
-    for target, grad in zip((dq, dk, dv), package_backward(dout, q, k, v, out, lse, softmax_scale, causal),
-                            strict=True):
+    for target, grad in zip((dq, dk, dv), package_backward(dout, q, k, v, out, lse, softmax_scale, causal,
+                                                           (window_size_left, window_size_right)), strict=True):
         target.copy_(grad)
 
 
@@ -180,3 +191,9 @@ def check_on_ring_slices(kernel, heads: tuple[int, int], rows: slice, cols: slic
         torch.testing.assert_close(got, expected)
     repeated = kernel.contract.gqa == "repeated"
     assert set(received_kv_heads) == {heads[0] if repeated else heads[1]}  # K/V repeated only where the contract says
+
+
+def test_flash_attn_passes_the_self_checks_with_its_window(fake_kernels):
+    """flash-attn 2 through its window_size_left/right (a sliding window's band blocks), causal bottom-right."""
+    assert self_check(FlashAttnKernel(), torch.device("cpu"), torch.bfloat16, 32, 2) is None
+    assert band_self_check(FlashAttnKernel(), torch.device("cpu"), torch.bfloat16, 32, 2) is None

@@ -105,6 +105,20 @@ def test_flash_varlen_ops_take_burst_arguments_by_their_meta_functions(calls):
     assert_lse_round_trip(calls, *OPS["flash varlen"])
 
 
+def test_flash_band_ops_take_burst_arguments_by_their_meta_functions(calls):
+    """A sliding window's band blocks through the varlen ops' window sizes: every batch row one packed sequence."""
+    q, k, v, dout = meta_slices((4, 2), slice(0, 64), slice(0, 80))
+    kernel = TorchCUDAFlashKernel()
+    out, lse = kernel.forward_band(q, k, v, (-60, 0), 0.3)
+    assert (out.shape, lse.shape, lse.dtype) == (q.shape, (2, 4, 64), torch.float32)
+    grads = kernel.backward_band(dout, q, k, v, out, lse, (-60, 0), 0.3)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    assert_lse_round_trip(calls, *OPS["flash varlen"])
+    # band (-60, 0): row r sees keys r..r + 60; aligned bottom-right (offset kv_len - q_len = 16) that is
+    # r + 16 - 16 <= c <= r + 16 + 44
+    assert {(bound["window_size_left"], bound["window_size_right"]) for _, bound, _ in calls} == {(16, 44)}
+
+
 def test_torch_meta_for_the_efficient_backward_is_still_broken():
     """Why that one op skips its meta function above. When this fails, torch has fixed it: drop BROKEN_META."""
     q, k, v, dout = meta_slices((4, 4), slice(None), slice(None))

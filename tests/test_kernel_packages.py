@@ -25,6 +25,7 @@ from burst.kernels import MathKernel, self_check
 from burst.kernels import flash_attn as packages
 from burst.kernels.choice import Machine, choose_kernel, installed_packages
 from burst.kernels.flash_attn import FA4_MODULE, FA4_TESTED_VERSION, FlashAttn3Kernel, FlashAttn4Kernel
+from burst.kernels.selfcheck import band_self_check
 from tests.test_kernel_args import BLOCKS, check_on_ring_slices, fake_module, package_backward, package_forward
 
 H200, CPU = (9, 0), torch.device("cpu")
@@ -35,16 +36,16 @@ def _unused(**arguments) -> None:
     assert all(value is None for value in arguments.values()), f"burst passed a feature it does not use: {arguments}"
 
 
-def _fa3_forward(q, k, v, softmax_scale, causal, **unused):
+def _fa3_forward(q, k, v, softmax_scale, causal, window, **unused):
     _unused(**unused)
-    out, lse = package_forward(q, k, v, softmax_scale, causal)
+    out, lse = package_forward(q, k, v, softmax_scale, causal, window)
     return out, lse, torch.empty(0), torch.empty(0)  # out_accum, softmax_lse_accum: empty when not split
 
 
-def _fa3_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal, **unused):
+def _fa3_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal, window, **unused):
     _unused(**unused)
-    for target, grad in zip((dq, dk, dv), package_backward(dout, q, k, v, out, softmax_lse, softmax_scale, causal),
-                            strict=True):
+    for target, grad in zip((dq, dk, dv), package_backward(dout, q, k, v, out, softmax_lse, softmax_scale, causal,
+                                                           window), strict=True):
         target.copy_(grad)
     return torch.zeros(q.shape[0], q.shape[2], q.shape[1])  # softmax_d
 
@@ -56,15 +57,15 @@ def fa3_2025_05_forward(q, k, v, k_new, v_new, qv, out, cu_seqlens_q, cu_seqlens
                         rotary_sin, seqlens_rotary, q_descale, k_descale, v_descale, softmax_scale, causal,
                         window_size=(-1, -1), attention_chunk=0, softcap=0.0, rotary_interleaved=True,
                         scheduler_metadata=None, num_splits=1, pack_gqa=None, sm_margin=0):
-    assert window_size == (-1, -1)
-    return _fa3_forward(q, k, v, softmax_scale, causal, k_new=k_new, v_new=v_new, qv=qv, out=out,
+    return _fa3_forward(q, k, v, softmax_scale, causal, window_size, k_new=k_new, v_new=v_new, qv=qv, out=out,
                         cu_seqlens_q=cu_seqlens_q, page_table=page_table, rotary_cos=rotary_cos, q_descale=q_descale)
 
 
 def fa3_2025_05_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, sequed_q, sequed_k,
                          max_seqlen_q, max_seqlen_k, dq, dk, dv, softmax_scale, causal, window_size=(-1, -1),
                          softcap=0.0, deterministic=False, sm_margin=0):
-    d = _fa3_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal, cu_seqlens_q=cu_seqlens_q,
+    d = _fa3_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal, window_size,
+                      cu_seqlens_q=cu_seqlens_q,
                       sequed_q=sequed_q, max_seqlen_q=max_seqlen_q)
     return dq, dk, dv, d  # it returned the gradients too until July 2025
 
@@ -88,7 +89,8 @@ def fa3_2025_10_forward(
     rotary_interleaved: bool = True, scheduler_metadata: Optional[torch.Tensor] = None, num_splits: int = 1,
     pack_gqa: Optional[bool] = None, sm_margin: int = 0,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _fa3_forward(q, k, v, softmax_scale, causal, out=out, k_new=k_new, page_table=page_table)
+    return _fa3_forward(q, k, v, softmax_scale, causal, (window_size_left, window_size_right), out=out, k_new=k_new,
+                        page_table=page_table)
 
 
 @torch.library.custom_op("burst_test_fa3_2025_10::_flash_attn_backward", mutates_args=("dq", "dk", "dv"),
@@ -103,7 +105,7 @@ def fa3_2025_10_backward(
     deterministic: bool = False, sm_margin: int = 0,
 ) -> torch.Tensor:
     return _fa3_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, is_causal,
-                         cu_seqlens_q=cu_seqlens_q, sequed_q=sequed_q)
+                         (window_size_left, window_size_right), cu_seqlens_q=cu_seqlens_q, sequed_q=sequed_q)
 
 
 @torch.library.custom_op("burst_test_fa3_2025_11::_flash_attn_forward", mutates_args=(), device_types="cpu")
@@ -122,7 +124,8 @@ def fa3_2025_11_forward(
     rotary_interleaved: bool = True, scheduler_metadata: Optional[torch.Tensor] = None, num_splits: int = 1,
     pack_gqa: Optional[bool] = None, sm_margin: int = 0,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _fa3_forward(q, k, v, softmax_scale, causal, out_=out_, k_new=k_new, page_table=page_table)
+    return _fa3_forward(q, k, v, softmax_scale, causal, (window_size_left, window_size_right), out_=out_,
+                        k_new=k_new, page_table=page_table)
 
 
 FA3_RELEASES = {
@@ -148,6 +151,7 @@ def test_fa3_is_called_as_each_release_takes_it(fa3_release, heads, block):
 
 def test_fa3_passes_the_self_check_in_each_release(fa3_release):
     assert self_check(FlashAttn3Kernel(), CPU, torch.bfloat16, 32, 2) is None
+    assert band_self_check(FlashAttn3Kernel(), CPU, torch.bfloat16, 32, 2) is None  # its window, as each takes it
 
 
 def test_a_release_without_a_parameter_burst_needs_is_refused_in_one_line(monkeypatch):
@@ -236,20 +240,21 @@ def wheel_function(path, name: str, body):
 
 
 def _fa4_forward(arguments):
-    q, k, v, scale, causal = (arguments.pop(name) for name in ("q", "k", "v", "softmax_scale", "causal"))
+    q, k, v, scale, causal, left, right = (arguments.pop(name) for name in (
+        "q", "k", "v", "softmax_scale", "causal", "window_size_left", "window_size_right"))
     assert arguments.pop("return_lse"), "without return_lse FA4 returns no log-sum-exp"
     assert arguments.pop("num_splits") == 1 and arguments.pop("disable_scheduler_metadata") is False
     assert arguments.pop("gather_bwd_recompute_p") is False
-    _unused(**arguments)  # window, out, lse, varlen, ...: their defaults
-    out, lse = package_forward(q, k, v, scale, causal)
+    _unused(**arguments)  # out, lse, varlen, ...: their defaults
+    out, lse = package_forward(q, k, v, scale, causal, (left, right))
     return out, lse, None, None, None  # 4.0.0b40 returns five
 
 
 def _fa4_backward(arguments):
-    names = ("q", "k", "v", "out", "dout", "lse", "softmax_scale", "causal")
-    q, k, v, out, dout, lse, scale, causal = (arguments[name] for name in names)
-    assert arguments["dq"] is None and arguments["window_size_left"] is None and arguments["cu_seqlens_q"] is None
-    return package_backward(dout, q, k, v, out, lse, scale, causal)  # (dq, dk, dv) without a learnable sink
+    names = ("q", "k", "v", "out", "dout", "lse", "softmax_scale", "causal", "window_size_left", "window_size_right")
+    q, k, v, out, dout, lse, scale, causal, left, right = (arguments[name] for name in names)
+    assert arguments["dq"] is None and arguments["cu_seqlens_q"] is None
+    return package_backward(dout, q, k, v, out, lse, scale, causal, (left, right))  # dq, dk, dv (no sink)
 
 
 @pytest.fixture
@@ -268,6 +273,7 @@ def test_fa4_is_called_as_the_wheel_takes_it(fa4_signatures, heads, block):
 
 def test_fa4_passes_the_self_check_with_the_wheels_signatures(fa4_signatures):
     assert self_check(FlashAttn4Kernel(), CPU, torch.bfloat16, 32, 2) is None
+    assert band_self_check(FlashAttn4Kernel(), CPU, torch.bfloat16, 32, 2) is None  # its window_size_left/right
 
 
 def test_the_image_and_the_tests_install_the_fa4_burst_reads():
