@@ -18,7 +18,8 @@ from typing import Any
 import typer
 
 from runtime.failure import Stopped, WriteFailed, os_error_message, stopping_on_sigterm  # plain Python: no torch
-from trainer.config import DEVICE_HELP, TrainConfig  # plain Python: no torch
+from runtime.settings import DEVICE_HELP  # plain Python: no torch
+from trainer.config import TrainConfig  # plain Python: no torch
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_show_locals=False,
                   help="Long-context LLaMA training with exact BurstAttention sequence parallelism.")

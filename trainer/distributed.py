@@ -22,7 +22,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from runtime.process import init_worker_process_group, worker_device
-from trainer.config import TrainConfig, flag
+from runtime.settings import flag
+from trainer.config import TrainConfig
 
 
 @dataclass

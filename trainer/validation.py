@@ -6,7 +6,7 @@ sources' validation splits as training packs the training splits (the same mixtu
 positions), with a fixed seed, so every pass scores the same tokens; the dp ranks share them out and the cp
 ranks split each one, and the loss is the mean over every scored token.
 
-A pass is sized in tokens, --val-tokens (its default: trainer/config.py), rounded up to whole sequences, as
+A pass is sized in tokens, --val-tokens (its default: trainer/sections.py), rounded up to whole sequences, as
 many for every dp rank, and no more sequences than the splits fill: a token is scored at most once per pass
 (what a sequence holds past its source's split is input only), however long the sequences. The plan said before
 the first pass counts the tokens a pass scores by packing its sequences (no model), from the same batches the
