@@ -8,23 +8,41 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import importlib.metadata
 import inspect
-import os
 import typing
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import typer
 
 from runtime.failure import Stopped, WriteFailed, os_error_message, stopping_on_sigterm  # plain Python: no torch
-from runtime.settings import DEVICE_HELP  # plain Python: no torch
+from runtime.settings import flag, shown_default, value_kind  # plain Python: no torch
 from trainer.config import TrainConfig  # plain Python: no torch
 
+# Plain help (rich_markup_mode None): at 80 columns rich's four-column boxes cut flags and defaults off.
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_show_locals=False,
-                  help="Long-context LLaMA training with exact BurstAttention sequence parallelism.")
-bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks.")
+                  rich_markup_mode=None, help="Long-context LLaMA training with exact BurstAttention sequence "
+                                              "parallelism.")
+bench_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Benchmarks.")
 app.add_typer(bench_app, name="bench")
+
+
+def _print_version(asked: bool) -> None:
+    if asked:
+        try:
+            version = importlib.metadata.version("burst-attention")
+        except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+            version = "(not installed: pip install -e .)"
+        typer.echo(f"burst {version}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                       help="Print burst's version and exit.")) -> None:
+    """Long-context LLaMA training with exact BurstAttention sequence parallelism."""
 
 
 def _fail(message: object, code: int) -> typer.Exit:
@@ -51,6 +69,37 @@ def _exits(failed: tuple[type[Exception], ...] = ()) -> Iterator[None]:
         raise _fail("interrupted by Ctrl-C; what it had begun to write was removed", 130) from None
     except Stopped as err:
         raise _fail(f"{err}; what it had begun to write was removed", err.exit_code) from None
+
+
+def _options(names: tuple[str, ...] | None = None) -> list[inspect.Parameter]:
+    """The options of TrainConfig's settings `names` (None: all), each as its field declares it: --name
+    (--name/--no-name for a switch), its type, help and default shown. Every option defaults to None, so an unset
+    flag leaves the config file's value (flags > config file > defaults), or the command's own default."""
+    hints = typing.get_type_hints(TrainConfig)
+    parameters = []
+    for setting in dataclasses.fields(TrainConfig):
+        if names is not None and setting.name not in names:
+            continue
+        kind, name = value_kind(hints[setting.name]), flag(setting.name)
+        option = typer.Option(None, f"{name}/--no-{name[2:]}" if kind is bool else name,
+                              help=setting.metadata["help"], show_default=shown_default(setting))
+        parameters.append(inspect.Parameter(setting.name, inspect.Parameter.KEYWORD_ONLY, default=option,
+                                            annotation=kind | None))
+    return parameters
+
+
+def _taking(*names: str) -> Callable[[Any], Any]:
+    """A decorator: the command takes TrainConfig's settings `names` as options besides its own (into its
+    **keywords), declared once there; train, eval and bench take --device and --attention-kernel alike."""
+    def taking(command: Any) -> Any:
+        own = [p for p in inspect.signature(command).parameters.values() if p.kind is not p.VAR_KEYWORD]
+        command.__signature__ = inspect.Signature([*own, *_options(names)])
+        return command
+    return taking
+
+
+# What every command that runs attention takes: where its ranks run, and with which local kernel.
+PLACEMENT = ("device", "attention_kernel")
 
 
 class TargetFormat(str, enum.Enum):
@@ -131,6 +180,7 @@ def _number_list(text: str | None, kind: type, flag: str) -> list | None:
 
 
 @app.command("eval")
+@_taking(*PLACEMENT)
 def eval_command(
     checkpoint: Path = typer.Option(..., "--checkpoint", help="Run directory, training checkpoint, or native / "
                                                               "Hugging Face model directory."),
@@ -162,10 +212,7 @@ def eval_command(
                                                                     "checkpoint or model directory): report DPO's "
                                                                     "implicit rewards against it."),
     beta: float | None = typer.Option(None, "--beta", help="The implicit rewards' beta, with --reference (0.1)."),
-    device: str | None = typer.Option(None, "--device", help=DEVICE_HELP, show_default="$BURST_DEVICE, else auto"),
-    attention_kernel: str = typer.Option("auto", "--attention-kernel", help="Local attention kernel: auto, math, "
-                                         "cpu, flash, efficient, cudnn, fa3, fa4, flash-attn or torch "
-                                         "(docs/kernels.md)."),
+    **placement: Any,
 ) -> None:
     """Perplexity, loss by position and passkey retrieval of a model checkpoint: results on stdout. On an
     instruction store (`burst prepare --chat`): the answers' loss, and question answering by depth. On a preference
@@ -178,13 +225,11 @@ def eval_command(
     from evaluation import EvalConfig, evaluate  # here, so `burst --help` does not import torch
     from evaluation.run import EvaluationFailed
 
-    _use_attention_kernel(attention_kernel)
-
     flags = dict(data=data, seq_len=seq_len, batches=batches, buckets=buckets, positions=positions,
                  passkey_trials=passkey_trials, qa_samples=qa_samples, long_conversations=long_conversations,
                  passkey_lengths=_number_list(passkey_lengths, int, "--passkey-lengths"),
                  passkey_depths=_number_list(passkey_depths, float, "--passkey-depths"),
-                 cp=cp, precision=precision, json_path=json_path, reference=reference, beta=beta, device=device)
+                 cp=cp, precision=precision, json_path=json_path, reference=reference, beta=beta, **placement)
     with _exits(failed=(EvaluationFailed,)):
         given = {name: v for name, v in flags.items() if v is not None}
         eval_config = EvalConfig(checkpoint=checkpoint, force=force, given=frozenset(given), **given)
@@ -192,6 +237,7 @@ def eval_command(
 
 
 @bench_app.command("attention")
+@_taking(*PLACEMENT)
 def bench_attention_command(
     nproc: int = typer.Option(2, "--nproc", help="Local ranks the sequence is split across."),
     seq_len: int = typer.Option(8192, "--seq-len", help="Global sequence length (a multiple of 2 x nproc)."),
@@ -229,17 +275,13 @@ def bench_attention_command(
     node_size: int | None = typer.Option(None, "--node-size", help="Local ranks per simulated node "
                                                                    "(default: all on one node)."),
     json_path: Path | None = typer.Option(None, "--json", help="Also write the figures to this JSON file."),
-    device: str | None = typer.Option(None, "--device", help=DEVICE_HELP, show_default="$BURST_DEVICE, else auto"),
-    attention_kernel: str = typer.Option("auto", "--attention-kernel", help="Local attention kernel: auto, math, "
-                                         "cpu, flash, efficient, cudnn, fa3, fa4, flash-attn or torch "
-                                         "(docs/kernels.md)."),
+    **placement: Any,
 ) -> None:
     """Time burst_attn forward and backward on local ranks against a single process; with --docs, compare the
     sequence layouts on real packed sequences."""
     from bench.attention import AttentionBenchConfig, print_table, run_attention_bench, write_json
     from bench.documents import DocumentsBenchConfig, print_documents, run_documents_bench, write_documents_json
 
-    _use_attention_kernel(attention_kernel)
     layout_list = _name_list(layouts) if layouts is not None else None
     try:
         config = AttentionBenchConfig(nproc=nproc, seq_len=seq_len, heads=heads, kv_heads=kv_heads,
@@ -247,7 +289,8 @@ def bench_attention_command(
                                       modes=_name_list(modes), doc_length=doc_length, window=window,
                                       layouts=layout_list if layout_list and docs is None else ["zigzag"],
                                       topology=topology, node_size=node_size,
-                                      device="cpu" if plan_only else device)  # counting plans runs no kernel
+                                      kernel=placement["attention_kernel"] or "auto",
+                                      device="cpu" if plan_only else placement["device"])  # plans run no kernel
         if docs is None and (plan_only and window is None or replay
                              or layout_list and layout_list != ["zigzag"] and doc_length is None):
             raise ValueError("--plan-only, --replay and --layouts balanced count or time packed documents: pass "
@@ -286,30 +329,9 @@ def bench_attention_command(
         write_json(str(json_path), config, rows)
 
 
-def _use_attention_kernel(name: str) -> None:
-    """Make `name` the kernel "auto" means in this process and the ranks it starts (exits 2 on an unknown one)."""
-    from burst.kernels import KERNEL_ENV, check_kernel_name
-
-    with _exits():
-        check_kernel_name(name, "--attention-kernel")
-    os.environ[KERNEL_ENV] = name
-
-
 def _name_list(text: str) -> list[str]:
     """'burst, ring' -> ['burst', 'ring']."""
     return [name.strip() for name in text.split(",") if name.strip()]
-
-
-def _train_option(setting: dataclasses.Field, annotation: Any) -> inspect.Parameter:
-    """The `burst train` option of one TrainConfig field: --name (--name/--no-name for a switch), the field's
-    type and help, and its default shown; the option itself defaults to None, so an unset flag leaves the
-    config file's value (flags > config file > defaults)."""
-    kind = next(t for t in typing.get_args(annotation) or (annotation,) if t is not type(None))
-    flag = "--" + setting.name.replace("_", "-")
-    shown = setting.metadata["shown"] or (str(setting.default).lower() if kind is bool else str(setting.default))
-    option = typer.Option(None, f"{flag}/--no-{flag[2:]}" if kind is bool else flag, help=setting.metadata["help"],
-                          show_default=shown)
-    return inspect.Parameter(setting.name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=kind | None)
 
 
 def _train_command(config: Path | None = None, **flags: Any) -> None:
@@ -352,8 +374,7 @@ def _train_command(config: Path | None = None, **flags: Any) -> None:
 _train_command.__signature__ = inspect.Signature([
     inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, annotation=Path | None,
                       default=typer.Option(None, "--config", help="TOML file of settings; flags override it.")),
-    *(_train_option(setting, typing.get_type_hints(TrainConfig)[setting.name])
-      for setting in dataclasses.fields(TrainConfig)),
+    *_options(),
     # replaced by --val-tokens: refused, naming it
     inspect.Parameter("val_sequences", inspect.Parameter.KEYWORD_ONLY, annotation=int | None,
                       default=typer.Option(None, "--val-sequences", hidden=True)),

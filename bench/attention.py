@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from burst.attention import burst_attn, check_backward_mode
 from burst.comm import SENT
+from burst.kernels import check_kernel_name
 from burst.kernels.choice import check_kernel_serves
 from burst.layout import check_layout, check_sequence_length, shard_sequence
 from burst.topology import check_topology
@@ -51,6 +52,7 @@ class AttentionBenchConfig:
     dtype_reason: str = ""  # why "auto" became `dtype`
     device: str | None = None  # auto, cpu or cuda (runtime/device.py), resolved on construction to the ranks' kind
     device_reason: str = ""  # why `device` is what it is
+    kernel: str = "auto"  # the local attention kernel of every run (burst.select_kernel's names)
 
     def __post_init__(self) -> None:
         if self.dtype not in (*DTYPES, "auto"):
@@ -71,6 +73,7 @@ class AttentionBenchConfig:
             check_backward_mode(mode, "--modes backward mode")
         check_sequence_length(self.seq_len, self.nproc)
         check_topology(self.topology, "--topology")
+        check_kernel_name(self.kernel, "--attention-kernel")
         if self.node_size is not None and (self.node_size < 1 or self.nproc % self.node_size):
             raise ValueError(f"--node-size {self.node_size} must divide --nproc {self.nproc}")
         if self.doc_length is not None and not 0 < self.doc_length <= self.seq_len:
@@ -82,7 +85,7 @@ class AttentionBenchConfig:
         if self.layouts != ["zigzag"] and self.doc_length is None:
             raise ValueError("--layouts other than zigzag need packed documents: pass --doc-length N, or --docs STORE "
                              "for real ones")
-        check_kernel_serves(torch.device(self.device), DTYPES[self.dtype], self.head_dim)  # --attention-kernel
+        check_kernel_serves(torch.device(self.device), DTYPES[self.dtype], self.head_dim, self.kernel)
 
     def variants(self) -> list[tuple[str, str, bool, str, int | None]]:
         """(name, backward mode, document-masked, layout, window) of each run; unmasked runs (zigzag, full causal)
@@ -160,8 +163,9 @@ def _measure(config: AttentionBenchConfig, variants: list[tuple[str, str, bool, 
             reset_peak_memory(device)
             node_size = config.node_size if dist.is_initialized() else None  # the single process is one node
             fwd, bwd, _, _ = time_call(*inputs[layout], device, causal=config.causal, backward=mode,
-                                       topology=config.topology, node_size=node_size, layout=layout,
-                                       doc_boundaries=config.doc_boundaries() if masked else None, window=window)
+                                       kernel=config.kernel, topology=config.topology, node_size=node_size,
+                                       layout=layout, doc_boundaries=config.doc_boundaries() if masked else None,
+                                       window=window)
             peaks[name] = max(peaks.get(name, 0.0), peak_memory_mib(device))
             sent[name] = (SENT.last_forward, SENT.last_backward,
                           SENT.last_forward_inter_node + SENT.last_backward_inter_node)

@@ -191,8 +191,8 @@ def _time_worker(config: DocumentsBenchConfig, picks: list[int]) -> dict[str, di
                 for layout, mode in variants:
                     # the ranks agree by construction (check_ranks off): only the ring's bytes are counted
                     measured = time_call(*inputs[layout], device, causal=True, backward=mode, layout=layout,
-                                         doc_boundaries=boundaries, doc_sees=sees, topology="flat",
-                                         check_ranks=False)
+                                         kernel=attention.kernel, doc_boundaries=boundaries, doc_sees=sees,
+                                         topology="flat", check_ranks=False)
                     sent[layout, mode] = (SENT.last_forward + SENT.last_backward) / MIB
                     if i:
                         runs[layout, mode].append(measured)
@@ -267,7 +267,7 @@ def _replay_once(boundaries: list[int], sees: list[int] | None, layout: str, mod
     plan = sequence_plan(config.seq_len, config.nproc, boundaries, sees, layout, config.batch)
     # random inputs: any cut into shards serves; heads-first memory, as burst_attn hands the CPU kernels
     q, k, v, dout = ([heads_first(x) for x in t.chunk(world, dim=1)] for t in global_inputs(config, "cpu"))
-    kernel = select_kernel(torch.device("cpu"), q[0].dtype, "auto", head_dim=config.head_dim)
+    kernel = select_kernel(torch.device("cpu"), q[0].dtype, config.kernel, head_dim=config.head_dim)
     forward, backward = [0.0] * world, [0.0] * world
     results = []
     for r in range(world):

@@ -24,12 +24,14 @@ from models import Transformer
 from runtime.process import init_worker_process_group, leaving_process_group, worker_device
 
 
-def use_burst_attention(model: Transformer, group: dist.ProcessGroup | None) -> None:
-    """Make every attention block attend across `group` (in place); a no-op for a single process."""
-    if group_rank_and_size(group)[1] == 1:
-        return
+def use_burst_attention(model: Transformer, group: dist.ProcessGroup | None, kernel: str = "auto") -> None:
+    """Make every attention block attend across `group` (in place) with the local kernel `kernel`
+    (burst.select_kernel's names); a single process keeps its own attention, with that kernel."""
     for block in model.layers:
-        block.attention.core_attention = burst.BurstAttention(group)
+        if group_rank_and_size(group)[1] == 1:
+            block.attention.core_attention.kernel = kernel
+        else:
+            block.attention.core_attention = burst.BurstAttention(group, kernel=kernel)
 
 
 def shard_tokens(tokens: torch.Tensor, group: dist.ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor]:

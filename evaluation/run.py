@@ -24,6 +24,7 @@ from rich.console import Console
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from burst.groups import group_rank_and_size
+from burst.kernels import check_kernel_name
 from burst.layout import check_sequence_length
 from data import Tokenizer, TokenStore, default_store, passkey_sample
 from data.conversation_packing import check_policy
@@ -90,6 +91,7 @@ class EvalConfig:
     # the ranks run on (`device_reason` says why), so that ranks started here all take the same
     device: str | None = None
     device_reason: str = ""
+    attention_kernel: str = "auto"  # the local attention kernel (burst.select_kernel's names), checked on construction
 
     def __post_init__(self) -> None:
         """Refuse values that cannot work, naming the flag; the checks that need files come later."""
@@ -122,6 +124,7 @@ class EvalConfig:
         chosen = resolve_precision(self.precision, torch.device(where.kind))
         self.precision, self.precision_reason = chosen.name, chosen.reason
         check_policy(self.long_conversations)
+        check_kernel_name(self.attention_kernel, "--attention-kernel")
         if not (math.isfinite(self.beta) and self.beta > 0):
             raise ValueError(f"--beta {self.beta} must be a finite number above 0 (0.1 is TRL's default)")
         if self.qa_samples < 0:
@@ -268,7 +271,7 @@ def evaluate_pairs(config: EvalConfig, inputs: EvalInputs, model: torch.nn.Modul
     if config.reference is not None:
         say(f"reference: {config.reference}")
         reference_model = load_for_eval(config.reference).model(device, PRECISIONS[config.precision])
-        use_burst_attention(reference_model, group)
+        use_burst_attention(reference_model, group, config.attention_kernel)
         reference, _ = pair_logps(reference_model, val, config.seq_len, group, config.long_conversations)
     try:
         result = summarize(logps, counts, reference, config.beta)
@@ -322,7 +325,7 @@ def evaluate(config: EvalConfig, console: Console | None = None) -> EvalResult |
         for warning in inputs.warnings:
             say(f"[yellow]warning:[/] {warning}")
         model = inputs.checkpoint.model(device, PRECISIONS[config.precision])
-        use_burst_attention(model, group)
+        use_burst_attention(model, group, config.attention_kernel)
         say(f"weights in {config.precision} ({config.precision_reason}), on {config.device} ({config.device_reason})")
         if inputs.store.is_preferences:
             return evaluate_pairs(config, inputs, model, group, device, say, console if is_main else None, started)

@@ -2,13 +2,14 @@
 to the kernel the ring selects."""
 
 import dataclasses
+import os
 
 import pytest
 import torch
 from typer.testing import CliRunner
 
 import burst
-from burst.kernels import KERNEL_ENV, MathKernel, TorchCPUKernel, select_kernel
+from burst.kernels import MathKernel, TorchCPUKernel, select_kernel
 from burst.kernels import choice as choice_module
 from cli import app
 from models import ModelConfig, Transformer
@@ -37,15 +38,31 @@ def test_eval_and_bench_refuse_an_unknown_kernel_before_any_work(command):
     assert "Traceback" not in result.output
 
 
-def test_the_environment_names_the_kernel_auto_means(monkeypatch):
+def test_eval_and_bench_carry_the_kernel_in_their_config_as_train_does(monkeypatch):
+    """No environment variable read inside the operator: the name travels in each command's config, to every rank."""
+    import evaluation
+    from bench.attention import AttentionBenchConfig
+    from evaluation.distributed import use_burst_attention
+
+    seen = {}
+    monkeypatch.setattr(evaluation, "evaluate", lambda config: seen.setdefault("eval", config))
+    monkeypatch.setattr("cli._check_eval_memory", lambda config: None)
+    monkeypatch.delenv("BURST_ATTENTION_KERNEL", raising=False)
+    result = CliRunner().invoke(app, ["eval", "--checkpoint", "nowhere", "--attention-kernel", "math"])
+    assert result.exit_code == 0, result.output
+    assert seen["eval"].attention_kernel == "math" and "BURST_ATTENTION_KERNEL" not in os.environ
+    model = Transformer(dataclasses.replace(ModelConfig.from_name("debug"), vocab_size=64))
+    use_burst_attention(model, None, seen["eval"].attention_kernel)  # one process: the model's own attention
+    assert {block.attention.core_attention.kernel for block in model.layers} == {"math"}
+    assert AttentionBenchConfig(nproc=1, seq_len=64, device="cpu", kernel="math").kernel == "math"
+    with pytest.raises(ValueError, match="unknown --attention-kernel 'magic'"):
+        AttentionBenchConfig(nproc=1, seq_len=64, device="cpu", kernel="magic")
+
+
+def test_a_named_kernel_reaches_the_operator(monkeypatch):
     monkeypatch.setattr(choice_module, "_CHOSEN", {})
     cpu = torch.device("cpu")
-    monkeypatch.setenv(KERNEL_ENV, "math")
-    assert isinstance(select_kernel(cpu, torch.float32), MathKernel)
-    assert isinstance(select_kernel(cpu, torch.float32, "cpu"), TorchCPUKernel)  # a name given wins
-    monkeypatch.setenv(KERNEL_ENV, "cudnn")
+    assert isinstance(select_kernel(cpu, torch.float32, "math"), MathKernel)
+    assert isinstance(select_kernel(cpu, torch.float32, "cpu"), TorchCPUKernel)
     with pytest.raises(ValueError, match="'cudnn' cannot run here: it needs CUDA tensors, got cpu"):
-        burst.burst_attn(*(torch.randn(1, 8, 2, 8) for _ in range(3)))
-    monkeypatch.setenv(KERNEL_ENV, "nonsense")
-    with pytest.raises(ValueError, match=r"unknown \$BURST_ATTENTION_KERNEL 'nonsense'"):
-        select_kernel(cpu, torch.float32)
+        burst.burst_attn(*(torch.randn(1, 8, 2, 8) for _ in range(3)), kernel="cudnn")

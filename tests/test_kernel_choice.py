@@ -10,7 +10,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from burst.kernels import KERNEL_ENV, MathKernel, TorchCPUKernel, candidates, select_kernel, self_check
+from burst.kernels import MathKernel, TorchCPUKernel, candidates, select_kernel, self_check
 from burst.kernels import choice as choice_module
 from burst.kernels.choice import Machine, choose_kernel
 from cli import app
@@ -57,9 +57,8 @@ def test_a_forced_kernel_that_cannot_run_is_refused_in_one_line_naming_the_avail
     assert candidates(hopper, torch.bfloat16, 128, "flash") == ["flash"]
 
 
-def test_bench_refuses_a_kernel_that_cannot_run_here_in_one_line(monkeypatch):
+def test_bench_refuses_a_kernel_that_cannot_run_here_in_one_line():
     """`burst bench attention --attention-kernel flash` on a CPU printed a 159-line traceback from its ranks."""
-    monkeypatch.setenv(KERNEL_ENV, "auto")  # the command sets it for its ranks: restored after the test
     result = CliRunner().invoke(app, ["bench", "attention", "--attention-kernel", "flash", "--device", "cpu",
                                       "--dtype", "bf16", "--seq-len", "64"])
     assert result.exit_code == 2, result.output

@@ -10,7 +10,7 @@ choice.py     `select_kernel`: the name given, or the fastest that passes its se
 See docs/kernels.md.
 """
 
-from burst.kernels.choice import KERNEL_ENV, KERNEL_NAMES, candidates, check_kernel_name, detect_machine, select_kernel
+from burst.kernels.choice import KERNEL_NAMES, candidates, check_kernel_name, detect_machine, select_kernel
 from burst.kernels.contract import (
     FLASH_ATTN_CONTRACT,
     FLOAT_DTYPES,
@@ -33,7 +33,7 @@ from burst.kernels.math import MathKernel
 from burst.kernels.selfcheck import self_check
 
 __all__ = [
-    "FLASH_ATTN_CONTRACT", "FLASH_ATTN_MIN_VERSION", "FLOAT_DTYPES", "HALF_DTYPES", "KERNEL_ENV", "KERNEL_NAMES",
+    "FLASH_ATTN_CONTRACT", "FLASH_ATTN_MIN_VERSION", "FLOAT_DTYPES", "HALF_DTYPES", "KERNEL_NAMES",
     "AttentionKernel", "FlashAttn3Kernel", "FlashAttn4Kernel", "FlashAttnKernel", "Grads", "KernelContract",
     "MathKernel", "TorchCPUKernel", "TorchCUDAEfficientKernel", "TorchCUDAFlashKernel", "TorchCUDNNKernel",
     "candidates", "check_kernel_name", "default_scale", "detect_machine", "installed_flash_attn_version",

@@ -18,15 +18,14 @@ Each candidate is built (a package kernel imports its package then: any failure 
 refuses it) and checked once per (device, dtype, head dim, GQA group) against the math kernel
 (selfcheck.py); one that fails is logged in one line and the next is tried. A kernel forced by
 name is checked too, and refused in one line with the reason and, when it could not be loaded, how
-to install it. `--attention-kernel NAME` (burst train, eval, bench attention) forces one; eval and
-bench set $BURST_ATTENTION_KERNEL for their ranks, and bench refuses one that cannot run here
-before it starts them (`check_kernel_serves`).
+to install it. `--attention-kernel NAME` (burst train, eval, bench attention) forces one, passed down
+as `kernel` like every other setting; bench refuses one that cannot run here before it starts its
+ranks (`check_kernel_serves`).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
@@ -94,24 +93,10 @@ def check_kernel_name(name: str, setting: str = "attention kernel") -> None:
         raise ValueError(f"unknown {setting} {name!r}; choose one of {', '.join(KERNEL_NAMES)}")
 
 
-# `burst eval` and `burst bench attention` set this for every process they start (ranks included):
-# "auto" then means this kernel. `burst train` passes TrainConfig.attention_kernel explicitly.
-KERNEL_ENV = "BURST_ATTENTION_KERNEL"
-
-
-def kernel_from_environment(name: str) -> str:
-    """`name`, or for "auto" the kernel $BURST_ATTENTION_KERNEL names (checked) when it is set."""
-    if name != "auto" or not os.environ.get(KERNEL_ENV):
-        return name
-    check_kernel_name(os.environ[KERNEL_ENV], f"${KERNEL_ENV}")
-    return os.environ[KERNEL_ENV]
-
-
 def check_kernel_serves(device: torch.device, dtype: torch.dtype, head_dim: int, name: str = "auto") -> None:
-    """Refuse in one line (ValueError) a kernel forced by `name`, or by $BURST_ATTENTION_KERNEL for "auto",
-    that cannot serve these inputs on `device`: for a command to call before it starts its ranks, each of
-    which would otherwise fail with its own traceback."""
-    candidates(detect_machine(device), dtype, head_dim, kernel_from_environment(name))
+    """Refuse in one line (ValueError) a kernel forced by `name` that cannot serve these inputs on `device`: for a
+    command to call before it starts its ranks, each of which would otherwise fail with its own traceback."""
+    candidates(detect_machine(device), dtype, head_dim, name)
 
 
 def why_not(name: str, machine: Machine, dtype: torch.dtype, head_dim: int) -> list[str]:
@@ -226,7 +211,6 @@ def select_kernel(device: torch.device, dtype: torch.dtype, name: str = "auto", 
     module docstring. Raises ValueError for an unknown name or a kernel that cannot serve.
     """
     check_kernel_name(name)
-    name = kernel_from_environment(name)
     if name == "math":
         return MathKernel()
     key = (str(device), dtype, head_dim, groups, name)
