@@ -341,9 +341,14 @@ def _train_command(config: Path | None = None, **flags: Any) -> None:
     128 + the signal's number when a signal stopped it after saving: 130 after Ctrl-C, 143 after SIGTERM.
     """
     from runtime.given import refuse_ignored
-    from trainer.config import load_config, load_run_config, val_sequences_replaced  # here: `burst --help` no torch
+    from trainer.config import (  # here: `burst --help` does not import torch
+        given_in_file,
+        ignored_settings,
+        load_config,
+        load_run_config,
+        val_sequences_replaced,
+    )
     from trainer.launch import launch
-    from trainer.preference import ignored_settings
     from trainer.signals import TrainingInterrupted
     from trainer.trainer import TrainingStopped
 
@@ -356,7 +361,10 @@ def _train_command(config: Path | None = None, **flags: Any) -> None:
             raise ValueError("--resume continues the run in --out with its own config.toml: pass --out RUN_DIR "
                              "and no --config")
         settings = load_run_config(overrides["out"], overrides) if resume else load_config(config, overrides)
-        refuse_ignored(overrides, ignored_settings(settings))  # a flag given that this run would never read
+        # a setting given that this run would never read: a flag, or a --config file's key
+        given = {name: f"{name} in {config}" for name in given_in_file(config)}
+        given |= {name: flag(name) for name in overrides}
+        refuse_ignored(given, ignored_settings(settings, set(given)))
         launch(settings)
     except (ValueError, TrainingStopped, WriteFailed) as err:
         raise _fail(err, 2 if isinstance(err, ValueError) else 1) from None

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,7 +49,7 @@ from runtime.device import resolve_device
 from runtime.directories import check_writable, write_atomically
 from runtime.failure import WriteFailed, writing
 from runtime.given import refuse_ignored
-from runtime.launch import first_failure, run_local, under_torchrun
+from runtime.launch import first_failure, local_world_size, run_local, under_torchrun
 from runtime.precision import resolve_precision
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -118,7 +117,7 @@ class EvalConfig:
             raise ValueError(f"--positions {self.positions!r} is not one of {', '.join(POSITION_MODES)}")
         if self.precision not in (*PRECISIONS, "auto"):
             raise ValueError(f"--precision {self.precision!r} is not one of auto, {', '.join(PRECISIONS)}")
-        where = resolve_device(self.device, local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", self.cp)),
+        where = resolve_device(self.device, local_ranks=local_world_size(self.cp),
                                ranks_flag="--cp")
         self.device, self.device_reason = where.kind, where.reason
         chosen = resolve_precision(self.precision, torch.device(where.kind))
@@ -239,6 +238,14 @@ def ignored_settings(config: EvalConfig, store: TokenStore) -> dict[str, str]:
         what = "is for a store of documents or conversations; a preference store's pairs are scored by their answers"
         ignored.update({name: what for name in ("passkey_trials", "passkey_lengths", "passkey_depths")})
         ignored["qa_samples"] = "is for an instruction store's conversations; a preference store's pairs are ranked"
+        ignored["batches"] = ("counts the sequences perplexity scores; a preference store's validation pairs are all "
+                              "ranked")
+    elif not store.is_conversations:
+        ignored["qa_samples"] = ("is for an instruction store's conversations (`burst prepare --chat`); "
+                                 f"{store.directory} holds documents")
+    if config.passkey_trials == 0:
+        ignored.update({name: "places the passkeys, and --passkey-trials 0 skips passkey retrieval"
+                        for name in ("passkey_lengths", "passkey_depths")})
     if config.reference is None:
         ignored["beta"] = "scales DPO's implicit rewards against --reference, which is not given"
     return ignored
@@ -295,7 +302,7 @@ def check_memory(config: EvalConfig) -> None:
     longest = max([config.seq_len] + (config.passkey_lengths if config.passkey_trials else []))
     shape = RunShape(seq_len=longest, cp=config.cp, precision=config.precision, forward_only=True,
                      models=1 if config.reference is None else 2)  # --reference: its model is held beside
-    check_fits(shape, load_for_eval(config.checkpoint).config, int(os.environ.get("LOCAL_WORLD_SIZE", config.cp)),
+    check_fits(shape, load_for_eval(config.checkpoint).config, local_world_size(config.cp),
                config.device)
 
 

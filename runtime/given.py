@@ -10,9 +10,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 
-def refuse_ignored(given: Iterable[str], ignored: dict[str, str]) -> None:
-    """Refuse the first setting named in `given` that `ignored` maps to why it does not apply, in one line."""
-    given = set(given)
+def refuse_ignored(given: Iterable[str] | dict[str, str], ignored: dict[str, str]) -> None:
+    """Refuse the first setting named in `given` that `ignored` maps to why it does not apply, in one line.
+    given: the settings' names, or each name mapped to how the user gave it (default: its flag)."""
+    named = given if isinstance(given, dict) else {name: "--" + name.replace("_", "-") for name in given}
     for name, why in ignored.items():
-        if name in given:
-            raise ValueError(f"--{name.replace('_', '-')} {why}; drop it")
+        if name in named:
+            raise ValueError(f"{named[name]} {why}; drop it")

@@ -28,6 +28,18 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
+def local_world_size(default: int) -> int:
+    """The ranks on this machine: under torchrun its LOCAL_WORLD_SIZE (checked), else `default`, the ranks this
+    command starts here; a LOCAL_WORLD_SIZE left in the environment of a plain command is not read."""
+    if not under_torchrun() or "LOCAL_WORLD_SIZE" not in os.environ:
+        return default
+    text = os.environ["LOCAL_WORLD_SIZE"]
+    if not text.strip().isdigit() or int(text) < 1:
+        raise ValueError(f"LOCAL_WORLD_SIZE={text!r}, set by the launcher, is not a number of ranks on this machine "
+                         f"(a whole number, at least 1); start the ranks with torchrun, which sets it")
+    return int(text)
+
+
 def run_local(fn: Callable[..., Any], nproc: int, args: tuple = (), max_restarts: int = 0) -> dict[int, Any]:
     """Run fn(*args) on `nproc` local processes; return {rank: result}. When a rank fails, all are
     stopped and started again, up to `max_restarts` times (each sees TORCHELASTIC_RESTART_COUNT);

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from burst.groups import group_rank_and_size
-from runtime.launch import threads_per_process
+from runtime.launch import local_world_size, threads_per_process
 
 
 def worker_device(kind: str) -> torch.device:
@@ -26,7 +26,7 @@ def worker_device(kind: str) -> torch.device:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
         return device
-    torch.set_num_threads(threads_per_process(int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+    torch.set_num_threads(threads_per_process(local_world_size(1)))
     return torch.device("cpu")
 
 

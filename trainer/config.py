@@ -112,6 +112,46 @@ class TrainConfig(Run, Checkpointing, Memory, Lora, Objective, Optimizer, Parall
         return self.seq_len * self.batch_size * self.dp * self.grad_accum
 
 
+def ignored_settings(config: TrainConfig, given: set[str]) -> dict[str, str]:
+    """The settings of `given` (flags, and a --config file's keys) that this run would never read, each with why;
+    runtime/given.py refuses them."""
+    ignored = {}
+    if config.objective == "nll":
+        ignored.update({name: "is a preference objective's (--objective dpo | ipo | simpo | orpo); the next-token "
+                              "loss does not use it" for name in ("beta", "simpo_gamma", "orpo_lambda")})
+        ignored["prefix_sharing"] = ("packs a preference pair's prompt for a preference objective (--objective dpo | "
+                                     "ipo | simpo | orpo); the next-token loss has no pairs")
+    else:
+        held_out = ("is for a validation loss; a preference run's held-out pairs are scored by `burst eval` (reward "
+                    "accuracy and margins)")
+        ignored.update(val_tokens=held_out, val_every=held_out)
+        if config.objective != "simpo":
+            ignored["simpo_gamma"] = f"is SimPO's target margin; --objective {config.objective} does not use it"
+        if config.objective != "orpo":
+            ignored["orpo_lambda"] = f"is ORPO's odds-ratio weight; --objective {config.objective} does not use it"
+    if config.val_tokens == 0 and "val_every" not in ignored:
+        ignored["val_every"] = "sets the steps between validation losses, and --val-tokens 0 turns validation off"
+    if "long_conversations" in given and not _holds_conversations(config):
+        ignored["long_conversations"] = ("is for instruction stores (`burst prepare --chat`), whose conversations "
+                                         "may outgrow a sequence; no --data store holds conversations")
+    return ignored
+
+
+def _holds_conversations(config: TrainConfig) -> bool:
+    """Whether a --data store holds conversations (the embedded corpus does not); a store that cannot be opened
+    counts as one, left to preflight to refuse by name."""
+    from data.mixture import parse_mixture
+    from data.store import TokenStore
+
+    for spec in parse_mixture(config.data or []) if config.data else []:
+        try:
+            if TokenStore(spec.path).is_conversations:
+                return True
+        except (OSError, ValueError):
+            return True
+    return False
+
+
 def recipe_value(config: TrainConfig, name: str) -> float | int:
     """The value the model's recipe gives the setting `name` in this run: its warmup cut to --steps - 1."""
     recipe = config.recipe
@@ -183,23 +223,68 @@ def _upgraded(values: dict[str, Any], source: str, recorded: bool) -> dict[str, 
     return values
 
 
+# The first line of the notes a run writes atop its config.toml (trainer/trainer.py): how a run's record is told
+# from a config file a user wrote.
+RECORD_HEADER = "# precision "
+
+
+def read_config_file(path: str | Path, recorded: bool = False) -> dict[str, Any]:
+    """The settings the TOML file at `path` asks for, checked. recorded: `path` is the config.toml of the run this
+    invocation resumes. A run's config.toml given as --config asks for what its run was asked for, not for what
+    that run found: the device it ran on, its directory, and a recipe's warmup cut to its steps are left out."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+        values = checked(TrainConfig, _upgraded(tomllib.loads(text), str(path), recorded), str(path))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as err:
+        raise ValueError(f"cannot read the config file {path}: {err}") from None
+    in_file = [name for name in INVOCATION_FIELDS if name in values]
+    if in_file:
+        raise ValueError(f"{path} sets {', '.join(in_file)}, which apply to one invocation only and so come "
+                         f"from the command line; delete the line and pass "
+                         f"{' / '.join(flag(name) for name in in_file)} instead")
+    if not recorded and is_run_record(path, text):
+        values.pop("device", None)
+        values.pop("out", None)
+        if _cut_warmup(values):
+            del values["warmup"]
+    return values
+
+
+def is_run_record(path: Path, text: str) -> bool:
+    """Whether the config file `path` (holding `text`) is a run's own config.toml, as the run wrote it."""
+    from runtime.directories import read_marker  # here, so `burst --help` reads this module alone
+
+    return text.startswith(RECORD_HEADER) or (read_marker(path.parent) or {}).get("kind") == "run"
+
+
+def _cut_warmup(values: dict[str, Any]) -> bool:
+    """Whether a run's recorded `values` hold its recipe's warmup cut to its steps - 1 (`warmup_note`)."""
+    steps = values.get("steps", FIELDS["steps"].default)
+    if values.get("warmup") != steps - 1:
+        return False
+    recorded = TrainConfig(model=values.get("model"), init_from=values.get("init_from"), steps=steps)
+    return recorded.recipe.warmup_steps(steps) >= steps
+
+
+def given_in_file(path: str | Path | None) -> set[str]:
+    """The settings a --config file asks for (none for a run's own config.toml: what it records is what that run
+    ran with, not what was asked of it), for the refusal of settings given that a run would not read."""
+    if path is None:
+        return set()
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError):
+        return set()  # refused by read_config_file, naming the file
+    return set() if is_run_record(path, text) else set(read_config_file(path))
+
+
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None, *,
                 recorded: bool = False) -> TrainConfig:
     """Defaults, replaced by the settings of the TOML file at `path`, replaced by `overrides` (flags).
     recorded: `path` is a run's own config.toml (--resume)."""
-    values: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        try:
-            values.update(checked(TrainConfig, _upgraded(tomllib.loads(path.read_text()), str(path), recorded),
-                                  str(path)))
-        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as err:
-            raise ValueError(f"cannot read the config file {path}: {err}") from None
-        in_file = [name for name in INVOCATION_FIELDS if name in values]
-        if in_file:
-            raise ValueError(f"{path} sets {', '.join(in_file)}, which apply to one invocation only and so come "
-                             f"from the command line; delete the line and pass "
-                             f"{' / '.join(flag(name) for name in in_file)} instead")
+    values = read_config_file(path, recorded) if path is not None else {}
     values.update(checked(TrainConfig, overrides or {}, "the command line"))
     return TrainConfig(**values)
 

@@ -75,23 +75,6 @@ def check_preferences(config: TrainConfig, sources: list[Source]) -> None:
                          "only: drop --train-on-prompt")
 
 
-def ignored_settings(config: TrainConfig) -> dict[str, str]:
-    """The settings a run of `config.objective` never reads, each with why (refused when given: runtime/given.py)."""
-    ignored = {}
-    if config.objective == "nll":
-        ignored.update({name: "is a preference objective's (--objective dpo | ipo | simpo | orpo); the next-token "
-                              "loss does not use it" for name in ("beta", "simpo_gamma", "orpo_lambda")})
-        return ignored
-    held_out = ("is for a validation loss; a preference run's held-out pairs are scored by `burst eval` (reward "
-                "accuracy and margins)")
-    ignored.update(val_tokens=held_out, val_every=held_out)
-    if config.objective != "simpo":
-        ignored["simpo_gamma"] = f"is SimPO's target margin; --objective {config.objective} does not use it"
-    if config.objective != "orpo":
-        ignored["orpo_lambda"] = f"is ORPO's odds-ratio weight; --objective {config.objective} does not use it"
-    return ignored
-
-
 def cp_group(env: Distributed) -> torch.distributed.ProcessGroup | None:
     return env.mesh["cp"].get_group() if env.mesh is not None else None
 

@@ -36,6 +36,7 @@ from planner import RunShape
 from planner.fit import check_fits
 from runtime.device import Device, resolve_device
 from runtime.directories import check_writable, read_marker
+from runtime.launch import local_world_size
 from runtime.precision import Precision, resolve_precision
 from trainer.checkpoint import check_model_config, metrics_rows
 from trainer.config import TrainConfig, run_identity
@@ -272,7 +273,7 @@ def check_run(config: TrainConfig, world_size: int, restart: int = 0) -> Checked
     Prepares the embedded corpus when no --data is given (once, in the calling process).
     """
     check_world_size(config, world_size)
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # under torchrun: this node's
+    local_ranks = local_world_size(world_size)  # under torchrun: this node's
     device = resolve_device(config.device, local_ranks)  # first: a run the machine cannot start prepares nothing
     out = config.out or default_run_dir()
     if restart and complete_checkpoints(Path(out)):

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
+from burst.kernels import select_kernel
 from checkpoints.training import complete_checkpoints, remove_interrupted_saves
 from data import SequenceLoader
 from data.mixture import open_sources, parse_mixture, tokenizer_source
@@ -82,6 +83,11 @@ class Trainer:
         self.store = tokenizer_source(self.sources).store  # the same ids in every source; its files: the chat template
         if env.is_main:
             self.print_config()
+        # The local kernel is chosen now (one named that cannot run here is refused), not at the first step: nothing
+        # is written yet, so a refused --resume --attention-kernel leaves the run's config.toml as it was.
+        model = checked.model_config
+        select_kernel(env.device, checked.precision.dtype, config.attention_kernel, head_dim=model.head_dim,
+                      groups=model.n_heads // model.n_kv_heads)
         # The draws of training itself (LoRA's dropout) come from the seed, a stream per rank; a resumed run's
         # checkpoint restores the streams where they were.
         torch.manual_seed(config.seed * 65_537 + env.rank)
