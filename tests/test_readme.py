@@ -183,11 +183,13 @@ def test_relative_links_resolve(page: Path):
 def burst_options() -> dict[str, set[str]]:
     """'train' -> {'--cp', ...}, 'bench attention' -> {...}: every `burst` command and its options."""
     def walk(command: Any, name: str) -> Iterator[tuple[str, set[str]]]:
-        if hasattr(command, "commands"):  # a group (Typer's own click, whose classes are not click's)
+        options = {option for p in command.params for option in (*p.opts, *p.secondary_opts)} | {"--help"}
+        if hasattr(command, "commands"):  # a group (Typer's own click, not click's): burst --version
+            yield name, options
             for sub_name, sub in command.commands.items():
                 yield from walk(sub, f"{name} {sub_name}".strip())
         else:
-            yield name, {option for p in command.params for option in (*p.opts, *p.secondary_opts)} | {"--help"}
+            yield name, options
     return dict(walk(typer.main.get_command(cli.app), ""))
 
 

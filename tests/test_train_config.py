@@ -29,7 +29,8 @@ def test_the_saved_toml_reads_back_to_the_same_config(tmp_path):
     assert load_config(path) == config
     assert "data" not in to_toml(TrainConfig())  # None: left out, the default again on reading
     save_config(config, path, notes="precision bf16: auto: this CPU computes in bf16 natively\nsecond line")
-    assert path.read_text().startswith("# precision bf16: auto:") and load_config(path) == config
+    assert path.read_text().startswith("# precision bf16: auto:") and load_config(path, recorded=True) == config
+    assert load_config(path).out is None  # a run's record as --config: a new run, in a directory of its own
 
 
 @pytest.mark.parametrize("text, overrides, message", [

@@ -33,6 +33,7 @@ from trainer.sections import (
     Optimizer,
     Parallelism,
     Run,
+    sequence_layout,
 )
 
 if TYPE_CHECKING:
@@ -102,9 +103,7 @@ class TrainConfig(Run, Checkpointing, Memory, Lora, Objective, Optimizer, Parall
     @property
     def sequence_layout(self) -> str:
         """The layout the cp ranks cut sequences with (burst/layout.py): cp_layout with auto resolved."""
-        if self.cp_layout != "auto":
-            return self.cp_layout
-        return "balanced" if self.doc_mask else "zigzag"
+        return sequence_layout(self.cp_layout, bool(self.doc_mask)).value
 
     @property
     def tokens_per_step(self) -> int:

@@ -66,7 +66,7 @@ def check_preferences(config: TrainConfig, sources: list[Source]) -> None:
         raise ValueError(f"--objective {config.objective} trains on one preference store (`burst prepare --preference "
                          f"--tokenizer MODEL --out STORE`), but got {what}; pass one preference store, or drop "
                          f"--objective for the next-token loss")
-    if not config.doc_mask:  # on by default for a preference store (trainer/preflight.py `with_document_mask`)
+    if not config.doc_mask:  # on by default for a preference store (trainer/resolve.py `document_mask`)
         raise ValueError(f"--no-doc-mask is refused for --data {names[0]}: pairs are packed several to a sequence, "
                          f"each answer's documents must not attend to other pairs' (nor, with prefix sharing, to the "
                          f"other answer); drop --no-doc-mask (the mask is on by default for preference stores)")

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import tomllib
-import torch
 
 from checkpoints.training import (
     complete_checkpoints,
@@ -34,13 +33,14 @@ from models.convert import is_hf_checkpoint, read_checkpoint
 from models.rope import ORIGINAL_LENGTH, parse_rope_scaling
 from planner import RunShape
 from planner.fit import check_fits
-from runtime.device import Device, resolve_device
+from runtime.device import Device
 from runtime.directories import check_writable, read_marker
 from runtime.launch import local_world_size
-from runtime.precision import Precision, resolve_precision
+from runtime.precision import Precision
 from trainer.checkpoint import check_model_config, metrics_rows
 from trainer.config import TrainConfig, run_identity
 from trainer.preference import check_preferences, check_reference_kept
+from trainer.resolve import Resolved, resolve, run_device
 from trainer.rundir import check_run_dir
 
 DEFAULT_MODEL = "tiny"
@@ -53,12 +53,21 @@ class CheckedRun:
     config: TrainConfig
     model_config: ModelConfig
     checkpoint: Path | None  # native or Hugging Face checkpoint directory to load; None: fresh weights from seed
-    precision: Precision  # config.precision ("auto": chosen by this machine's hardware) and why
-    device: Device  # where the ranks run (config.device holds its kind) and why
+    resolved: Resolved  # what "auto" and unset settings mean here (device, precision, doc_mask, layout) and why
     resume_from: Path | None = None  # training checkpoint to continue from (--resume), checked
     restart: int = 0  # how many times the launcher restarted the workers of this run (0: the first start)
     init_from: Path | None = None  # training checkpoint a new stage starts from (--init-from), unless resuming
     recorded_device: str | None = None  # on --resume, the device the run ran on before (None: not recorded)
+
+    @property
+    def precision(self) -> Precision:
+        """config.precision ("auto": chosen by this machine's hardware) and why."""
+        return self.resolved.precision
+
+    @property
+    def device(self) -> Device:
+        """Where the ranks run (config.device holds its kind) and why."""
+        return self.resolved.device
 
 
 def default_run_dir() -> str:
@@ -212,19 +221,6 @@ def check_sequence_fits(config: TrainConfig, sources: list[Source]) -> None:
                              f"data; lower --seq-len, or prepare more data")
 
 
-def with_document_mask(config: TrainConfig, sources: list[Source]) -> TrainConfig:
-    """`config` with --doc-mask's default resolved: on where a store packs conversations or preference pairs (each
-    must see only itself: the only valid setting, so it need not be asked for), else off (a stream of documents
-    trains across their boundaries, as LLaMA's pretraining did). A --no-doc-mask given is kept, to be refused."""
-    if config.doc_mask is not None:
-        return config
-    return dataclasses.replace(config, doc_mask=any(needs_document_mask(source) for source in sources))
-
-
-def needs_document_mask(source: Source) -> bool:
-    return source.store.is_conversations or source.store.is_preferences
-
-
 def check_conversations(config: TrainConfig, sources: list[Source]) -> None:
     """Refuse instruction stores without --doc-mask (packed conversations would read each other), and build the
     training and validation loaders, which refuse conversations over the --long-conversations policy and
@@ -274,7 +270,7 @@ def check_run(config: TrainConfig, world_size: int, restart: int = 0) -> Checked
     """
     check_world_size(config, world_size)
     local_ranks = local_world_size(world_size)  # under torchrun: this node's
-    device = resolve_device(config.device, local_ranks)  # first: a run the machine cannot start prepares nothing
+    device = run_device(config, world_size)  # first: a run the machine cannot start prepares nothing
     out = config.out or default_run_dir()
     if restart and complete_checkpoints(Path(out)):
         config = dataclasses.replace(config, resume=True)
@@ -287,7 +283,8 @@ def check_run(config: TrainConfig, world_size: int, restart: int = 0) -> Checked
     model_config, checkpoint, init_from = resolve_model(config, store, Path(out))
     # The loader checks batch, sequence and conversation settings against the data; building one reads no tokens
     # (but an over-long conversation's, to truncate it).
-    config = with_document_mask(config, sources)
+    resolved = resolve(config, [source.store for source in sources], device)
+    config = dataclasses.replace(config, doc_mask=resolved.doc_mask.value)
     check_preferences(config, sources)
     check_conversations(config, sources)
     check_sequence_fits(config, sources)
@@ -295,11 +292,10 @@ def check_run(config: TrainConfig, world_size: int, restart: int = 0) -> Checked
     resume_from = check_resume(config, Path(out), model_config, sources) if config.resume else None
     if resume_from is not None:
         check_reference_kept(config, Path(out))
-    precision = resolve_precision(config.precision, torch.device(device.kind))
     model = config.model or (None if config.init_from else DEFAULT_MODEL)
     return CheckedRun(dataclasses.replace(config, data=data, out=out, model=model, device=device.kind), model_config,
-                   checkpoint, precision, device, resume_from, restart, None if resume_from else init_from,
-                   recorded_device(Path(out)) if config.resume else None)
+                      checkpoint, resolved, resume_from, restart, None if resume_from else init_from,
+                      recorded_device(Path(out)) if config.resume else None)
 
 
 def recorded_device(out: Path) -> str | None:

@@ -377,5 +377,20 @@ class Run:
                              f"most runs, more for very long steps on a slow link")
 
 
-# The sections in the order of config.toml and `burst train --help`; each is a heading of that help.
+@dataclass(frozen=True)
+class Choice:
+    """A setting's value in this run and why it has it ("" where the value needs no reason)."""
+
+    value: Any
+    reason: str = ""
+
+
+def sequence_layout(requested: str, doc_mask: bool) -> Choice:
+    """--cp-layout: as given, else balanced with --doc-mask (each sequence cut by its documents' work), else zigzag."""
+    if requested != "auto":
+        return Choice(requested)
+    return Choice("balanced" if doc_mask else "zigzag", "with --doc-mask" if doc_mask else "without --doc-mask")
+
+
+# The sections in the order of config.toml and `burst train --help`.
 SECTIONS: tuple[type, ...] = (Model, Data, Parallelism, Optimizer, Objective, Lora, Memory, Checkpointing, Run)

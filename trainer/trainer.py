@@ -128,8 +128,6 @@ class Trainer:
         # what an unset flag means in this run, so the table never shows a bare None where a value is in force
         unset = {"model": "the --init-from checkpoint's", "rope_theta": f"the model's: {model.rope_theta:g}",
                  "rope_scaling": f"the model's: {model.rope_scaling.to_dict() if model.rope_scaling else 'none'}"}
-        masked = [kind for kind, stores in (("instruction", "is_conversations"), ("preference", "is_preferences"))
-                  if any(getattr(source.store, stores) for source in self.sources)]
         for name, value in dataclasses.asdict(self.config).items():
             if name == "precision":
                 value = f"{value} ({self.checked.precision.reason})"
@@ -140,7 +138,11 @@ class Trainer:
             elif name in RECIPE_FIELDS:
                 value = f"{value} ({recipe_origin(self.config, name)})"
             elif name == "doc_mask":
-                value = f"{'on' if value else 'off'}" + (f" ({' and '.join(masked)} store: required)" if masked else "")
+                reason = self.checked.resolved.doc_mask.reason
+                value = f"{'on' if value else 'off'}" + (f" ({reason})" if reason else "")
+            elif name == "cp_layout" and value == "auto":
+                layout = self.checked.resolved.layout
+                value = f"auto ({layout.value}, {layout.reason})"
             table.add_row(name, str(value))
         table.add_row("recipe", f"{self.config.recipe_name}: {self.config.recipe.source}")
         table.add_row("model shape", f"dim {model.dim}, {model.n_layers} layers, {model.n_heads} heads "
