@@ -46,7 +46,6 @@ def test_eval_and_bench_carry_the_kernel_in_their_config_as_train_does(monkeypat
 
     seen = {}
     monkeypatch.setattr(evaluation, "evaluate", lambda config: seen.setdefault("eval", config))
-    monkeypatch.setattr("cli._check_eval_memory", lambda config: None)
     monkeypatch.delenv("BURST_ATTENTION_KERNEL", raising=False)
     result = CliRunner().invoke(app, ["eval", "--checkpoint", "nowhere", "--attention-kernel", "math"])
     assert result.exit_code == 0, result.output

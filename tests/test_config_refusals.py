@@ -19,7 +19,7 @@ from tests.test_instruction_training import chat_store as chat_store  # noqa: F4
 from tests.test_preference import make_pair_store
 from tests.test_train import store as store  # noqa: F401
 from trainer.config import given_in_file, ignored_settings, load_config, save_config
-from trainer.preflight import plan_run
+from trainer.preflight import check_run
 
 TINY_RUN = ("--model", "debug", "--seq-len", 128, "--precision", "fp32", "--val-tokens", 0)
 
@@ -118,7 +118,7 @@ def test_a_stray_local_world_size_outside_torchrun_is_not_read(tmp_path, monkeyp
         torch.set_num_threads(threads)
     # at 64: was refused for 64 local ranks' memory (170 GiB), suggesting settings of 64 ranks that exceed it too
     config = load_config(None, {"model": "tiny", "seq_len": 4096, "precision": "fp32", "out": str(tmp_path / "run")})
-    assert plan_run(config, 1).device.kind == "cpu"
+    assert check_run(config, 1).device.kind == "cpu"
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")  # under torchrun it is the launcher's word, checked
     if stray == "64":
         assert local_world_size(2) == 64
