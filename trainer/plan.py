@@ -144,10 +144,11 @@ def with_data_settings(request: PlanRequest) -> PlanRequest:
             config, doc_mask=config.objective != "nll" if config.doc_mask is None else config.doc_mask))
     from data.mixture import open_sources, parse_mixture
     from trainer.preference import check_preferences
-    from trainer.preflight import check_conversations, with_document_mask
+    from trainer.preflight import check_conversations
+    from trainer.resolve import document_mask
 
     sources = open_sources(parse_mixture(config.data))
-    config = with_document_mask(config, sources)
+    config = dataclasses.replace(config, doc_mask=document_mask(config.doc_mask, [s.store for s in sources]).value)
     check_preferences(config, sources)
     check_conversations(config, sources)
     return dataclasses.replace(request, config=config)

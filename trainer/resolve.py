@@ -6,7 +6,7 @@
     resolved.doc_mask.value, resolved.doc_mask.reason    # True, "preference store: required"
 
 The device and precision rules are runtime/device.py's and runtime/precision.py's, the recipe's is TrainConfig's
-(`resolve_recipe`, when the config is made); `burst train` resolves in trainer/preflight.py's plan_run and `burst
+(`resolve_recipe`, when the config is made); `burst train` resolves in trainer/preflight.py's check_run and `burst
 plan` in trainer/plan.py, from the same functions, so a plan and the run it plans cannot disagree.
 """
 
