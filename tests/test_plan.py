@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from cli import app
@@ -103,7 +104,7 @@ def test_the_preflight_and_the_plan_are_the_same_estimate(monkeypatch):
 
 def test_a_run_that_cannot_fit_is_refused_before_any_process_starts_naming_settings_that_fit(tmp_path, monkeypatch):
     monkeypatch.setattr(planner_fit, "available_memory_bytes", lambda: 24 * 2**30)
-    monkeypatch.setattr(preflight.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     started = []
     monkeypatch.setattr("trainer.launch.run_local", lambda *a, **k: started.append(a), raising=False)
     out = tmp_path / "run"
@@ -124,7 +125,7 @@ def test_eval_is_refused_up_front_when_its_sequence_cannot_fit(tmp_path, monkeyp
     debug = ModelConfig.from_name("debug")
     model = tmp_path / "model"
     save_model(Transformer(debug), debug, model)
-    monkeypatch.setattr(preflight.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     forward = RunShape(seq_len=2**20, precision="fp32", forward_only=True)
     parts, _ = memory_estimate(forward, debug, memory_only("cpu", 2**40))
     assert "gradients" not in parts and "optimizer state" not in parts
