@@ -13,7 +13,7 @@ from burst.comm import Traffic, gather_from_every_rank
 from burst.cost import choose_backward, choose_topology
 from burst.groups import group_rank_and_size
 from burst.kernels import KERNEL_NAMES, default_scale, select_kernel
-from burst.layout import LAYOUTS, Layout, check_layout, row_layouts, whole_sequence
+from burst.layout import LAYOUTS, Layout, check_layout, check_layout_windows, row_layouts, whole_sequence
 from burst.plan import AttentionPlan, check_window, normalize_boundaries, normalize_sees, sees_by_row
 from burst.ring import burst_backward, ring_backward, ring_forward
 from burst.topology import (
@@ -114,7 +114,7 @@ def _digest(value) -> int:
 
 def input_signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, backward: str, kernel: str,
                     doc_boundaries, topology: str = "flat", node_size=1, layout: str = "zigzag",
-                    world_size: int = 1, doc_sees=None, window: int | None = None) -> list[int]:
+                    world_size: int = 1, doc_sees=None, window: int | None = None, layout_windows=None) -> list[int]:
     """What every rank of the group must agree on, as ints (see `_SIGNATURE_FIELDS`).
 
     Ranks that disagree would post ring messages of different sizes (a gloo error or an NCCL
@@ -133,7 +133,8 @@ def input_signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
         if layout == "balanced":
             try:
                 chosen = _digest([(lay.chunk, lay.chunks) for lay in
-                                  row_layouts(layout, rows, q.shape[1] * world_size, world_size, len(rows), sees)])
+                                  row_layouts(layout, rows, q.shape[1] * world_size, world_size, len(rows), sees,
+                                              layout_windows)])
             except (ValueError, TypeError, IndexError):
                 chosen = -1  # invalid inputs: validation says what is wrong, on every rank, once they agree
     return [*_shape(q), *_shape(k), *_shape(v), *(_code(_DTYPE_CODES, t.dtype) for t in (q, k, v)), int(causal),
@@ -255,18 +256,28 @@ def sees_rows(doc_sees: torch.Tensor | None, boundaries: list[list[int]] | None)
 
 
 def sequence_layouts(doc_boundaries: torch.Tensor | None, batch: int, seq_len: int, world_size: int,
-                     layout: str, doc_sees: torch.Tensor | None = None
+                     layout: str, doc_sees: torch.Tensor | None = None, layout_windows: list[int] | None = None
                      ) -> tuple[list[list[int]] | None, list[list[int]] | None, list[Layout]]:
     """(document offsets per batch row or None, seen documents per row or None, the layout of each row) for
-    one call; boundaries and sees as `boundaries_tensor` and `sees_tensor` encode them, checked (ValueError)."""
+    one call; boundaries and sees as `boundaries_tensor` and `sees_tensor` encode them, checked (ValueError),
+    the layers' windows as `windows_list` does."""
     rows = None if doc_boundaries is None else normalize_boundaries(boundary_rows(doc_boundaries), batch, seq_len)
     sees = sees_rows(doc_sees, rows)
-    return rows, sees, row_layouts(layout, rows, seq_len, world_size, batch, sees)
+    windows = None if layout_windows is None else [w or None for w in layout_windows]
+    return rows, sees, row_layouts(layout, rows, seq_len, world_size, batch, sees, windows)
+
+
+def windows_list(layout_windows) -> list[int] | None:
+    """The layers' windows (`burst_attn`'s layout_windows, checked) as the operators take them: ints, 0 for a
+    causal layer; None when no layer has one."""
+    windows = check_layout_windows(layout_windows)
+    return None if windows is None else [w or 0 for w in windows]
 
 
 def ring_and_plan(q: torch.Tensor, doc_boundaries: torch.Tensor | None, doc_sees: torch.Tensor | None, causal: bool,
                   group: str, topology: str, node_size: int, layout: str,
-                  traffic: Traffic, window: int | None = None) -> tuple[Schedule, AttentionPlan]:
+                  traffic: Traffic, window: int | None = None, layout_windows: list[int] | None = None
+                  ) -> tuple[Schedule, AttentionPlan]:
     """The schedule and plan of one call of the operators: "flat" or "two-level" over the group, or
     "ulysses" for the ring across nodes that ulysses_attn runs on node-sized blocks (the layout
     grouped by node)."""
@@ -282,7 +293,7 @@ def ring_and_plan(q: torch.Tensor, doc_boundaries: torch.Tensor | None, doc_sees
         make_schedule(topology, group_, node_size, traffic)
     _, world_size = group_rank_and_size(group_)
     rows, sees, layouts = sequence_layouts(doc_boundaries, q.shape[0], q.shape[1] * schedule.world_size, world_size,
-                                           layout, doc_sees)
+                                           layout, doc_sees, layout_windows)
     if topology == "ulysses":
         layouts = [lay.grouped(node_size) for lay in layouts]
     return schedule, shared_plan(tuple(layouts), causal, None if rows is None else tuple(map(tuple, rows)),
@@ -301,11 +312,11 @@ def shared_plan(layouts: tuple[Layout, ...], causal: bool, boundaries: tuple[tup
 @torch.library.custom_op("burst::attention", mutates_args=())
 def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_boundaries: torch.Tensor | None,
                  doc_sees: torch.Tensor | None, causal: bool, scale: float, group: str, topology: str, node_size: int,
-                 backward: str, kernel: str, layout: str, window: int | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 backward: str, kernel: str, layout: str, window: int | None = None,
+                 layout_windows: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of the ring; see `burst_attn`, which checks the arguments (group: a `group_name`)."""
     schedule, plan = ring_and_plan(q, doc_boundaries, doc_sees, causal, group, topology, node_size, layout,
-                                   Traffic(fresh=False), window)
+                                   Traffic(fresh=False), window, layout_windows)
     q, k, v = kernel_layout(q), kernel_layout(k), kernel_layout(v)
     kernel_ = select_kernel(q.device, q.dtype, kernel, head_dim=q.shape[-1], groups=q.shape[2] // k.shape[2])
     with torch.autocast(q.device.type, enabled=False):  # the kernels choose their own precision
@@ -314,7 +325,7 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_boundari
 
 @attention_op.register_fake
 def _(q, k, v, doc_boundaries, doc_sees, causal, scale, group, topology, node_size, backward, kernel, layout,
-      window=None):
+      window=None, layout_windows=None):
     batch, shard_len, heads, _ = q.shape
     return q.new_empty(q.shape), q.new_empty(batch, heads, shard_len, dtype=torch.float32)  # contiguous, as made
 
@@ -324,13 +335,13 @@ def attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
                           lse: torch.Tensor, doc_boundaries: torch.Tensor | None, doc_sees: torch.Tensor | None,
                           causal: bool, scale: float,
                           group: str, topology: str, node_size: int, backward: str,
-                          kernel: str, layout: str, window: int | None = None
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                          kernel: str, layout: str, window: int | None = None,
+                          layout_windows: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of `torch.ops.burst.attention`."""
     traffic = Traffic(fresh=False)
     traffic.enter_backward(fresh=topology != "ulysses")  # ulysses' exchange back from the node came first
     schedule, plan = ring_and_plan(q, doc_boundaries, doc_sees, causal, group, topology, node_size, layout, traffic,
-                                   window)
+                                   window, layout_windows)
     # the layout the forward computed in (on CPU a copy: the saved inputs are the caller's)
     q, k, v, dout = kernel_layout(q), kernel_layout(k), kernel_layout(v), kernel_layout(dout)
     kernel_ = select_kernel(q.device, q.dtype, kernel, head_dim=q.shape[-1], groups=q.shape[2] // k.shape[2])
@@ -341,7 +352,7 @@ def attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
 
 @attention_backward_op.register_fake
 def _(dout, q, k, v, out, lse, doc_boundaries, doc_sees, causal, scale, group, topology, node_size, backward, kernel,
-      layout, window=None):
+      layout, window=None, layout_windows=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous, as made
 
 
@@ -366,7 +377,8 @@ def burst_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
                backward: str = "auto", kernel: str = "auto", doc_boundaries=None,
                return_lse: bool = False, topology: str = "auto", node_size: int | None = None,
                check_ranks: bool = True, layout: str = "zigzag",
-               doc_sees=None, window: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+               doc_sees=None, window: int | None = None,
+               layout_windows=None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact softmax attention of this rank's queries against the whole sharded sequence.
 
     q [batch, local_seq, q_heads, head_dim]; k, v [batch, local_seq, kv_heads, head_dim], each
@@ -389,7 +401,9 @@ def burst_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
     window: a sliding window W (with causal): the query at global position i sees keys j with
     i - W < j <= i only, within its document (a seen document counts as lying just before the
     document that sees it); None: all earlier keys. Blocks outside every window are neither computed
-    nor sent (burst/plan.py).
+    nor sent (burst/plan.py). layout_windows: with layout "balanced", the sliding window of every layer of
+    the model (None for a causal one), so that the layout, one for all layers, balances their work; pass
+    the same to `burst.shard_sequence` (the data loader's cut).
     layout: how the sequence is cut into the ranks' shards (burst/layout.py): "zigzag", or
     "balanced", chosen per batch row from its doc_boundaries (required) so that every rank does the
     same work; the offsets stay over the global sequence in its original order.
@@ -410,12 +424,14 @@ def burst_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
     traffic = Traffic()
     if check_ranks:
         check_ranks_agree(group, input_signature(q, k, v, causal, backward, kernel, doc_boundaries, topology,
-                                                 node_size, layout, world_size, doc_sees, window), q.device,
+                                                 node_size, layout, world_size, doc_sees, window, layout_windows),
+                                                 q.device,
                           traffic, node_size)
     validate_inputs(q, k, v, world_size, backward, kernel)  # the same verdict on every rank now
     validate_topology(topology, node_size, world_size)
     check_layout(layout)
     check_window(window, causal)
+    windows = windows_list(layout_windows)
     if layout == "balanced" and doc_boundaries is None:
         raise ValueError("layout 'balanced' is chosen from the documents' boundaries: pass doc_boundaries (one row "
                          "of cumulative offsets per batch row), or use layout 'zigzag'")
@@ -427,19 +443,21 @@ def burst_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
     scale = default_scale(q.shape[-1]) if softmax_scale is None else softmax_scale
     if topology == "ulysses":
         return ulysses_attn(q, k, v, group, node_size, causal, boundaries, sees, scale, backward, kernel, layout,
-                            traffic, return_lse, window)
+                            traffic, return_lse, window, windows)
     out, lse = torch.ops.burst.attention(q, k, v, boundaries, sees, causal, scale, group_name(group), topology,
-                                         node_size, backward, kernel, layout, window)
+                                         node_size, backward, kernel, layout, window, windows)
     return (out, lse) if return_lse else out
 
 
 def ulysses_attn(q, k, v, group, node_size: int, causal: bool, boundaries, sees, scale: float, backward: str,
-                 kernel: str, layout: str, traffic: Traffic, return_lse: bool, window: int | None = None):
+                 kernel: str, layout: str, traffic: Traffic, return_lse: bool, window: int | None = None,
+                 layout_windows: list[int] | None = None):
     """burst_attn's "ulysses" topology: heads exchanged inside the node (burst/ulysses.py), the
     ring over the I nodes on node-sized blocks [b, L x C, heads / L, d], and back."""
     q_heads, kv_heads = heads_per_rank(q.shape[2], k.shape[2], node_size)  # raises before any traffic
     rank, world_size = group_rank_and_size(group)
-    _, _, layouts = sequence_layouts(boundaries, q.shape[0], q.shape[1] * world_size, world_size, layout, sees)
+    _, _, layouts = sequence_layouts(boundaries, q.shape[0], q.shape[1] * world_size, world_size, layout, sees,
+                                     layout_windows)
     orders = [lay.group_order(node_size, rank // node_size) for lay in
               (layouts[:1] if all(lay == layouts[0] for lay in layouts) else layouts)]
     order = torch.stack(orders).to(q.device)  # [b or 1, L x C]
@@ -447,7 +465,7 @@ def ulysses_attn(q, k, v, group, node_size: int, causal: bool, boundaries, sees,
     node_q = to_node(q, q_heads, heads_group, traffic, order)
     node_k, node_v = (to_node(x, kv_heads, heads_group, traffic, order) for x in (k, v))
     out, lse = torch.ops.burst.attention(node_q, node_k, node_v, boundaries, sees, causal, scale, group_name(group),
-                                         "ulysses", node_size, backward, kernel, layout, window)
+                                         "ulysses", node_size, backward, kernel, layout, window, layout_windows)
     out = from_node(out, node_size, heads_group, traffic, order)
     if not return_lse:
         return out

@@ -26,6 +26,12 @@ candidate with fewer chunks) only for a gain of more than `min_gain`. The shards
 size, so every rank holds K chunks; a long document cut into K x W chunks of nearly equal work then
 balances to about one chunk in K, which is why K goes up to 16.
 
+With sliding windows (`windows`: the window of each layer of the model, None for a causal one; every layer
+runs on the same layout) a query sees at most W keys back: its work is min(its offset in its document + 1,
+W), nearly flat along a long document where causal work grows. The windowed layers' work is counted per
+position (`windowed_work`: the band's pairs in tiles' area, and a call per key chunk the band reaches) and
+added to the causal layers', layer by layer, so the layout balances what the model as a whole runs.
+
 The layout is chosen for causal attention, what a language model runs (attention without a causal
 mask runs on it as correctly, if less evenly). Everything here is a pure function of (boundaries,
 seq_len, world_size, options): each rank and the data loader compute the same layout with no
@@ -124,6 +130,63 @@ def chunk_work(boundaries: Sequence[int], seq_len: int, chunks: int, tile: int,
             backward_calls[first + k] += len(pieces) - k
             after += t
     return ChunkWork(tuple(forward), tuple(backward), tuple(forward_calls), tuple(backward_calls))
+
+
+def windowed_work(boundaries: Sequence[int], seq_len: int, chunks: int, tile: int, window: int,
+                  sees: Sequence[int] | None = None) -> ChunkWork:
+    """`chunk_work` of a layer with a sliding window: a query at offset o of its document sees min(o + 1,
+    window) keys of it (and of a document it sees, those a run of the two alone puts in its window),
+    counted per position in units of a tile's area; calls: per piece of a document in a chunk, one per key
+    chunk its band reaches (burst/plan.py cuts a band into more calls; the balance weighs their work)."""
+    size, offsets = seq_len // chunks, np.asarray(boundaries)
+    position = np.arange(seq_len)
+    doc = np.searchsorted(offsets, position, side="right") - 1
+    start, end = offsets[doc], offsets[doc + 1]
+    seen_keys = np.minimum(position - start + 1, window).astype(float)  # [seq]: keys each query sees
+    seeing_queries = np.minimum(end - position, window).astype(float)  # [seq]: queries that see each key
+    forward_calls, backward_calls = [0] * chunks, [0] * chunks
+    for d, (s, e) in enumerate(pairwise(boundaries)):
+        for c in range(s // size, (e - 1) // size + 1):  # the document's piece in chunk c and the chunks it reaches
+            a = max(s, c * size)
+            first = max(s, a - window + 1) // size
+            forward_calls[c] += c - first + 1
+            for kc in range(first, c + 1):
+                backward_calls[kc] += 1
+        if sees is None or sees[d] < 0:
+            continue
+        seen_start, seen_end = offsets[sees[d]], offsets[sees[d] + 1]
+        mine = position[s:e]
+        virtual = mine - s + seen_end  # where the document's queries stand after the one they see
+        seen_keys[s:e] += np.clip(seen_end - np.maximum(seen_start, virtual - window + 1), 0, None)
+        keys = position[seen_start:seen_end]
+        seeing_queries[seen_start:seen_end] += np.clip(np.minimum(e, keys + window - seen_end + s) - s, 0, e - s)
+        reach = range(max(seen_start, seen_end - window + 1) // size, (seen_end - 1) // size + 1)
+        for c in range(s // size, min(e - 1, s + window - 1) // size + 1):
+            forward_calls[c] += len(reach)
+            for kc in reach:
+                backward_calls[kc] += 1
+    area = float(tile * tile)
+    return ChunkWork(tuple((seen_keys.reshape(chunks, size).sum(1) / area).tolist()),
+                     tuple((seeing_queries.reshape(chunks, size).sum(1) / area).tolist()),
+                     tuple(forward_calls), tuple(backward_calls))
+
+
+def model_work(boundaries: Sequence[int], seq_len: int, chunks: int, tile: int, sees: Sequence[int] | None = None,
+               windows: tuple[int | None, ...] | None = None) -> ChunkWork:
+    """The work of every layer of a model with these `windows` (None: one causal layer, `chunk_work`)."""
+    if windows is None:
+        return chunk_work(boundaries, seq_len, chunks, tile, sees)
+    total = None
+    for window in sorted(set(windows), key=lambda w: -1 if w is None else w):
+        layer = chunk_work(boundaries, seq_len, chunks, tile, sees) if window is None else \
+            windowed_work(boundaries, seq_len, chunks, tile, window, sees)
+        layers = windows.count(window)
+        parts = [tuple(layers * x for x in part) for part in
+                 (layer.forward, layer.backward, layer.forward_calls, layer.backward_calls)]
+        total = ChunkWork(*parts) if total is None else ChunkWork(
+            *(tuple(x + y for x, y in zip(old, new, strict=True)) for old, new in
+              zip((total.forward, total.backward, total.forward_calls, total.backward_calls), parts, strict=True)))
+    return total
 
 
 def chunk_links(boundaries: Sequence[int], seq_len: int, chunks: int,
@@ -225,19 +288,21 @@ def chunks_per_rank_candidates(seq_len: int, world_size: int, options: BalanceOp
 
 
 def choose_chunks(boundaries: Sequence[int], seq_len: int, world_size: int, zigzag: Chunks,
-                  options: BalanceOptions = DEFAULT_OPTIONS, sees: Sequence[int] | None = None) -> tuple[int, Chunks]:
+                  options: BalanceOptions = DEFAULT_OPTIONS, sees: Sequence[int] | None = None,
+                  windows: tuple[int | None, ...] | None = None) -> tuple[int, Chunks]:
     """(chunk length, chunks per rank): the cheapest of `zigzag` (2 chunks per rank) and the balanced
     assignments of K chunks per rank (see the module docstring), for documents at `boundaries` that see
-    `sees` (None: none). seq_len splits into 2 x world_size."""
+    `sees` (None: none), in a model whose layers have these sliding `windows` (None: all causal). seq_len
+    splits into 2 x world_size."""
     best, best_cost = (seq_len // (2 * world_size), zigzag), None
     for k in chunks_per_rank_candidates(seq_len, world_size, options) if world_size > 1 else []:
-        work = chunk_work(boundaries, seq_len, k * world_size, options.tile, sees)
+        work = model_work(boundaries, seq_len, k * world_size, options.tile, sees, windows)
         forward, backward = work.costs(options.call_tiles)
         candidates = [zigzag] if best_cost is None else []  # k = 2 comes first: zigzag is costed on its chunks
         links = chunk_links(boundaries, seq_len, k * world_size, sees)
         candidates.append(assign_chunks(forward, backward, world_size, links))
         if sees is not None:  # the greedy is a heuristic: the documents' own assignment is sometimes the better
-            own = chunk_work(boundaries, seq_len, k * world_size, options.tile)
+            own = model_work(boundaries, seq_len, k * world_size, options.tile, None, windows)
             candidates.append(assign_chunks(*own.costs(options.call_tiles), world_size,
                                             chunk_links(boundaries, seq_len, k * world_size)))
         for chunks in candidates:
@@ -265,6 +330,15 @@ class PlanWork:
     _tile_area: int = 128 * 128
 
 
+def band_pairs(rows: int, cols: int, causal: bool, band: tuple[int, int] | None) -> int:
+    """The pairs a kernel call on a rows x cols rectangle sees: all, a causal square's, or its band's
+    (row r sees column c iff lo <= r - c <= hi, burst/plan.py)."""
+    if band is None:
+        return rows * (rows + 1) // 2 if causal else rows * cols
+    lo, hi = band
+    return sum(max(0, min(cols - 1, r - lo) - max(0, r - hi) + 1) for r in range(rows))
+
+
 def plan_work(plan, tile: int = 128) -> PlanWork:
     """Count the tiles, calls and visible pairs of every kernel call `plan` (burst.plan.AttentionPlan) makes."""
     world, rows = plan.world_size, len(plan.layouts)
@@ -281,5 +355,5 @@ def plan_work(plan, tile: int = 128) -> PlanWork:
                 forward[q] += tiles
                 backward[kv] += tiles
                 calls[q] += 1
-                visible += batch * (n_q * (n_q + 1) // 2 if seg.causal else n_q * n_k)
+                visible += batch * band_pairs(n_q, n_k, seg.causal, seg.band)
     return PlanWork(tuple(forward), tuple(backward), tuple(calls), visible, idle, tile * tile)

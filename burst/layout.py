@@ -134,30 +134,44 @@ def zigzag_positions(seq_len: int, rank: int, world_size: int) -> torch.Tensor:
     return zigzag_layout(seq_len, world_size).positions(rank)
 
 
+def check_layout_windows(windows) -> tuple[int | None, ...] | None:
+    """The sliding window of each layer of a model as a tuple (None: a causal layer), or None when no layer
+    has one (the layout is then chosen as for causal attention); ValueError for anything else."""
+    if windows is None:
+        return None
+    windows = tuple(windows)
+    if any(w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1) for w in windows):
+        raise ValueError(f"layout_windows must give each layer's sliding window, a positive int, or None for a "
+                         f"causal layer; got {list(windows)[:8]}")
+    return windows if any(w is not None for w in windows) else None
+
+
 @lru_cache(maxsize=4096)
 def balanced_layout(boundaries: tuple[int, ...], seq_len: int, world_size: int,
                     options: balance.BalanceOptions = balance.DEFAULT_OPTIONS,
-                    sees: tuple[int, ...] | None = None) -> Layout:
+                    sees: tuple[int, ...] | None = None, windows: tuple[int | None, ...] | None = None) -> Layout:
     """The balanced layout of a sequence with documents at `boundaries` (cumulative offsets [0, ...,
     seq_len], a tuple), chosen by burst/balance.py; memoised, so the model's layers and the data loader
     plan a sequence once. sees: per document the earlier document it also sees, or -1 (burst/plan.py);
-    its work is counted too."""
+    its work is counted too. windows: each layer's sliding window (None: causal), all layers' work counted."""
     check_sequence_length(seq_len, world_size)
     if not boundaries or boundaries[0] != 0 or boundaries[-1] != seq_len:
         raise ValueError(f"document boundaries must run from 0 to the sequence length {seq_len}; got "
                          f"{list(boundaries[:8])}{' ...' if len(boundaries) > 8 else ''}")
     chunk, chunks = balance.choose_chunks(boundaries, seq_len, world_size, zigzag_layout(seq_len, world_size).chunks,
-                                          options, sees)
+                                          options, sees, windows)
     return Layout(chunk, chunks)
 
 
 def row_layouts(layout: str, doc_boundaries, seq_len: int, world_size: int, rows: int,
-                doc_sees=None) -> list[Layout]:
+                doc_sees=None, layout_windows=None) -> list[Layout]:
     """The layout of each of `rows` batch rows: zigzag for all, or each row's balanced layout chosen from
     its document boundaries (doc_boundaries: cumulative offsets per row, as the loader gives them) and
     the documents each sees (doc_sees: per row, the earlier document each document also sees or -1, as
-    burst_attn takes it; None: none)."""
+    burst_attn takes it; None: none), in a model whose layers have the sliding windows `layout_windows` (a
+    sequence, None for a causal layer; None: all causal)."""
     check_layout(layout)
+    windows = check_layout_windows(layout_windows)
     if layout == "zigzag":
         return [zigzag_layout(seq_len, world_size)] * rows
     if doc_boundaries is None:
@@ -175,7 +189,7 @@ def row_layouts(layout: str, doc_boundaries, seq_len: int, world_size: int, rows
                          "per batch row, one entry per document")
     # a row whose documents see none is laid out (and memoised) as plain document masking
     return [balanced_layout(row, seq_len, world_size, balance.OPTIONS,
-                            seen if seen is not None and any(j >= 0 for j in seen) else None)
+                            seen if seen is not None and any(j >= 0 for j in seen) else None, windows)
             for row, seen in zip(offsets, sees, strict=True)]
 
 
@@ -184,17 +198,17 @@ def _same_everywhere(layouts: list[Layout]) -> bool:
 
 
 def shard_for_rank(x: torch.Tensor, rank: int, world_size: int, dim: int = 1, *, layout: str = "zigzag",
-                   doc_boundaries=None, batch_dim: int = 0, doc_sees=None) -> torch.Tensor:
+                   doc_boundaries=None, batch_dim: int = 0, doc_sees=None, layout_windows=None) -> torch.Tensor:
     """`rank`'s shard of the full-sequence tensor `x` along `dim` under `layout` (a contiguous copy).
 
     x: [..., seq, ...] with seq at `dim` -> [..., seq // world_size, ...]. With the balanced layout each
     batch row (dimension `batch_dim`) is cut by its own layout, chosen from its row of doc_boundaries
-    (and of doc_sees, when documents see others: pass what burst_attn gets); this is the one function
-    the data loader cuts sequences with.
+    (and of doc_sees, when documents see others, and layout_windows, the model's windows: pass what
+    burst_attn gets); this is the one function the data loader cuts sequences with.
     """
     check_sequence_length(x.shape[dim], world_size)
     rows = x.shape[batch_dim] if layout != "zigzag" else 1
-    layouts = row_layouts(layout, doc_boundaries, x.shape[dim], world_size, rows, doc_sees)
+    layouts = row_layouts(layout, doc_boundaries, x.shape[dim], world_size, rows, doc_sees, layout_windows)
     if _same_everywhere(layouts):
         return x.index_select(dim, layouts[0].positions(rank).to(x.device)).contiguous()
     row_dim = dim - (dim > batch_dim)  # the sequence's dimension in one row
@@ -203,14 +217,14 @@ def shard_for_rank(x: torch.Tensor, rank: int, world_size: int, dim: int = 1, *,
 
 
 def unshard(parts: list[torch.Tensor], dim: int = 1, *, layout: str = "zigzag", doc_boundaries=None,
-            batch_dim: int = 0, doc_sees=None) -> torch.Tensor:
+            batch_dim: int = 0, doc_sees=None, layout_windows=None) -> torch.Tensor:
     """Inverse of `shard_for_rank`: the full sequence from every rank's shard, in rank order."""
     world_size = len(parts)
     shape = list(parts[0].shape)
     shape[dim] *= world_size
     full = parts[0].new_empty(shape)
     rows = shape[batch_dim] if layout != "zigzag" else 1
-    layouts = row_layouts(layout, doc_boundaries, shape[dim], world_size, rows, doc_sees)
+    layouts = row_layouts(layout, doc_boundaries, shape[dim], world_size, rows, doc_sees, layout_windows)
     row_dim, same = dim - (dim > batch_dim), _same_everywhere(layouts)
     for rank, part in enumerate(parts):
         if same:
@@ -222,18 +236,20 @@ def unshard(parts: list[torch.Tensor], dim: int = 1, *, layout: str = "zigzag", 
 
 
 def shard_sequence(x: torch.Tensor, dim: int = 1, group: dist.ProcessGroup | None = None, *,
-                   layout: str = "zigzag", doc_boundaries=None, batch_dim: int = 0, doc_sees=None) -> torch.Tensor:
+                   layout: str = "zigzag", doc_boundaries=None, batch_dim: int = 0, doc_sees=None,
+                   layout_windows=None) -> torch.Tensor:
     """This rank's shard of a full-sequence tensor that every rank holds.
 
     x: [..., seq, ...] with seq at `dim`  ->  [..., seq // world_size, ...]
     """
     rank, world_size = group_rank_and_size(group)
     return shard_for_rank(x, rank, world_size, dim, layout=layout, doc_boundaries=doc_boundaries,
-                          batch_dim=batch_dim, doc_sees=doc_sees)
+                          batch_dim=batch_dim, doc_sees=doc_sees, layout_windows=layout_windows)
 
 
 def gather_sequence(x_local: torch.Tensor, dim: int = 1, group: dist.ProcessGroup | None = None, *,
-                    layout: str = "zigzag", doc_boundaries=None, batch_dim: int = 0, doc_sees=None) -> torch.Tensor:
+                    layout: str = "zigzag", doc_boundaries=None, batch_dim: int = 0, doc_sees=None,
+                    layout_windows=None) -> torch.Tensor:
     """The full sequence on every rank from each rank's shard (inverse of `shard_sequence`).
 
     x_local: [..., seq // world_size, ...]  ->  [..., seq, ...]
@@ -244,17 +260,19 @@ def gather_sequence(x_local: torch.Tensor, dim: int = 1, group: dist.ProcessGrou
         return x_local
     parts = [torch.empty_like(x_local) for _ in range(world_size)]
     dist.all_gather(parts, x_local.contiguous(), group=group)
-    return unshard(parts, dim, layout=layout, doc_boundaries=doc_boundaries, batch_dim=batch_dim, doc_sees=doc_sees)
+    return unshard(parts, dim, layout=layout, doc_boundaries=doc_boundaries, batch_dim=batch_dim, doc_sees=doc_sees,
+                   layout_windows=layout_windows)
 
 
 def sequence_positions(seq_len: int, group: dist.ProcessGroup | None = None,
                        device: torch.device | str | None = None, *, layout: str = "zigzag",
-                       doc_boundaries: Sequence | None = None, doc_sees: Sequence | None = None) -> torch.Tensor:
+                       doc_boundaries: Sequence | None = None, doc_sees: Sequence | None = None,
+                       layout_windows=None) -> torch.Tensor:
     """Global position ids of this rank's shard (for RoPE): [seq_len // world_size] under zigzag,
     [rows, seq_len // world_size] under the balanced layout (one row per row of doc_boundaries)."""
     rank, world_size = group_rank_and_size(group)
     if layout == "zigzag":
         return zigzag_positions(seq_len, rank, world_size).to(device)
     rows = len(doc_boundaries) if doc_boundaries is not None else 1
-    layouts = row_layouts(layout, doc_boundaries, seq_len, world_size, rows, doc_sees)
+    layouts = row_layouts(layout, doc_boundaries, seq_len, world_size, rows, doc_sees, layout_windows)
     return torch.stack([lay.positions(rank) for lay in layouts]).to(device)

@@ -12,9 +12,10 @@ from typer.testing import CliRunner
 
 import burst
 from burst import balance
+from burst.balance import plan_work, windowed_work
 from burst.comm import SENT
 from burst.cost import plan_bytes
-from burst.layout import row_layouts, zigzag_layout
+from burst.layout import balanced_layout, row_layouts, zigzag_layout
 from burst.plan import ALL, AttentionPlan, band_segments, band_strip
 from cli import app
 from models import LocalAttention
@@ -120,6 +121,30 @@ def test_far_shards_get_nothing():
             assert rows.count == 19, (query_owner, kv_owner, rows)
 
 
+def test_the_balance_counts_each_chunks_band():
+    """`windowed_work`: each chunk's queries' visible pairs, and the queries that see each chunk's keys, as the
+    dense mask counts them (in tiles' area), with documents and prefix sharing."""
+    seq, chunks, tile, window = 240, 8, 4, 37
+    boundaries, sees = [0, 100, 160, 200, 240], [-1, 0, 0, -1]
+    mask = visible_mask(seq, window, boundaries, sees).double()
+    work = windowed_work(boundaries, seq, chunks, tile, window, sees)
+    assert torch.allclose(torch.tensor(work.forward, dtype=torch.float64), mask.sum(1).view(chunks, -1).sum(1) / tile**2)
+    assert torch.allclose(torch.tensor(work.backward, dtype=torch.float64), mask.sum(0).view(chunks, -1).sum(1) / tile**2)
+
+
+def test_a_windowed_model_is_laid_out_for_its_windows():
+    """A model whose layers all have a window of 512 keeps zigzag on long documents (its work is even along
+    them), where the causal layout cuts them into more chunks; the layout balances the windowed plan's work."""
+    seq, world, window = 32768, 4, 512
+    boundaries = (0, 3000, 3900, 23900, seq)
+    causal = balanced_layout(boundaries, seq, world)
+    windowed = balanced_layout(boundaries, seq, world, windows=(window,) * 4)
+    assert len(causal.chunks[0]) > len(windowed.chunks[0])
+    work = plan_work(AttentionPlan([windowed], True, [list(boundaries)], window=window))
+    for loads in (work.forward, work.backward):
+        assert max(loads) <= 1.05 * sum(loads) / world
+
+
 def test_bad_windows_are_refused():
     q = torch.randn(1, 8, 2, 4)
     with pytest.raises(ValueError, match="positive number"):
@@ -169,13 +194,13 @@ def test_the_model_attention_takes_a_window():
 
 
 def check_ranks(world_size, window, boundaries, sees, mode, layout="zigzag", topology="flat", node_size=None,
-                check_ranks_agree=True):
+                check_ranks_agree=True, layout_windows=None):
     seq = 2 * world_size * 24
     q, k, v, dout = make_inputs(seq, 4, 2, torch.float32, seed=world_size, head_dim=8)
     masks = [visible_mask(seq, window, None if boundaries is None else boundaries[r],
                           None if sees is None else sees[r]) for r in range(2)]
     expected = reference(q, k, v, dout, masks)
-    cut = {"layout": layout}
+    cut = {"layout": layout, "layout_windows": layout_windows}
     if boundaries is not None:
         cut["doc_boundaries"] = [torch.tensor(b) for b in boundaries]
     if sees is not None:
@@ -217,12 +242,12 @@ def _cases(rank, world_size):
     for window, mode in itertools.product((5, 30, 70), ("burst", "ring")):
         check_ranks(world_size, window, None, None, mode)
     check_ranks(world_size, 30, boundaries, None, "burst", "balanced")
-    check_ranks(world_size, 30, boundaries, sees, "ring", "balanced")
+    check_ranks(world_size, 30, boundaries, sees, "ring", "balanced", layout_windows=(30, None, 70))
     check_ranks(world_size, 70, boundaries, sees, "burst")
     check_bytes_follow_the_plan(rank, world_size, 5)
     if world_size == 4:  # the other topologies, on 2 simulated nodes of 2
         check_ranks(4, 30, boundaries, sees, "ring", "zigzag", "two-level", 2)
-        check_ranks(4, 30, boundaries, sees, "burst", "balanced", "ulysses", 2)
+        check_ranks(4, 30, boundaries, sees, "burst", "balanced", "ulysses", 2, layout_windows=(30,))
         check_ranks(4, 70, None, None, "burst", "zigzag", "two-level", 2)
 
 
