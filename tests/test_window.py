@@ -128,8 +128,9 @@ def test_the_balance_counts_each_chunks_band():
     boundaries, sees = [0, 100, 160, 200, 240], [-1, 0, 0, -1]
     mask = visible_mask(seq, window, boundaries, sees).double()
     work = windowed_work(boundaries, seq, chunks, tile, window, sees)
-    assert torch.allclose(torch.tensor(work.forward, dtype=torch.float64), mask.sum(1).view(chunks, -1).sum(1) / tile**2)
-    assert torch.allclose(torch.tensor(work.backward, dtype=torch.float64), mask.sum(0).view(chunks, -1).sum(1) / tile**2)
+    per_chunk = lambda counts: counts.view(chunks, -1).sum(1) / tile**2  # noqa: E731
+    assert torch.allclose(torch.tensor(work.forward, dtype=torch.float64), per_chunk(mask.sum(1)))
+    assert torch.allclose(torch.tensor(work.backward, dtype=torch.float64), per_chunk(mask.sum(0)))
 
 
 def test_a_windowed_model_is_laid_out_for_its_windows():
