@@ -16,6 +16,10 @@ from typing import Any
 from models.rope import Llama3Rope, RopeScaling, check_theta, rope_scaling_from_dict
 
 
+# The architectures burst reads and writes (models/hf_config.py maps each to its Hugging Face model_type).
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
+
+
 @dataclass
 class ModelConfig:
     """Hyperparameters of a decoder-only LLaMA-style transformer.
@@ -24,7 +28,14 @@ class ModelConfig:
     code does) only when it is None; `dataclasses.replace(config, dim=...)` therefore needs
     `ffn_hidden_dim=None` as well to re-derive it. `max_seq_len` is the context length the
     model is meant for (written to exported configs); RoPE itself works at any position.
-    `rope_scaling` is one of the types of models/rope.py, or None for plain RoPE. `bos_token_id`,
+    `rope_scaling` is one of the types of models/rope.py, or None for plain RoPE.
+
+    The families beside LLaMA are configuration (models/llama.py): `head_dim` (None: dim // n_heads), q/k/v and
+    output-projection biases, per-head q/k norms, (1 + w) RMSNorms, sandwich norms, scaled embeddings, the MLP's
+    activation, `query_pre_attn_scalar`, and sliding windows: `sliding_window` W on the layers `layer_types`
+    names "sliding_attention" (None: on every layer), each a query at i seeing keys i - W < j <= i, with
+    RoPE base `rope_local_theta` on those layers when it is set. `family` names the Hugging Face architecture the
+    model is exported as (models/hf_config.py); the model itself never reads it. `bos_token_id`,
     `eos_token_id` (`pad_token_id`, `unk_token_id`) name the tokenizer's specials the model was trained with
     (exports write them); they
     do not change the model, so two configs that differ only there compare equal.
@@ -48,10 +59,24 @@ class ModelConfig:
     eos_token_id: int | list[int] | None = field(default=None, compare=False)  # a list: several stop tokens
     pad_token_id: int | None = field(default=None, compare=False)  # kept from a Hugging Face config, for exports
     unk_token_id: int | None = field(default=None, compare=False)
+    family: str = "llama"  # one of FAMILIES
+    head_dim: int | None = None  # None: dim // n_heads
+    qkv_bias: bool = False
+    out_bias: bool = False
+    qk_norm: bool = False
+    norm_plus_one: bool = False
+    sandwich_norms: bool = False
+    scale_embeddings: bool = False
+    activation: str = "silu"  # or "gelu_tanh"
+    query_pre_attn_scalar: float | None = None  # None: head_dim
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None  # per layer "sliding_attention" or "full_attention"; None: all sliding
+    rope_local_theta: float | None = None  # the sliding layers' RoPE base; None: rope_theta and rope_scaling
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
+        self._check_families()
         sizes = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "max_seq_len")
         for name in (*sizes, "ffn_hidden_dim", "norm_eps", "rope_theta", "init_std", "ffn_dim_multiplier"):
             value, whole = getattr(self, name), name in sizes or name == "ffn_hidden_dim"
@@ -78,20 +103,53 @@ class ModelConfig:
             if self.ffn_dim_multiplier is not None:
                 hidden = int(self.ffn_dim_multiplier * hidden)
             self.ffn_hidden_dim = self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
-        if self.dim % self.n_heads != 0:
+        if self.head_dim is None and self.dim % self.n_heads != 0:
             raise ValueError(f"dim {self.dim} is not divisible by n_heads {self.n_heads}; "
-                             f"pick n_heads that divides dim")
+                             f"pick n_heads that divides dim, or give head_dim")
+        if self.head_dim is None:
+            self.head_dim = self.dim // self.n_heads
         if self.n_heads % self.n_kv_heads != 0:
             raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}; "
                              f"grouped-query attention needs each kv head to serve the same number of heads")
         if self.head_dim % 2 != 0:
-            raise ValueError(f"head_dim = dim / n_heads = {self.head_dim} must be even for rotary embeddings")
+            raise ValueError(f"head_dim = {self.head_dim} must be even for rotary embeddings")
         if self.rope_scaling is not None:
             self.rope_scaling.check_head_dim(self.head_dim)
 
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+    def _check_families(self) -> None:
+        """The fields that tell the families apart, each of its type (before anything derives from them)."""
+        if self.family not in FAMILIES:
+            raise ValueError(f"family = {self.family!r} is not one burst knows; choose one of {', '.join(FAMILIES)}")
+        for name in ("qkv_bias", "out_bias", "qk_norm", "norm_plus_one", "sandwich_norms", "scale_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} = {getattr(self, name)!r} must be true or false")
+        if self.activation not in ("silu", "gelu_tanh"):
+            raise ValueError(f"activation = {self.activation!r} must be 'silu' or 'gelu_tanh'")
+        for name in ("head_dim", "sliding_window"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} = {value!r} must be a whole number >= 1 (or null)")
+        for name in ("query_pre_attn_scalar", "rope_local_theta"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+                raise ValueError(f"{name} = {value!r} must be a number > 0 (or null)")
+        if self.layer_types is not None:
+            kinds = ("sliding_attention", "full_attention")
+            if (not isinstance(self.layer_types, (list, tuple)) or len(self.layer_types) != self.n_layers
+                    or any(kind not in kinds for kind in self.layer_types)):
+                raise ValueError(f"layer_types = {self.layer_types!r} must list {self.n_layers} layers (n_layers), "
+                                 f"each one of {kinds}")
+            self.layer_types = list(self.layer_types)
+            if self.sliding_window is None and "sliding_attention" in self.layer_types:
+                raise ValueError("layer_types names sliding_attention layers but sliding_window is null; give the "
+                                 "window")
+
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window (a query at i sees keys i - W < j <= i), or None: causal over all."""
+        if self.sliding_window is None:
+            return None
+        sliding = self.layer_types is None or self.layer_types[layer] == "sliding_attention"
+        return self.sliding_window if sliding else None
 
     @classmethod
     def from_name(cls, name: str) -> ModelConfig:

@@ -1,4 +1,5 @@
-"""Convert model checkpoints between Hugging Face LLaMA and the native format.
+"""Convert model checkpoints between Hugging Face directories (every family of models/hf_config.py) and the native
+format.
 
 Every source format is read into one `Checkpoint` (a ModelConfig plus a stream of tensors under
 native names) and every target format is written from one; each source format (Hugging Face, native)
@@ -49,14 +50,15 @@ from models.storage import (
 from runtime.directories import exclusive_writer
 from runtime.failure import writing
 
-# Hugging Face LlamaForCausalLM name -> native Transformer name; {} is the layer index.
+# Hugging Face *ForCausalLM name -> native Transformer name; {} is the layer index. Every family shares it but Gemma 3,
+# whose post_attention_layernorm norms the attention's output (sandwich norms), not the MLP's input.
 HF_TO_NATIVE = {
     "model.embed_tokens.weight": "tok_embeddings.weight",
     "model.layers.{}.input_layernorm.weight": "layers.{}.attention_norm.weight",
-    "model.layers.{}.self_attn.q_proj.weight": "layers.{}.attention.wq.weight",
-    "model.layers.{}.self_attn.k_proj.weight": "layers.{}.attention.wk.weight",
-    "model.layers.{}.self_attn.v_proj.weight": "layers.{}.attention.wv.weight",
-    "model.layers.{}.self_attn.o_proj.weight": "layers.{}.attention.wo.weight",
+    **{f"model.layers.{{}}.self_attn.{hf}_proj.{kind}": f"layers.{{}}.attention.w{native}.{kind}"
+       for hf, native in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "o")) for kind in ("weight", "bias")},
+    "model.layers.{}.self_attn.q_norm.weight": "layers.{}.attention.q_norm.weight",
+    "model.layers.{}.self_attn.k_norm.weight": "layers.{}.attention.k_norm.weight",
     "model.layers.{}.post_attention_layernorm.weight": "layers.{}.ffn_norm.weight",
     "model.layers.{}.mlp.gate_proj.weight": "layers.{}.feed_forward.w1.weight",
     "model.layers.{}.mlp.down_proj.weight": "layers.{}.feed_forward.w2.weight",
@@ -65,6 +67,18 @@ HF_TO_NATIVE = {
     "lm_head.weight": "output.weight",
 }
 NATIVE_TO_HF = {native: hf for hf, native in HF_TO_NATIVE.items()}
+SANDWICH_HF_TO_NATIVE = {
+    **HF_TO_NATIVE,
+    "model.layers.{}.post_attention_layernorm.weight": "layers.{}.attention_out_norm.weight",
+    "model.layers.{}.pre_feedforward_layernorm.weight": "layers.{}.ffn_norm.weight",
+    "model.layers.{}.post_feedforward_layernorm.weight": "layers.{}.ffn_out_norm.weight",
+}
+
+
+def name_tables(config: ModelConfig) -> tuple[dict[str, str], dict[str, str]]:
+    """(Hugging Face -> native, native -> Hugging Face) tensor names for `config`'s family."""
+    hf_to_native = SANDWICH_HF_TO_NATIVE if config.sandwich_norms else HF_TO_NATIVE
+    return hf_to_native, {native: hf for hf, native in hf_to_native.items()}
 
 # Older transformers saved the rotary inverse frequencies as weights; they follow from the config.
 HF_DERIVED_SUFFIX = "rotary_emb.inv_freq"
@@ -110,20 +124,23 @@ def read_hf(src: Path) -> Checkpoint:
     derived = {name for name in files if name.endswith(HF_DERIVED_SUFFIX)
                or (config.tie_embeddings and name == "lm_head.weight")}
     files = {name: file for name, file in files.items() if name not in derived}
-    expected = {rename(name, NATIVE_TO_HF): shape for name, shape in expected_shapes(config).items()}
+    hf_to_native, native_to_hf = name_tables(config)
+    expected = {rename(name, native_to_hf): shape for name, shape in expected_shapes(config).items()}
     check_tensor_shapes(tensor_shapes(files), expected, str(src))
-    return Checkpoint(config, lambda: ((rename(name, HF_TO_NATIVE), t) for name, t in read_tensors(files)),
+    return Checkpoint(config, lambda: ((rename(name, hf_to_native), t) for name, t in read_tensors(files)),
                       tokenizer_beside(src),
-                      lambda name, rows: read_rows(files[rename(name, NATIVE_TO_HF)], rename(name, NATIVE_TO_HF), rows))
+                      lambda name, rows: read_rows(files[rename(name, native_to_hf)], rename(name, native_to_hf), rows))
 
 
 def write_hf(checkpoint: Checkpoint, dst: Path, max_shard_bytes: int) -> None:
     dtypes = []
+    native_to_hf = name_tables(checkpoint.config)[1]
+    config_to_hf(checkpoint.config, torch.float32)  # a model its family cannot express is refused before any write
 
     def hf_tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in checkpoint.tensors():
             dtypes.append(tensor.dtype)
-            yield rename(name, NATIVE_TO_HF), tensor
+            yield rename(name, native_to_hf), tensor
 
     write_tensors(hf_tensors(), dst, max_shard_bytes)
     write_json(config_to_hf(checkpoint.config, dtypes[0]), dst / CONFIG_NAME)
@@ -197,8 +214,8 @@ class SourceFormat(NamedTuple):
 
 SourceFormats = dict[str, SourceFormat]  # name -> format, tried in order
 SOURCE_FORMATS: SourceFormats = {
-    "hf": SourceFormat("a Hugging Face LLaMA directory (config.json with model_type 'llama')", is_hf_checkpoint,
-                       read_hf),
+    "hf": SourceFormat("a Hugging Face directory of LLaMA, Qwen2/2.5, Qwen3, Mistral or Gemma 3 (config.json with "
+                       "model_type)", is_hf_checkpoint, read_hf),
     "burst": SourceFormat("a burst checkpoint (config.json with dim, n_layers)", is_native_checkpoint, read_native),
 }
 TARGET_FORMATS: dict[str, Callable[[Checkpoint, Path, int], None]] = {"hf": write_hf, "burst": write_native,

@@ -12,7 +12,7 @@ no rank ever builds the whole model, and the same seed gives the same weights on
 The rule (which distribution for which parameter) is the model's: embeddings and linear weights ~
 normal(0, init_std); the projections that write into the residual stream (attention.wo,
 feed_forward.w2) use init_std / sqrt(2 * n_layers) so the residual variance does not grow with depth
-(GPT-2); RMSNorm weights are 1.
+(GPT-2); RMSNorm weights are the identity (1, or 0 for Gemma's (1 + w) norms); biases are 0.
 """
 
 from __future__ import annotations
@@ -27,9 +27,16 @@ from models.config import ModelConfig
 PIECE = 2**20  # elements per independently seeded piece (4 MiB of float32)
 
 
-def init_std(config: ModelConfig, name: str) -> float | None:
-    """The standard deviation of parameter `name`'s normal initialisation; None: the parameter starts at 1."""
+def constant(config: ModelConfig, name: str) -> float | None:
+    """The value every element of parameter `name` starts at, or None: it is drawn (init_std)."""
     if name.endswith("norm.weight"):
+        return 0.0 if config.norm_plus_one else 1.0
+    return 0.0 if name.endswith(".bias") else None
+
+
+def init_std(config: ModelConfig, name: str) -> float | None:
+    """The standard deviation of parameter `name`'s normal initialisation; None: it starts at a `constant`."""
+    if constant(config, name) is not None:
         return None
     if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
         return config.init_std / math.sqrt(2 * config.n_layers)
@@ -48,7 +55,7 @@ def initial_rows(config: ModelConfig, name: str, shape: tuple[int, ...], seed: i
     std = init_std(config, name)
     row_numel = math.prod(shape[1:])
     if std is None:
-        return torch.ones(len(rows), *shape[1:])
+        return torch.full((len(rows), *shape[1:]), constant(config, name))
     start, stop = rows.start * row_numel, rows.stop * row_numel  # the flattened elements wanted
     total = math.prod(shape)
     values = torch.empty(stop - start)

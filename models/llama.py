@@ -1,4 +1,12 @@
-"""A decoder-only LLaMA transformer: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU.
+"""A decoder-only transformer of the LLaMA line: RMSNorm, rotary embeddings, grouped-query attention, a gated MLP.
+
+One model serves every family burst reads (LLaMA, Qwen2/2.5, Qwen3, Mistral, Gemma 3); what differs between them
+is configuration (models/config.py), never a copy of a block: q/k/v biases (Qwen2), per-head q/k norms before
+RoPE (Qwen3, Gemma 3), an explicit head_dim, a sliding window per layer (Mistral v0.1, Qwen2's
+use_sliding_window, Gemma 3's local layers) with its own RoPE base (Gemma 3's local layers), norms after
+attention and MLP as well as before ("sandwich", Gemma 3), RMSNorm scaled by (1 + w) (Gemma), embeddings
+scaled by sqrt(dim) (Gemma), a GELU-tanh gate instead of SiLU (Gemma), and attention scaled by
+query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5 (Gemma).
 
 Rotary embeddings use the "rotate half" layout of Hugging Face's LlamaForCausalLM (the first
 and second halves of each head form the rotated pairs), so converted checkpoints need only a
@@ -19,6 +27,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,9 +42,12 @@ from models.preference import answer_logps
 
 
 def rope_frequencies(config: ModelConfig, length: int | None = None,
-                     device: torch.device | str | None = None) -> tuple[torch.Tensor, float]:
+                     device: torch.device | str | None = None, local: bool = False) -> tuple[torch.Tensor, float]:
     """RoPE's inverse frequencies [head_dim // 2] float32 and the factor cos/sin are scaled by, for `config`'s
-    rope_theta and rope_scaling at sequences of `length` positions (see models/rope.py)."""
+    rope_theta and rope_scaling at sequences of `length` positions (see models/rope.py); local=True: those of the
+    sliding-window layers when they have their own base (rope_local_theta, unscaled, as Gemma 3's)."""
+    if local:
+        return rope.rope_frequencies(config.rope_local_theta, config.head_dim, None, None, device)
     return rope.rope_frequencies(config.rope_theta, config.head_dim, config.rope_scaling, length, device)
 
 
@@ -55,29 +68,49 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm, computed in float32 whatever the input dtype."""
+    """Root-mean-square norm, computed in float32 whatever the input dtype.
 
-    def __init__(self, dim: int, eps: float):
+    LLaMA's multiplies by `weight` after casting back to the input dtype; Gemma's (plus_one) by 1 + weight in
+    float32, then casts (a weight of 0 is the identity), each as its family's Hugging Face code rounds."""
+
+    def __init__(self, dim: int, eps: float, plus_one: bool = False):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.plus_one = eps, plus_one
+        self.weight = nn.Parameter(torch.zeros(dim) if plus_one else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.plus_one:
+            return (normed * (1.0 + self.weight.float())).type_as(x)
         return self.weight * normed.type_as(x)
 
 
-class Attention(nn.Module):
-    """Projections and rotary embeddings around the swappable `core_attention`."""
+def norm(config: ModelConfig, dim: int | None = None) -> RMSNorm:
+    """The family's RMSNorm over `dim` features (default the hidden size)."""
+    return RMSNorm(config.dim if dim is None else dim, config.norm_eps, config.norm_plus_one)
 
-    def __init__(self, config: ModelConfig):
+
+class Attention(nn.Module):
+    """Projections, q/k norms and rotary embeddings around the swappable `core_attention`.
+
+    window: this layer's sliding window W (a query at position i sees keys i - W < j <= i), or None: causal.
+    """
+
+    def __init__(self, config: ModelConfig, window: int | None = None):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
-        self.wq = nn.Linear(config.dim, self.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(config.dim, self.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(config.dim, self.n_kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(self.n_heads * self.head_dim, config.dim, bias=False)
+        self.window = window
+        self.wq = nn.Linear(config.dim, self.n_heads * self.head_dim, bias=config.qkv_bias)
+        self.wk = nn.Linear(config.dim, self.n_kv_heads * self.head_dim, bias=config.qkv_bias)
+        self.wv = nn.Linear(config.dim, self.n_kv_heads * self.head_dim, bias=config.qkv_bias)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, config.dim, bias=config.out_bias)
+        # per-head norms over head_dim, before RoPE (Qwen3, Gemma 3)
+        self.q_norm = norm(config, self.head_dim) if config.qk_norm else None
+        self.k_norm = norm(config, self.head_dim) if config.qk_norm else None
+        # The kernels scale scores by head_dim ** -0.5; Gemma's query_pre_attn_scalar ** -0.5 is that times this.
+        scalar = config.query_pre_attn_scalar
+        self.query_scale = None if scalar in (None, self.head_dim) else math.sqrt(self.head_dim / scalar)
         self.core_attention = LocalAttention()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -87,41 +120,56 @@ class Attention(nn.Module):
         q = self.wq(x).view(batch, seq_len, self.n_heads, self.head_dim)
         k = self.wk(x).view(batch, seq_len, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(batch, seq_len, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        # doc_sees only when given: a core attention without prefix sharing keeps its four-argument call
-        sees = {} if doc_sees is None else {"doc_sees": doc_sees}
-        out = self.core_attention(q, k, v, doc_boundaries, **sees)  # [batch, seq, n_heads, head_dim]
+        if self.query_scale is not None:
+            q = q * self.query_scale
+        # doc_sees and window only when given: a core attention without them keeps its four-argument call
+        extra = {} if doc_sees is None else {"doc_sees": doc_sees}
+        if self.window is not None:
+            extra["window"] = self.window
+        out = self.core_attention(q, k, v, doc_boundaries, **extra)  # [batch, seq, n_heads, head_dim]
         return self.wo(out.reshape(batch, seq_len, -1))
 
 
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
 class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+    """A gated MLP: w2(act(w1 x) * w3 x), act SiLU (SwiGLU) or GELU-tanh (Gemma's GeGLU)."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
+        self.act = ACTIVATIONS[config.activation]
         self.w1 = nn.Linear(config.dim, config.ffn_hidden_dim, bias=False)
         self.w2 = nn.Linear(config.ffn_hidden_dim, config.dim, bias=False)
         self.w3 = nn.Linear(config.dim, config.ffn_hidden_dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(self.act(self.w1(x)) * self.w3(x))
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm residual block: x + attention(norm(x)), then + feed_forward(norm(x))."""
+    """Pre-norm residual block: x + attention(norm(x)), then + feed_forward(norm(x)); with sandwich norms
+    (Gemma 3) each branch's output is normed too before it joins the residual."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, window: int | None = None):
         super().__init__()
-        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
-        self.attention = Attention(config)
-        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attention_norm = norm(config)
+        self.attention = Attention(config, window)
+        self.ffn_norm = norm(config)
         self.feed_forward = FeedForward(config)
+        self.attention_out_norm = norm(config) if config.sandwich_norms else None
+        self.ffn_out_norm = norm(config) if config.sandwich_norms else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 doc_boundaries: Sequence[torch.Tensor] | None = None,
                 doc_sees: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin, doc_boundaries, doc_sees)
-        return x + self.feed_forward(self.ffn_norm(x))
+        h = self.attention(self.attention_norm(x), cos, sin, doc_boundaries, doc_sees)
+        x = x + (h if self.attention_out_norm is None else self.attention_out_norm(h))
+        h = self.feed_forward(self.ffn_norm(x))
+        return x + (h if self.ffn_out_norm is None else self.ffn_out_norm(h))
 
 
 class TokenEmbedding(nn.Embedding):
@@ -141,8 +189,8 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.tok_embeddings = TokenEmbedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layers))
-        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.layers = nn.ModuleList(TransformerBlock(config, config.window(i)) for i in range(config.n_layers))
+        self.norm = norm(config)
         # With tied embeddings there is no output module: the embedding matrix projects back.
         self.output = None if config.tie_embeddings else nn.Linear(config.dim, config.vocab_size, bias=False)
 
@@ -177,9 +225,15 @@ class Transformer(nn.Module):
         scaling = self.config.rope_scaling
         if rope_length is None and scaling is not None and scaling.depends_on_length:
             rope_length = int(positions.max()) + 1
-        cos, sin = rotary_cos_sin(positions, *rope_frequencies(self.config, rope_length, tokens.device))
+        rotation = rotary_cos_sin(positions, *rope_frequencies(self.config, rope_length, tokens.device))
+        local_rotation = rotation  # the sliding-window layers', when they have their own RoPE base (Gemma 3)
+        if self.config.rope_local_theta is not None:
+            local_rotation = rotary_cos_sin(positions, *rope_frequencies(self.config, device=tokens.device, local=True))
         h = self.tok_embeddings(tokens)  # [batch, seq, dim]
+        if self.config.scale_embeddings:  # Gemma: by sqrt(dim), rounded to the weights' dtype as transformers does
+            h = h * torch.tensor(self.config.dim ** 0.5, dtype=h.dtype)
         for layer in self.layers:
+            cos, sin = rotation if layer.attention.window is None else local_rotation
             h = layer(h, cos, sin, doc_boundaries, doc_sees)
         return self.norm(h)
 

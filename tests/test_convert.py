@@ -162,9 +162,10 @@ def test_bad_sources_are_refused_and_leave_nothing(tmp_path):
             convert_checkpoint(src, dst, to="burst")
         assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no DST, no temporary directory
 
-    (src / "config.json").write_text(json.dumps({**config, "model_type": "mistral",
-                                                 "architectures": ["MistralForCausalLM"]}))
-    refused(r"model_type 'mistral' \['MistralForCausalLM'\], not LLaMA")
+    (src / "config.json").write_text(json.dumps({**config, "model_type": "phi3",
+                                                 "architectures": ["Phi3ForCausalLM"]}))
+    refused(r"model_type 'phi3' \['Phi3ForCausalLM'\], which burst does not read; it accepts LLaMA "
+            r"\(LlamaForCausalLM, model_type 'llama'\), Qwen2 / Qwen2.5 .* Gemma 3 \(text\)")
     (src / "config.json").write_text(json.dumps({**config, "vocab_size": 500}))
     refused(r"'model.embed_tokens.weight' has shape \[300, 64\] but the config implies \[500, 64\]")
     (src / "config.json").write_text(json.dumps(config))
@@ -245,8 +246,10 @@ def test_existing_destination_needs_force_and_force_replaces_only_an_export(tmp_
 def test_unsupported_llama_variants_are_named():
     base = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
             "vocab_size": 300, "intermediate_size": 96}
-    with pytest.raises(ValueError, match="attention_bias=True is not supported"):
-        config_from_hf({**base, "attention_bias": True}, "config.json")
+    with pytest.raises(ValueError, match="mlp_bias=true is not supported"):
+        config_from_hf({**base, "mlp_bias": True}, "config.json")
+    with pytest.raises(ValueError, match="hidden_act = 'gelu' is not supported"):
+        config_from_hf({**base, "hidden_act": "gelu"}, "config.json")
     with pytest.raises(ValueError, match="unknown rope type 'proportional'; the types transformers' LLaMA implements "
                                          "are default, linear, dynamic, yarn, longrope, llama3"):
         config_from_hf({**base, "rope_scaling": {"rope_type": "proportional", "factor": 4.0}}, "config.json")
