@@ -8,7 +8,7 @@ and padding configured in the file are switched off: a store keeps whole documen
 
 BOS and EOS come from the tokenizer's own files, first found wins: `tokenizer_config.json`'s bos_token
 and eos_token, then `special_tokens_map.json`'s, then what the post-processor puts before and after
-a text. Documents are framed as the post-processor frames a text (what `AutoTokenizer(text)` gives): BOS
+a text. A tokenizer with no BOS at all (Qwen's) frames documents as document + EOS. Documents are framed as the post-processor frames a text (what `AutoTokenizer(text)` gives): BOS
 first when it puts BOS there, no BOS otherwise (data/tokenizer.py). The vocabulary is every id the tokenizer
 can give, its added tokens included (LLaMA-3: 128,256).
 
@@ -63,7 +63,10 @@ class HFTokenizer(Tokenizer):
         encoding = {part: raw.get(part) for part in ENCODING_PARTS}
         self.digest = hashlib.sha256(json.dumps({**encoding, "split_special_tokens": split_special_tokens},
                                                 sort_keys=True, ensure_ascii=False).encode()).hexdigest()
-        self.bos_id, self.eos_id = (self._special(role, configs) for role in ("bos", "eos"))
+        self.eos_id = self._special("eos", configs)
+        # A tokenizer that names no BOS (Qwen's: bos_token null) frames documents as document + EOS: its bos_id is
+        # EOS, never put first (bos_first is False), the separator Qwen packs its documents with.
+        self.bos_id = self._special("bos", configs, none=self.eos_id)
         self.bos_first = self._added_around_text()[0] == [self.bos_id]
         self.special_tokens = {}
         for config in reversed(configs.values()):  # tokenizer_config.json's win
@@ -71,8 +74,9 @@ class HFTokenizer(Tokenizer):
                                         if isinstance(content := _content(config.get(name)), str)})
         self.chat_template, self.chat_template_file = self._chat_template(configs.get(HF_COMPANIONS[0], {}))
 
-    def _special(self, role: str, configs: dict[str, dict[str, Any]]) -> int:
-        """The id of the BOS or EOS token, named by the first file that names one."""
+    def _special(self, role: str, configs: dict[str, dict[str, Any]], none: int | None = None) -> int:
+        """The id of the BOS or EOS token, named by the first file that names one; `none` if given where none
+        does."""
         for name, config in configs.items():
             content = _content(config.get(f"{role}_token"))
             if isinstance(content, str):
@@ -84,6 +88,8 @@ class HFTokenizer(Tokenizer):
         added = self._added_around_text()[0 if role == "bos" else 1]
         if len(added) == 1:
             return added[0]
+        if none is not None:
+            return none
         raise ValueError(f"the tokenizer {self.files[HF_FILE]} names no {role.upper()} token (no {role}_token in "
                          f"{' or '.join(HF_COMPANIONS)}, and its post-processor adds none): documents are packed "
                          f"between BOS and EOS; put a tokenizer_config.json beside it naming them, e.g. "

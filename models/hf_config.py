@@ -315,11 +315,14 @@ def generation_config_to_hf(config: ModelConfig) -> dict | None:
 
 
 def readable_by_transformers_4_and_5(fields: dict[str, Any]) -> dict[str, Any]:
-    """A config.json's `fields` with RoPE in transformers 4.x's form (rope_theta, rope_scaling; torch_dtype), which
-    5.x reads too. 4.x ignores 5.x's `rope_parameters`: a model saved by 5.x would run there at the default theta,
+    """A config.json's `fields` with RoPE in transformers 4.x's form (rope_theta, rope_scaling; torch_dtype; Gemma 3's
+    rope_local_base_freq), which 5.x reads too. 4.x ignores 5.x's `rope_parameters`: a model saved by 5.x would run there at the default theta,
     unscaled, without a word. A rope_scaling already there stays (it wins, as burst and transformers read it)."""
     fields = dict(fields)
     rope = dict(fields.pop("rope_parameters", None) or {})
+    if "full_attention" in rope:  # Gemma 3's per layer type: 4.x keeps the local layers' base beside
+        fields["rope_local_base_freq"] = (rope.get("sliding_attention") or {}).get("rope_theta", 10000.0)
+        rope = dict(rope["full_attention"])
     if "rope_theta" in rope:
         fields["rope_theta"] = rope.pop("rope_theta")
     if fields.get("rope_scaling") is None:

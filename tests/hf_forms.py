@@ -26,6 +26,9 @@ def transformers5_form(fields: dict[str, Any]) -> dict[str, Any]:
     fields = transformers4_form(fields)
     theta, scaling = fields.pop("rope_theta"), fields.pop("rope_scaling")
     fields["rope_parameters"] = {**(scaling or {"rope_type": "default"}), "rope_theta": theta}
+    if "rope_local_base_freq" in fields:  # Gemma 3: one RoPE per layer type
+        fields["rope_parameters"] = {"full_attention": fields["rope_parameters"], "sliding_attention":
+                                     {"rope_type": "default", "rope_theta": fields.pop("rope_local_base_freq")}}
     if "torch_dtype" in fields:
         fields["dtype"] = fields.pop("torch_dtype")
     return fields

@@ -1,0 +1,153 @@
+"""Qwen2/2.5, Qwen3, Mistral and Gemma 3 against transformers: small random models of each family built by
+transformers (fp32), converted to burst, give the same logits (and packed documents those of each document alone);
+HF -> burst -> HF keeps every tensor and the logits bit for bit; a Qwen tokenizer (no BOS, ChatML) round-trips."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+from data import load_tokenizer
+from models import ModelConfig, convert_checkpoint, load_model
+from models.hf_config import config_from_hf, config_to_hf
+from tests.hf_forms import transformers4_form, transformers5_form
+
+SIZES = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6)
+WINDOW = 16
+# Each family with what sets it apart switched on: its biases, an explicit head_dim, q/k norms, windows on some
+# layers, a local RoPE base, tied embeddings, YaRN.
+FAMILIES = {
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM,
+              dict(rope_theta=1e6, tie_word_embeddings=True, use_sliding_window=True, sliding_window=WINDOW,
+                   max_window_layers=2)),
+    "qwen2.5-yarn": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM,
+                     dict(rope_theta=1e6, rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                        "original_max_position_embeddings": 32})),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM,
+              dict(head_dim=32, rope_theta=1e6, tie_word_embeddings=True)),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM,
+                dict(head_dim=24, sliding_window=WINDOW, rope_theta=1e6)),
+    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM,
+               dict(head_dim=32, sliding_window=WINDOW, query_pre_attn_scalar=24, rope_theta=1e6,
+                    rope_local_base_freq=1e4, sliding_window_pattern=2)),
+}
+SHORT = 12  # within the window
+FORMS = {"4.x": transformers4_form, "5.x": transformers5_form}
+
+
+def hf_model(name: str, path, form: str | None = None) -> transformers.PreTrainedModel:
+    """A small random model of family `name`, its weights (norms and biases too) drawn far from their initial
+    values, saved in `path` (config.json in transformers `form`, or as the installed release writes it)."""
+    config_class, model_class, extra = FAMILIES[name]
+    torch.manual_seed(0)
+    model = model_class(config_class(**SIZES, **extra, attn_implementation="eager")).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.1)
+    model.save_pretrained(path)
+    if form is not None:
+        fields = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps(FORMS[form](fields)))
+    return model
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_logits_equal_transformers(tmp_path, name, form):
+    reference = hf_model(name, tmp_path / "hf", form)
+    convert_checkpoint(tmp_path / "hf", tmp_path / "burst", to="burst")
+    model = load_model(tmp_path / "burst")
+    tokens = torch.randint(0, 300, (2, SHORT))
+    with torch.no_grad():
+        assert relative(model(tokens), reference(tokens).logits) <= 1e-4
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_hf_to_burst_to_hf_is_bit_for_bit(tmp_path, name):
+    reference = hf_model(name, tmp_path / "hf")
+    convert_checkpoint(tmp_path / "hf", tmp_path / "burst", to="burst")
+    convert_checkpoint(tmp_path / "burst", tmp_path / "hf2", to="hf")
+    reloaded = type(reference).from_pretrained(tmp_path / "hf2", attn_implementation="eager").eval()
+    source, back = reference.state_dict(), reloaded.state_dict()
+    assert source.keys() == back.keys() and all(torch.equal(source[key], back[key]) for key in source)
+    assert config_from_hf(json.loads((tmp_path / "hf2" / "config.json").read_text()), "hf2") == \
+        load_model(tmp_path / "burst").config
+    tokens = torch.randint(0, 300, (1, SHORT))
+    with torch.no_grad():
+        assert torch.equal(reloaded(tokens).logits, reference(tokens).logits)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gemma3"])
+def test_packed_documents_equal_each_document_alone(tmp_path, name):
+    reference = hf_model(name, tmp_path / "hf")
+    convert_checkpoint(tmp_path / "hf", tmp_path / "burst", to="burst")
+    model = load_model(tmp_path / "burst")
+    lengths = [5, 3, 4]
+    documents = [torch.randint(0, 300, (1, n)) for n in lengths]
+    offsets = torch.tensor([0, 5, 8, 12])
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    with torch.no_grad():
+        packed = model(torch.cat(documents, dim=1), positions, [offsets])
+        alone = torch.cat([reference(document).logits for document in documents], dim=1)
+    assert relative(packed, alone) <= 1e-4
+
+
+def test_families_resolve_windows_as_transformers_does():
+    def windows(name: str, **extra) -> list[int | None]:
+        """Each layer's window as burst reads the config.json, checked against the config class's own."""
+        config_class, _, base = FAMILIES[name]
+        hf = config_class(**SIZES, **{**base, **extra})
+        config = config_from_hf(json.loads(hf.to_json_string()), "config.json")
+        layer_types = getattr(hf, "layer_types", None) or ["sliding_attention"] * 4  # Mistral: every layer
+        assert [config.window(i) for i in range(4)] == \
+            [hf.sliding_window if kind == "sliding_attention" else None for kind in layer_types]
+        return [config.window(i) for i in range(4)]
+
+    assert windows("qwen2") == [None, None, WINDOW, WINDOW]  # max_window_layers=2: the layers from 2 on slide
+    assert windows("qwen2", use_sliding_window=False) == [None] * 4
+    assert windows("gemma3") == [WINDOW, None, WINDOW, None]
+    assert windows("mistral") == [WINDOW] * 4
+    assert windows("mistral", sliding_window=None) == [None] * 4
+
+
+def test_what_a_family_cannot_express_is_refused_before_export(tmp_path):
+    config = ModelConfig(dim=64, n_layers=2, n_heads=4, vocab_size=300, family="mistral", sliding_window=8,
+                         layer_types=["sliding_attention", "full_attention"])
+    with pytest.raises(ValueError, match="a Mistral model cannot have the layer_types of this one"):
+        config_to_hf(config, torch.float32)
+    with pytest.raises(ValueError, match="a Qwen2 / Qwen2.5 model cannot have the qkv_bias"):
+        config_to_hf(ModelConfig(dim=64, n_layers=2, n_heads=4, vocab_size=300, family="qwen2"), torch.float32)
+    with pytest.raises(ValueError, match="family = 'phi3' is not one burst knows; choose one of llama, qwen2"):
+        ModelConfig(family="phi3")
+
+
+def test_a_qwen_tokenizer_round_trips_without_bos_and_with_chatml(tmp_path):
+    hf_model("qwen2", tmp_path / "hf")
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_tokens(list(pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer.add_special_tokens(specials)
+    tokenizer.save(str(tmp_path / "hf" / "tokenizer.json"))
+    chatml = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+              "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "Qwen2Tokenizer", "bos_token": None, "eos_token": "<|im_end|>",
+         "pad_token": "<|endoftext|>", "chat_template": chatml, "add_prefix_space": False}))
+    convert_checkpoint(tmp_path / "hf", tmp_path / "burst", to="burst")
+    convert_checkpoint(tmp_path / "burst", tmp_path / "hf2", to="hf")
+    text, messages = "Hello, wörld!\n  code", [{"role": "user", "content": "hi"}]
+    source, back = (transformers.AutoTokenizer.from_pretrained(tmp_path / path) for path in ("hf", "hf2"))
+    assert back.encode(text) == source.encode(text) == load_tokenizer(tmp_path / "burst").encode(text)
+    assert back.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == \
+        source.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
