@@ -35,7 +35,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from models.checkpoint import CONFIG_NAME, check_tensor_shapes, expected_shapes, read_config
-from models.convert import Checkpoint, expected_adapter_shapes
+from models.convert import Checkpoint, expected_adapter_shapes, generation_config_beside
 from models.hf_tokenizer import tokenizer_beside
 from models.lora import Adapter, LoRAConfig, is_adapter, is_trainable, merged
 from runtime.digest import file_sha256
@@ -232,7 +232,8 @@ def read_model_checkpoint(path: Path) -> Checkpoint:
 
     run_dir = path.parent.parent  # RUN/checkpoints/step-N: the run keeps the tokenizer its data was made with
     return Checkpoint(config, read, tokenizer_beside(path) or tokenizer_beside(run_dir),
-                      adapter=adapter if lora is not None else None)
+                      adapter=adapter if lora is not None else None,
+                      generation_config=generation_config_beside(path) or generation_config_beside(run_dir))
 
 
 def lora_of(path: Path) -> LoRAConfig:

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from models.rope import Llama3Rope, RopeScaling, check_theta, rope_scaling_from_dict
+from models.rope import LinearRope, Llama3Rope, RopeScaling, check_theta, rope_scaling_from_dict
 
 
 # The architectures burst reads and writes (models/hf_config.py maps each to its Hugging Face model_type).
@@ -218,6 +218,25 @@ LLAMA32 = dataclasses.replace(LLAMA3, source="Meta published no pretraining reci
                                              "one. " + LLAMA3_SOURCE)
 
 
+# Qwen, Mistral and Google published no pretraining optimizer settings for these models.
+QWEN, MISTRAL, GEMMA3 = (dataclasses.replace(LLAMA3, source=f"{who} published no pretraining recipe for these models: "
+                                                            f"LLaMA 3's. " + LLAMA3_SOURCE)
+                         for who in ("Qwen", "Mistral AI", "Google"))
+
+
+def gemma3(dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn_hidden_dim: int, window: int,
+           max_seq_len: int, vocab_size: int = 262144, head_dim: int = 256, **rest: Any) -> ModelConfig:
+    """A Gemma 3 text model: every sixth layer global, the others local with a RoPE base of 10,000."""
+    return ModelConfig(family="gemma3", dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                       head_dim=head_dim, vocab_size=vocab_size, ffn_hidden_dim=ffn_hidden_dim, norm_eps=1e-6,
+                       rope_theta=1e6, rope_local_theta=10000.0, max_seq_len=max_seq_len, tie_embeddings=True,
+                       qk_norm=True, norm_plus_one=True, sandwich_norms=True, scale_embeddings=True,
+                       activation="gelu_tanh", query_pre_attn_scalar=rest.pop("query_pre_attn_scalar", head_dim),
+                       sliding_window=window, bos_token_id=2, eos_token_id=1, pad_token_id=0,
+                       layer_types=["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n_layers)],
+                       **rest)
+
+
 @dataclass(frozen=True)
 class Preset:
     """A named model: its shape and the training recipe its family was published with (`burst train --model NAME`
@@ -255,6 +274,50 @@ PRESETS: dict[str, Preset] = {
                                       ffn_hidden_dim=8192, norm_eps=1e-5, rope_theta=500000.0,
                                       rope_scaling=LLAMA32_ROPE_SCALING, max_seq_len=131072, tie_embeddings=True),
                           LLAMA32),
+    # Qwen2.5 (Qwen2 architecture): q/k/v biases, rope_theta 1e6, tied embeddings at the small sizes; its sliding
+    # window is off in every published config.
+    "qwen2.5-0.5b": Preset(ModelConfig(family="qwen2", dim=896, n_layers=24, n_heads=14, n_kv_heads=2,
+                                       vocab_size=151936, ffn_hidden_dim=4864, norm_eps=1e-6, rope_theta=1e6,
+                                       max_seq_len=32768, tie_embeddings=True, qkv_bias=True), QWEN),
+    "qwen2.5-1.5b": Preset(ModelConfig(family="qwen2", dim=1536, n_layers=28, n_heads=12, n_kv_heads=2,
+                                       vocab_size=151936, ffn_hidden_dim=8960, norm_eps=1e-6, rope_theta=1e6,
+                                       max_seq_len=32768, tie_embeddings=True, qkv_bias=True), QWEN),
+    "qwen2.5-7b": Preset(ModelConfig(family="qwen2", dim=3584, n_layers=28, n_heads=28, n_kv_heads=4,
+                                     vocab_size=152064, ffn_hidden_dim=18944, norm_eps=1e-6, rope_theta=1e6,
+                                     max_seq_len=131072, qkv_bias=True), QWEN),
+    # Qwen3: per-head q/k norms, head_dim 128 whatever the width (0.6B's 1024 / 16 heads would be 64).
+    "qwen3-0.6b": Preset(ModelConfig(family="qwen3", dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128,
+                                     vocab_size=151936, ffn_hidden_dim=3072, norm_eps=1e-6, rope_theta=1e6,
+                                     max_seq_len=40960, tie_embeddings=True, qk_norm=True), QWEN),
+    "qwen3-4b": Preset(ModelConfig(family="qwen3", dim=2560, n_layers=36, n_heads=32, n_kv_heads=8, head_dim=128,
+                                   vocab_size=151936, ffn_hidden_dim=9728, norm_eps=1e-6, rope_theta=1e6,
+                                   max_seq_len=40960, tie_embeddings=True, qk_norm=True), QWEN),
+    "qwen3-8b": Preset(ModelConfig(family="qwen3", dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, head_dim=128,
+                                   vocab_size=151936, ffn_hidden_dim=12288, norm_eps=1e-6, rope_theta=1e6,
+                                   max_seq_len=40960, qk_norm=True), QWEN),
+    # Mistral 7B v0.1 slides a 4,096-token window over every layer; v0.3 has none; Nemo an explicit head_dim.
+    "mistral-7b-v0.1": Preset(ModelConfig(family="mistral", dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                                          vocab_size=32000, ffn_hidden_dim=14336, norm_eps=1e-5, rope_theta=10000.0,
+                                          max_seq_len=32768, sliding_window=4096), MISTRAL),
+    "mistral-7b-v0.3": Preset(ModelConfig(family="mistral", dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                                          vocab_size=32768, ffn_hidden_dim=14336, norm_eps=1e-5, rope_theta=1e6,
+                                          max_seq_len=32768), MISTRAL),
+    "mistral-nemo-12b": Preset(ModelConfig(family="mistral", dim=5120, n_layers=40, n_heads=32, n_kv_heads=8,
+                                           head_dim=128, vocab_size=131072, ffn_hidden_dim=14336, norm_eps=1e-5,
+                                           rope_theta=1e6, max_seq_len=131072), MISTRAL),
+    # Gemma 3: five local layers (window 512 at 270M and 1B, 1,024 above) per global one; the global layers' RoPE
+    # stretched 8-fold from 4B on; the text models of 4B and up have 64 more (image) tokens.
+    "gemma3-270m": Preset(gemma3(dim=640, n_layers=18, n_heads=4, n_kv_heads=1, ffn_hidden_dim=2048, window=512,
+                                 max_seq_len=32768), GEMMA3),
+    "gemma3-1b": Preset(gemma3(dim=1152, n_layers=26, n_heads=4, n_kv_heads=1, ffn_hidden_dim=6912, window=512,
+                               max_seq_len=32768), GEMMA3),
+    "gemma3-4b": Preset(gemma3(dim=2560, n_layers=34, n_heads=8, n_kv_heads=4, ffn_hidden_dim=10240, window=1024,
+                               max_seq_len=131072, vocab_size=262208, rope_scaling=LinearRope(factor=8.0)), GEMMA3),
+    "gemma3-12b": Preset(gemma3(dim=3840, n_layers=48, n_heads=16, n_kv_heads=8, ffn_hidden_dim=15360, window=1024,
+                                max_seq_len=131072, vocab_size=262208, rope_scaling=LinearRope(factor=8.0)), GEMMA3),
+    "gemma3-27b": Preset(gemma3(dim=5376, n_layers=62, n_heads=32, n_kv_heads=16, ffn_hidden_dim=21504, window=1024,
+                                max_seq_len=131072, vocab_size=262208, rope_scaling=LinearRope(factor=8.0),
+                                head_dim=128, query_pre_attn_scalar=168), GEMMA3),
 }
 
 # Fine-tuning a trained model (--model DIR, --init-from): a rate two orders below pretraining's, so that the

@@ -108,6 +108,12 @@ class Checkpoint:
     tokenizer: Path | None = None  # the directory keeping the tokenizer the model was trained with, if any
     rows: Callable[[str, range], torch.Tensor] | None = None
     adapter: Callable[[], Adapter] | None = None  # a LoRA run's adapter alone (read when called)
+    generation_config: Path | None = None  # the generation_config.json it came with (sampling settings), if any
+
+
+def generation_config_beside(directory: Path) -> Path | None:
+    """`directory`'s generation_config.json, or None."""
+    return directory / GENERATION_CONFIG if (directory / GENERATION_CONFIG).is_file() else None
 
 
 # ---- Hugging Face side -----------------------------------------------------------------------------------------
@@ -129,7 +135,8 @@ def read_hf(src: Path) -> Checkpoint:
     check_tensor_shapes(tensor_shapes(files), expected, str(src))
     return Checkpoint(config, lambda: ((rename(name, hf_to_native), t) for name, t in read_tensors(files)),
                       tokenizer_beside(src),
-                      lambda name, rows: read_rows(files[rename(name, native_to_hf)], rename(name, native_to_hf), rows))
+                      lambda name, rows: read_rows(files[rename(name, native_to_hf)], rename(name, native_to_hf), rows),
+                      generation_config=generation_config_beside(src))
 
 
 def write_hf(checkpoint: Checkpoint, dst: Path, max_shard_bytes: int) -> None:
@@ -196,7 +203,8 @@ def read_native(src: Path) -> Checkpoint:
     files = tensor_files(src)
     check_tensor_shapes(tensor_shapes(files), expected_shapes(config), str(src))
     return Checkpoint(config, lambda: read_tensors(files), tokenizer_beside(src),
-                      lambda name, rows: read_rows(files[name], name, rows))
+                      lambda name, rows: read_rows(files[name], name, rows),
+                      generation_config=generation_config_beside(src))
 
 
 def write_native(checkpoint: Checkpoint, dst: Path, max_shard_bytes: int) -> None:
@@ -282,8 +290,8 @@ def convert_checkpoint(src: str | Path, dst: str | Path, to: str, force: bool = 
             elif checkpoint.tokenizer is not None:
                 copy_tokenizer_files(checkpoint.tokenizer, tmp)
             TARGET_FORMATS[to](checkpoint, tmp, max_shard_bytes)
-            if (src / GENERATION_CONFIG).is_file():
-                shutil.copy2(src / GENERATION_CONFIG, tmp / GENERATION_CONFIG)
-            elif to == "hf" and generation_config_to_hf(checkpoint.config) is not None:  # a run keeps none
+            if checkpoint.generation_config is not None:  # its sampling settings, from the model a run started from
+                shutil.copy2(checkpoint.generation_config, tmp / GENERATION_CONFIG)
+            elif to == "hf" and generation_config_to_hf(checkpoint.config) is not None:  # a run from scratch has none
                 write_json(generation_config_to_hf(checkpoint.config), tmp / GENERATION_CONFIG)
     return dst

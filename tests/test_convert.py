@@ -11,12 +11,15 @@ from safetensors.torch import load_file, save_file
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 from typer.testing import CliRunner
 
+from checkpoints.sources import convert_checkpoint as convert_checkpoint_any
 from cli import app
 from data import load_tokenizer, train_tokenizer
 from models import ModelConfig, convert_checkpoint, load_model
 from models.convert import config_from_hf
 from models.llama import rope_frequencies
 from tests.hf_forms import transformers4_form, transformers5_form
+from tests.test_train import burst_train
+from tests.test_train import store as store  # noqa: F401
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 16}
@@ -320,3 +323,20 @@ def test_an_export_keeps_pad_and_unk_and_writes_a_generation_config(tmp_path):
         {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3, "unk_token_id": 0}
     generation = GenerationConfig.from_pretrained(tmp_path / "hf2")
     assert (generation.bos_token_id, generation.eos_token_id, generation.pad_token_id) == (1, 2, 3)
+
+
+def test_a_run_fine_tuned_from_a_hugging_face_directory_exports_its_sampling_settings(tmp_path, store):
+    """Issue 45, defect 15: a run started from a Hugging Face directory exported a generation_config.json of its
+    special ids only, without the temperature and top_p the model was published with."""
+    save_hf_model(tmp_path / "hf", "gqa")
+    fields = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**fields, "vocab_size": 320}))
+    edit_weights(tmp_path / "hf", lambda t: t.update({name: t[name][:1].repeat(320, 1) for name in
+                                                      ("model.embed_tokens.weight", "lm_head.weight")}))
+    GenerationConfig(do_sample=True, temperature=0.6, top_p=0.9, eos_token_id=2).save_pretrained(tmp_path / "hf")
+    done = burst_train("--model", tmp_path / "hf", "--data", store, "--seq-len", 64, "--steps", 1, "--precision",
+                       "fp32", "--val-tokens", 0, "--out", tmp_path / "run")
+    assert done.returncode == 0, done.stderr[-3000:]
+    convert_checkpoint_any(tmp_path / "run", tmp_path / "export", to="hf")
+    generation = GenerationConfig.from_pretrained(tmp_path / "export")
+    assert (generation.do_sample, generation.temperature, generation.top_p) == (True, 0.6, 0.9)

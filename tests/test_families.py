@@ -12,7 +12,10 @@ import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from data import load_tokenizer
-from models import ModelConfig, convert_checkpoint, load_model
+from models import PRESETS, ModelConfig, convert_checkpoint, load_model
+from models.checkpoint import expected_shapes
+from models.convert import name_tables, rename
+from models.footprint import footprint
 from models.hf_config import config_from_hf, config_to_hf
 from tests.hf_forms import transformers4_form, transformers5_form
 
@@ -151,3 +154,23 @@ def test_a_qwen_tokenizer_round_trips_without_bos_and_with_chatml(tmp_path):
     assert back.encode(text) == source.encode(text) == load_tokenizer(tmp_path / "burst").encode(text)
     assert back.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == \
         source.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+# Parameters as each model card states them, in millions (Gemma 3 4B and up: the language model alone)
+PUBLISHED_MILLIONS = {"qwen2.5-0.5b": 494, "qwen2.5-1.5b": 1544, "qwen2.5-7b": 7616, "qwen3-0.6b": 596,
+                      "qwen3-4b": 4022, "qwen3-8b": 8191, "mistral-7b-v0.1": 7242, "mistral-7b-v0.3": 7248,
+                      "mistral-nemo-12b": 12248, "gemma3-270m": 268, "gemma3-1b": 1000, "gemma3-4b": 3880,
+                      "gemma3-12b": 11766, "gemma3-27b": 27009}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED_MILLIONS))
+def test_presets_are_the_published_models_as_transformers_builds_them(name):
+    config = PRESETS[name].model
+    hf = transformers.AutoConfig.for_model(**config_to_hf(config, torch.bfloat16))
+    with torch.device("meta"):
+        reference = transformers.AutoModelForCausalLM.from_config(hf)
+    shapes = {key: tuple(t.shape) for key, t in reference.state_dict().items() if key != "lm_head.weight"
+              or not config.tie_embeddings}
+    assert shapes == {rename(key, name_tables(config)[1]): shape for key, shape in expected_shapes(config).items()}
+    assert round(footprint(config).parameters / 1e6) == PUBLISHED_MILLIONS[name]
+    assert config_from_hf(json.loads(hf.to_json_string()), name) == config

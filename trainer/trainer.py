@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import shutil
 import signal
 import time
 import warnings
@@ -32,6 +33,7 @@ from burst.kernels import select_kernel
 from checkpoints.training import complete_checkpoints, remove_interrupted_saves
 from data import SequenceLoader
 from data.mixture import open_sources, parse_mixture, tokenizer_source
+from models.convert import generation_config_beside
 from runtime.memory import peak_memory_mib
 from runtime.process import all_reduce
 from trainer.checkpoint import forget_metrics_after, load_checkpoint, load_stage_start
@@ -206,6 +208,12 @@ class Trainer:
                           f"device {config.device}: {checked.device.reason}")
         if checked.resume_from is None:  # never replaced (preflight compared its ids on resume); exports carry it
             self.store.copy_tokenizer(self.out)
+            # the sampling settings of the model it starts from (a Hugging Face directory's), which exports carry
+            starts = [plan.checkpoint] if plan.checkpoint else [plan.init_from, plan.init_from.parent.parent] \
+                if plan.init_from else []
+            kept = next(filter(None, map(generation_config_beside, starts)), None)
+            if kept is not None:
+                shutil.copy2(kept, self.out / kept.name)
             for source in self.sources:  # the same ids, other files (no chat template): kept aside, by source
                 if source.store.metadata["tokenizer"]["files"] != self.store.metadata["tokenizer"]["files"]:
                     (self.out / SOURCE_TOKENIZERS / source.spec.name).mkdir(parents=True, exist_ok=True)
