@@ -8,8 +8,9 @@ and padding configured in the file are switched off: a store keeps whole documen
 
 BOS and EOS come from the tokenizer's own files, first found wins: `tokenizer_config.json`'s bos_token
 and eos_token, then `special_tokens_map.json`'s, then what the post-processor puts before and after
-a text. A tokenizer with no BOS at all (Qwen's) frames documents as document + EOS. Documents are framed as the post-processor frames a text (what `AutoTokenizer(text)` gives): BOS
-first when it puts BOS there, no BOS otherwise (data/tokenizer.py). The vocabulary is every id the tokenizer
+a text; a tokenizer that names no BOS at all (Qwen's) has EOS for it. Documents are framed as the
+post-processor frames a text (what `AutoTokenizer(text)` gives): BOS first when it puts BOS there, no BOS
+otherwise (data/tokenizer.py), so Qwen's documents are document + EOS. The vocabulary is every id the tokenizer
 can give, its added tokens included (LLaMA-3: 128,256).
 
 A chat template is read where transformers reads it: `chat_template.jinja` beside tokenizer.json, else

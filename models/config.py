@@ -15,7 +15,6 @@ from typing import Any
 
 from models.rope import LinearRope, Llama3Rope, RopeScaling, check_theta, rope_scaling_from_dict
 
-
 # The architectures burst reads and writes (models/hf_config.py maps each to its Hugging Face model_type).
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
 

@@ -269,8 +269,8 @@ def _family_to_hf(config: ModelConfig) -> dict[str, Any]:
     """The config.json fields of `config`'s family that say what sets it apart; a ValueError when that family's
     Hugging Face architecture cannot express `config` (a window on some layers of a Mistral, say)."""
     expected = config_from_hf(_family_fields_probe(config), "probe")  # what the family's own reader would build
-    differing = [name for name in ("qkv_bias", "out_bias", "qk_norm", "norm_plus_one", "sandwich_norms",
-                                   "scale_embeddings", "activation") if getattr(expected, name) != getattr(config, name)]
+    kinds = ("qkv_bias", "out_bias", "qk_norm", "norm_plus_one", "sandwich_norms", "scale_embeddings", "activation")
+    differing = [name for name in kinds if getattr(expected, name) != getattr(config, name)]
     windows = [config.window(i) for i in range(config.n_layers)]
     if config.family == "mistral" and len(set(windows)) > 1:
         differing.append("layer_types")
@@ -316,8 +316,9 @@ def generation_config_to_hf(config: ModelConfig) -> dict | None:
 
 def readable_by_transformers_4_and_5(fields: dict[str, Any]) -> dict[str, Any]:
     """A config.json's `fields` with RoPE in transformers 4.x's form (rope_theta, rope_scaling; torch_dtype; Gemma 3's
-    rope_local_base_freq), which 5.x reads too. 4.x ignores 5.x's `rope_parameters`: a model saved by 5.x would run there at the default theta,
-    unscaled, without a word. A rope_scaling already there stays (it wins, as burst and transformers read it)."""
+    rope_local_base_freq), which 5.x reads too. 4.x ignores 5.x's `rope_parameters`: a model saved by 5.x would run
+    there at the default theta, unscaled, without a word. A rope_scaling already there stays (it wins, as burst and
+    transformers read it)."""
     fields = dict(fields)
     rope = dict(fields.pop("rope_parameters", None) or {})
     if "full_attention" in rope:  # Gemma 3's per layer type: 4.x keeps the local layers' base beside

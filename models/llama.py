@@ -25,9 +25,8 @@ Build on the meta device, then materialise and initialise:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F

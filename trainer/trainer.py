@@ -209,8 +209,8 @@ class Trainer:
         if checked.resume_from is None:  # never replaced (preflight compared its ids on resume); exports carry it
             self.store.copy_tokenizer(self.out)
             # the sampling settings of the model it starts from (a Hugging Face directory's), which exports carry
-            starts = [plan.checkpoint] if plan.checkpoint else [plan.init_from, plan.init_from.parent.parent] \
-                if plan.init_from else []
+            starts = [checked.checkpoint] if checked.checkpoint else \
+                [checked.init_from, checked.init_from.parent.parent] if checked.init_from else []
             kept = next(filter(None, map(generation_config_beside, starts)), None)
             if kept is not None:
                 shutil.copy2(kept, self.out / kept.name)
