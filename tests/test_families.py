@@ -10,13 +10,17 @@ import pytest
 import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from typer.testing import CliRunner
 
+import burst
+from cli import app
 from data import load_tokenizer
 from models import PRESETS, ModelConfig, convert_checkpoint, load_model
 from models.checkpoint import expected_shapes
 from models.convert import name_tables, rename
 from models.footprint import footprint
 from models.hf_config import config_from_hf, config_to_hf
+from tests.distributed import run_on_ranks
 from tests.hf_forms import transformers4_form, transformers5_form
 
 SIZES = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
@@ -174,3 +178,52 @@ def test_presets_are_the_published_models_as_transformers_builds_them(name):
     assert shapes == {rename(key, name_tables(config)[1]): shape for key, shape in expected_shapes(config).items()}
     assert round(footprint(config).parameters / 1e6) == PUBLISHED_MILLIONS[name]
     assert config_from_hf(json.loads(hf.to_json_string()), name) == config
+
+
+def test_a_refused_architecture_is_named_with_those_accepted_in_train_eval_and_convert(tmp_path):
+    """Issue 45's newcomer: a refused Gemma 3 said "converted" in train and eval, and no page said which
+    architectures are accepted."""
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({
+        "model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"], "text_config": {}}))
+    for command in (["convert-checkpoint", str(tmp_path / "hf"), str(tmp_path / "out"), "--to", "burst"],
+                    ["train", "--model", str(tmp_path / "hf"), "--out", str(tmp_path / "run")],
+                    ["eval", "--checkpoint", str(tmp_path / "hf")]):
+        result = CliRunner().invoke(app, command)
+        output = " ".join(result.output.split())
+        assert result.exit_code == 2 and "Traceback" not in output, result.output
+        assert "which burst does not read; it accepts LLaMA (LlamaForCausalLM" in output, result.output
+        assert "Gemma 3 (text) (Gemma3ForCausalLM, model_type 'gemma3_text')" in output, result.output
+        assert "vision-language" in output and "convert" not in output.split("config.json")[1], result.output
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+PARALLEL_SEQ = 48  # three windows long; zigzag cuts it into 2 x world chunks
+
+
+def _check_parallel_logits(rank: int, world_size: int, cases: list) -> None:
+    from evaluation.distributed import shard_tokens, use_burst_attention
+    from models.checkpoint import model_from_tensors
+
+    for config, state, tokens, expected in cases:
+        model = model_from_tensors(config, state.items())
+        use_burst_attention(model, None)
+        shard, positions = shard_tokens(tokens, None)
+        with torch.no_grad():
+            logits = model(shard, positions, rope_length=tokens.shape[1])
+        wanted = burst.shard_for_rank(expected, rank, world_size)
+        assert relative(logits, wanted) <= 1e-4, (config.family, relative(logits, wanted))
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_logits_across_the_ring_equal_transformers(tmp_path, world_size):
+    """Every family with its windows, its sequence split over 2 and 4 ranks, against transformers on the whole."""
+    cases = []
+    for name in ("qwen2", "qwen3", "mistral", "gemma3"):
+        reference = hf_model(name, tmp_path / name)
+        convert_checkpoint(tmp_path / name, tmp_path / f"{name}-burst", to="burst")
+        model = load_model(tmp_path / f"{name}-burst")
+        tokens = torch.randint(0, 300, (1, PARALLEL_SEQ))
+        with torch.no_grad():
+            cases.append((model.config, model.state_dict(), tokens, reference(tokens).logits))
+    run_on_ranks(_check_parallel_logits, world_size, (cases,))
