@@ -84,10 +84,11 @@ class LoRAConfig:
 
 
 class LoRALinear(nn.Linear):
-    """A bias-free nn.Linear whose frozen `weight` is adapted by `lora_b @ lora_a` (the module docstring)."""
+    """An nn.Linear whose frozen `weight` (and bias, where the layer has one: Qwen2's q/k/v) is adapted by
+    `lora_b @ lora_a` (the module docstring)."""
 
-    def __init__(self, in_features: int, out_features: int, lora: LoRAConfig):
-        super().__init__(in_features, out_features, bias=False)
+    def __init__(self, in_features: int, out_features: int, lora: LoRAConfig, bias: bool = False):
+        super().__init__(in_features, out_features, bias=bias)
         self.lora_a = nn.Parameter(torch.empty(lora.rank, in_features))
         self.lora_b = nn.Parameter(torch.empty(out_features, lora.rank))
         self.scaling = lora.scaling
@@ -98,7 +99,7 @@ class LoRALinear(nn.Linear):
         pass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)  # [..., out]
+        y = F.linear(x, self.weight, self.bias)  # [..., out]
         if not self.adapter_on:
             return y
         down = F.linear(self.dropout(x), self.lora_a)  # [..., rank]
@@ -121,8 +122,8 @@ def apply_lora(model: nn.Module, lora: LoRAConfig, frozen_dtype: torch.dtype | N
     for parent, attribute, _ in target_modules(model, lora.targets):
         linear = getattr(parent, attribute)
         with torch.device(linear.weight.device):
-            adapted = LoRALinear(linear.in_features, linear.out_features, lora)
-        adapted.weight = linear.weight
+            adapted = LoRALinear(linear.in_features, linear.out_features, lora, bias=linear.bias is not None)
+        adapted.weight, adapted.bias = linear.weight, linear.bias
         setattr(parent, attribute, adapted)
     for name, param in model.named_parameters():
         param.requires_grad_(is_trainable(name, lora))

@@ -227,3 +227,21 @@ def test_logits_across_the_ring_equal_transformers(tmp_path, world_size):
         with torch.no_grad():
             cases.append((model.config, model.state_dict(), tokens, reference(tokens).logits))
     run_on_ranks(_check_parallel_logits, world_size, (cases,))
+
+
+def test_lora_keeps_the_q_k_v_biases_of_qwen2(tmp_path):
+    """An adapter starts at zero (lora_b = 0): a LoRA model of Qwen2 is transformers' Qwen2 until it trains."""
+    from models.lora import LoRAConfig, apply_lora, initial_adapter_rows
+
+    reference = hf_model("qwen2", tmp_path / "hf")
+    convert_checkpoint(tmp_path / "hf", tmp_path / "burst", to="burst")
+    model = load_model(tmp_path / "burst")
+    lora = LoRAConfig(rank=4, targets=("q", "k", "v", "o"))
+    apply_lora(model, lora)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith((".lora_a", ".lora_b")):
+                parameter.copy_(initial_adapter_rows(name, tuple(parameter.shape), 0, range(parameter.shape[0])))
+    tokens = torch.randint(0, 300, (1, SHORT))
+    with torch.no_grad():
+        assert relative(model(tokens), reference(tokens).logits) <= 1e-4
