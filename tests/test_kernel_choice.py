@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 from burst.kernels import MathKernel, TorchCPUKernel, candidates, select_kernel, self_check
 from burst.kernels import choice as choice_module
 from burst.kernels.choice import Machine, choose_kernel
+from burst.kernels.selfcheck import band_self_check
 from cli import app
 
 EVERYTHING = frozenset({"fa4", "fa3", "cudnn", "flash-attn", "flash", "efficient"})
@@ -148,6 +149,37 @@ def test_self_check_refuses_a_wrong_kernel_in_one_line(kernel, reason):
     problem = self_check(kernel, torch.device("cpu"), torch.bfloat16, 32, 2)
     assert problem is not None and "\n" not in problem
     assert __import__("re").match(reason, problem), problem
+
+
+class BandScaleIgnoringKernel(TorchCPUKernel):
+    """A band path (sliding-window edges) that always uses the default scale."""
+
+    def forward_band(self, q, k, v, band, scale):
+        return super().forward_band(q, k, v, band, q.shape[-1] ** -0.5)
+
+    def backward_band(self, dout, q, k, v, out, lse, band, scale):
+        return super().backward_band(dout, q, k, v, out, lse, band, q.shape[-1] ** -0.5)
+
+
+class BandLseRecomputingKernel(TorchCPUKernel):
+    """A band path whose backward recomputes the block's own log-sum-exp instead of taking the merged one."""
+
+    def backward_band(self, dout, q, k, v, out, lse, band, scale):
+        _, own_lse = self.forward_band(q, k, v, band, scale)
+        return super().backward_band(dout, q, k, v, out, own_lse, band, scale)
+
+
+def test_the_band_self_check_accepts_the_cpu_band_path():
+    assert band_self_check(TorchCPUKernel(), torch.device("cpu"), torch.bfloat16, 32, 2) is None
+
+
+@pytest.mark.parametrize("kernel, reason", [
+    (BandScaleIgnoringKernel(), r"^band forward out differs from the math kernel by .* on band \(-79, 0\)$"),
+    (BandLseRecomputingKernel(), r"^band backward dq differs from the math kernel by .* on band \(-79, 0\)$"),
+], ids=["scale-ignoring", "lse-recomputing"])
+def test_the_band_self_check_refuses_a_wrong_band_path_in_one_line(kernel, reason):
+    problem = band_self_check(kernel, torch.device("cpu"), torch.bfloat16, 32, 2)
+    assert problem is not None and __import__("re").match(reason, problem), problem
 
 
 def test_self_check_leaves_the_random_state_alone():

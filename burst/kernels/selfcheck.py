@@ -50,17 +50,22 @@ def _max_error(name: str, got: torch.Tensor, expected: torch.Tensor, tolerance: 
 
 
 def check_block(kernel: AttentionKernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
-                causal: bool, scale: float, generator: torch.Generator) -> str | None:
-    """What `kernel` gets wrong on one block against the math kernel; None when nothing.
+                mask: bool | tuple[int, int], scale: float, generator: torch.Generator) -> str | None:
+    """What `kernel` gets wrong on one block against the math kernel; None when nothing. `mask`: the causal
+    flag (`forward`/`backward`), or a band (lo, hi) (`forward_band`/`backward_band`, its "band" path).
 
     The backward is given what the ring gives it: the whole row's merged lse and output, not the block's
     own. Another block's share of each row (its lse within a few units of this block's, its output random)
     is merged in, so a kernel that recomputes its own lse, or its own D from its own output, is caught."""
     out_tol, lse_tol, grad_tol = TOLERANCES[q.dtype]
+    band = isinstance(mask, tuple)
+    forward, backward, path = ((kernel.forward_band, kernel.backward_band, "band ") if band
+                               else (kernel.forward, kernel.backward, ""))
     reference = MathKernel()
-    ref_out, ref_lse = reference.forward(q, k, v, causal, scale)
-    out, lse = kernel.forward(q, k, v, causal, scale)
-    problem = _max_error("forward out", out, ref_out, out_tol) or _max_error("forward lse", lse, ref_lse, lse_tol)
+    ref_out, ref_lse = reference.forward(q, k, v, mask, scale)  # the math kernel takes a band as its mask
+    out, lse = forward(q, k, v, mask, scale)
+    problem = (_max_error(f"{path}forward out", out, ref_out, out_tol)
+               or _max_error(f"{path}forward lse", lse, ref_lse, lse_tol))
     if problem:
         return problem
     other_lse = ref_lse - 3 * torch.rand(ref_lse.shape, generator=generator, device=q.device)
@@ -68,12 +73,22 @@ def check_block(kernel: AttentionKernel, q: torch.Tensor, k: torch.Tensor, v: to
     merged_lse = torch.logaddexp(ref_lse, other_lse)  # [b, h, s]
     share = torch.exp(ref_lse - merged_lse).transpose(1, 2).unsqueeze(-1)  # this block's weight, [b, s, h, 1]
     merged_out = (ref_out.float() * share + other_out * (1 - share)).to(q.dtype)
-    ref_grads = reference.backward(dout, q, k, v, merged_out, merged_lse, causal, scale)
-    grads = kernel.backward(dout, q, k, v, merged_out, merged_lse, causal, scale)
+    ref_grads = reference.backward(dout, q, k, v, merged_out, merged_lse, mask, scale)
+    grads = backward(dout, q, k, v, merged_out, merged_lse, mask, scale)
     for name, got, expected in zip(("dq", "dk", "dv"), grads, ref_grads, strict=True):
-        if problem := _max_error(f"backward {name}", got, expected, grad_tol):
+        if problem := _max_error(f"{path}backward {name}", got, expected, grad_tol):
             return problem
     return None
+
+
+def _shards(generator: torch.Generator, device: torch.device, dtype: torch.dtype, head_dim: int,
+            groups: int) -> list[torch.Tensor]:
+    """q, k, v, dout of one rank's shard: [b, 2 chunks, heads, d] in heads-first memory, as the ring's."""
+    def shard(heads: int) -> torch.Tensor:
+        x = torch.randn(BATCH, heads, 2 * CHUNK, head_dim, generator=generator, device=device, dtype=torch.float32)
+        return x.to(dtype).transpose(1, 2)
+
+    return [shard(KV_HEADS * groups), shard(KV_HEADS), shard(KV_HEADS), shard(KV_HEADS * groups)]
 
 
 def self_check(kernel: AttentionKernel, device: torch.device, dtype: torch.dtype, head_dim: int,
@@ -82,12 +97,7 @@ def self_check(kernel: AttentionKernel, device: torch.device, dtype: torch.dtype
     math kernel on the ring's kinds of block, at a scale that is not the default. Uses its own random
     generator: the run's random state is left as it was."""
     generator = torch.Generator(device=device).manual_seed(0)
-
-    def shard(heads: int) -> torch.Tensor:  # [b, 2 chunks, heads, d], heads-first memory as the ring's
-        x = torch.randn(BATCH, heads, 2 * CHUNK, head_dim, generator=generator, device=device, dtype=torch.float32)
-        return x.to(dtype).transpose(1, 2)
-
-    q, k, v, dout = shard(KV_HEADS * groups), shard(KV_HEADS), shard(KV_HEADS), shard(KV_HEADS * groups)
+    q, k, v, dout = _shards(generator, device, dtype, head_dim, groups)
     later, first, whole = slice(CHUNK, None), slice(0, CHUNK), slice(None)
     blocks = (("a causal square block", later, later, True),
               # top-left: query row i sees key rows 0..i, so a bottom-right kernel fails here
@@ -155,30 +165,16 @@ BAND_BLOCKS = ((slice(0, CHUNK), slice(0, CHUNK), (1 - CHUNK, 0)),
 def band_self_check(kernel: AttentionKernel, device: torch.device, dtype: torch.dtype, head_dim: int,
                     groups: int = 1) -> str | None:
     """Why `kernel`'s band path (`forward_band` / `backward_band`, burst/kernels/contract.py) must not be
-    used, or None when it gives the math kernel's results on blocks cut by a sliding window's band."""
+    used, or None when it gives the math kernel's results on blocks cut by a sliding window's band, as
+    `self_check` checks a block: a scale that is not the default, the backward given a merged lse."""
     generator = torch.Generator(device=device).manual_seed(2)
-
-    def shard(heads: int) -> torch.Tensor:  # heads-first memory, as the ring's
-        x = torch.randn(BATCH, heads, 2 * CHUNK, head_dim, generator=generator, device=device, dtype=torch.float32)
-        return x.to(dtype).transpose(1, 2)
-
-    q, k, v, dout = shard(KV_HEADS * groups), shard(KV_HEADS), shard(KV_HEADS), shard(KV_HEADS * groups)
-    out_tol, lse_tol, grad_tol = TOLERANCES[dtype]
-    reference, scale = MathKernel(), head_dim ** -0.5
+    q, k, v, dout = _shards(generator, device, dtype, head_dim, groups)
     try:
         with torch.no_grad(), torch.autocast(device.type, enabled=False):
             for rows, cols, band in BAND_BLOCKS:
-                bq, bk, bv, bdout = q[:, rows], k[:, cols], v[:, cols], dout[:, rows]
-                ref_out, ref_lse = reference.forward_band(bq, bk, bv, band, scale)
-                out, lse = kernel.forward_band(bq, bk, bv, band, scale)
-                if problem := (_max_error("band forward out", out, ref_out, out_tol)
-                               or _max_error("band forward lse", lse, ref_lse, lse_tol)):
+                if problem := check_block(kernel, q[:, rows], k[:, cols], v[:, cols], dout[:, rows], band,
+                                          SCALE_FACTOR * head_dim ** -0.5, generator):
                     return f"{problem} on band {band}"
-                expected = reference.backward_band(bdout, bq, bk, bv, ref_out, ref_lse, band, scale)
-                grads = kernel.backward_band(bdout, bq, bk, bv, ref_out, ref_lse.contiguous(), band, scale)
-                for name, got, want in zip(("dq", "dk", "dv"), grads, expected, strict=True):
-                    if problem := _max_error(f"band backward {name}", got, want, grad_tol):
-                        return f"{problem} on band {band}"
     except Exception as error:  # noqa: BLE001 - any failure sends band blocks to the math kernel, with its message
-        return f"it raised {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}".rstrip(": ")
+        return f"it raised {one_line(error)}"
     return None
