@@ -28,6 +28,12 @@ class Footprint:
     head_dim: int
     ffn: int
     vocab: int
+    windows: tuple[int | None, ...] = ()  # each layer's sliding window, None for a causal layer; (): all causal
+
+    def layer_windows(self) -> dict[int | None, int]:
+        """How many layers attend with each window (None: causal over the whole sequence)."""
+        windows = self.windows or (None,) * self.layers
+        return {window: windows.count(window) for window in dict.fromkeys(windows)}
 
     @property
     def block_width(self) -> int:
@@ -57,6 +63,6 @@ def matmul_flops_per_token(model: Footprint) -> int:
 
 
 def attention_flops(model: Footprint, pairs: int) -> int:
-    """Forward FLOPs of attention over `pairs` visible (query, key) position pairs, all layers: QK^T and PV,
-    2 FLOPs per multiply-add each, over every query head."""
-    return 4 * pairs * model.heads * model.head_dim * model.layers
+    """Forward FLOPs of attention over `pairs` visible (query, key) position pairs summed over the layers (each
+    layer's under its own window): QK^T and PV, 2 FLOPs per multiply-add each, over every query head."""
+    return 4 * pairs * model.heads * model.head_dim

@@ -9,22 +9,23 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from burst.balance import band_pairs
 from burst.layout import row_layouts
 from burst.plan import AttentionPlan
 
 
 def sequence_plan(seq_len: int, world: int, boundaries: Sequence[int] | None = None,
                   sees: Sequence[int] | None = None, layout: str = "zigzag", rows: int = 1,
-                  causal: bool = True) -> AttentionPlan:
+                  causal: bool = True, window: int | None = None) -> AttentionPlan:
     """The plan of `rows` batch rows of one sequence cut over `world` ranks: documents at `boundaries` (offsets
     [0, ..., seq_len]; None: one stream, cut zigzag), each seeing the earlier document `sees` names (-1: none; None:
-    none at all), the shards laid out by `layout` (zigzag or balanced)."""
+    none at all), the shards laid out by `layout` (zigzag or balanced), under a sliding `window` (None: none)."""
     if boundaries is None:
         layouts = row_layouts("zigzag", None, seq_len, world, rows, None)
-        return AttentionPlan(layouts, causal, None, None)
+        return AttentionPlan(layouts, causal, None, None, window)
     boundaries, sees = list(boundaries), None if sees is None else list(sees)
     (chosen,) = row_layouts(layout, [boundaries], seq_len, world, 1, None if sees is None else [sees])
-    return AttentionPlan([chosen] * rows, causal, [boundaries] * rows, None if sees is None else [sees] * rows)
+    return AttentionPlan([chosen] * rows, causal, [boundaries] * rows, None if sees is None else [sees] * rows, window)
 
 
 def document_boundaries(seq_len: int, doc_len: int | Sequence[int] | None) -> list[int] | None:
@@ -65,7 +66,7 @@ def prefix_sees(boundaries: list[int] | None) -> list[int] | None:
 def segment_pairs(segment) -> int:
     q = segment.q_rows.stop - segment.q_rows.start
     k = segment.kv_rows.stop - segment.kv_rows.start
-    return q * (q + 1) // 2 if segment.causal else q * k
+    return band_pairs(q, k, segment.causal, segment.band)
 
 
 def rank_pairs(plan: AttentionPlan) -> list[int]:

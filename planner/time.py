@@ -20,11 +20,17 @@ from planner.memory import compute_width
 from planner.shape import RunShape
 
 
-def shape_plan(shape: RunShape) -> AttentionPlan:
-    """The plan of one of the shape's sequences as BurstAttention cuts it (cp ranks, the shape's layout)."""
+def shape_plan(shape: RunShape, window: int | None = None) -> AttentionPlan:
+    """The plan of one of the shape's sequences as BurstAttention cuts it (cp ranks, the shape's layout) for a
+    layer with a sliding `window` (None: causal)."""
     boundaries = document_boundaries(shape.seq_len, shape.doc_len)
     sees = prefix_sees(boundaries) if shape.prefix_sharing else None
-    return sequence_plan(shape.seq_len, shape.cp, boundaries, sees, shape.layout)
+    return sequence_plan(shape.seq_len, shape.cp, boundaries, sees, shape.layout, window=window)
+
+
+def over_layers(shape: RunShape, model: Footprint, count) -> float:
+    """count(plan) summed over the model's layers, each layer's plan under its own window."""
+    return sum(layers * count(shape_plan(shape, window)) for window, layers in model.layer_windows().items())
 
 
 def ring_bytes(shape: RunShape, model: Footprint, hardware: Hardware, plan: AttentionPlan) -> tuple[int, int]:
@@ -69,16 +75,18 @@ def time_parts(shape: RunShape, model: Footprint, hardware: Hardware) -> dict[st
     # passes, once more when recomputed (dominant on CPU for narrow models; folded into the matmul rate on GPU)
     passes = 3 if mode == "none" else 4
     elementwise = tokens * model.layers * model.block_width * passes * sharing * constants.elementwise_s_per_value
-    plan = shape_plan(shape)
-    pairs = busiest_rank_pairs(plan) * shape.batch_size * shape.grad_accum
+    pairs = over_layers(shape, model, busiest_rank_pairs) * shape.batch_size * shape.grad_accum  # all layers
     passes = 4 if mode == "full" else 3  # forward, backward's two; full recomputes the forward
     # QK^T and PV at the kernel's rate, plus the softmax's exp/max/sum per score, whatever the head's width
-    scores = passes * pairs * model.heads * model.layers
+    scores = passes * pairs * model.heads
     attention = (passes * attention_flops(model, pairs) / attention_rate
                  + scores * sharing * constants.attention_score_s)
-    intra, inter = ring_bytes(shape, model, hardware, plan)
-    per_layer = max(intra / (hardware.nvlink_gbps * 1e9), inter / (hardware.network_gbps * 1e9))
-    ring = per_layer * model.layers * shape.grad_accum * (2 if mode == "full" else 1)
+
+    def layer_ring_s(plan: AttentionPlan) -> float:
+        intra, inter = ring_bytes(shape, model, hardware, plan)
+        return max(intra / (hardware.nvlink_gbps * 1e9), inter / (hardware.network_gbps * 1e9))
+
+    ring = over_layers(shape, model, layer_ring_s) * shape.grad_accum * (2 if mode == "full" else 1)
     # each ring step's hand-off (a send/receive pair, forward and backward) costs a latency compute cannot hide
     # where the ranks share cores (gloo on CPU); NCCL's microseconds under a GPU's kernels are left out
     ring_steps = 2 * (shape.cp - 1) * model.layers * shape.grad_accum * (2 if mode == "full" else 1)
@@ -109,7 +117,7 @@ def model_flops(shape: RunShape, model: Footprint) -> float:
     """The model's FLOPs of one step over all ranks, without recomputation: MFU's numerator, the one FLOP count of
     the project (`burst plan` and scripts/gpu_benchmark.py). The matrices and the output head at 6 FLOPs a
     parameter a token; attention's QK^T and PV over the pairs the plan leaves visible, forward and backward."""
-    pairs = sum(rank_pairs(shape_plan(shape)))
+    pairs = over_layers(shape, model, lambda plan: sum(rank_pairs(plan)))
     sequences = shape.batch_size * shape.grad_accum * shape.dp
     return sequences * (shape.seq_len * matmul_flops_per_token(model) + 3 * attention_flops(model, pairs))
 

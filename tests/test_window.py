@@ -2,6 +2,7 @@
 the plan's band segments, one process, 2 and 4 gloo ranks in both backward modes, both layouts, two-level and
 Ulysses, with packed documents and prefix sharing; blocks outside every window cost no call and no bytes."""
 
+import dataclasses
 import itertools
 import json
 import random
@@ -18,7 +19,11 @@ from burst.cost import plan_bytes
 from burst.layout import balanced_layout, row_layouts, zigzag_layout
 from burst.plan import ALL, AttentionPlan, band_segments, band_strip
 from cli import app
-from models import LocalAttention
+from models import LocalAttention, ModelConfig
+from models.footprint import footprint
+from planner.hardware import gpu
+from planner.shape import RunShape
+from planner.time import model_flops, time_parts
 from tests.distributed import run_on_ranks
 from tests.test_balance import SMALL_TILES
 from tests.test_bench import legible_at_80_columns
@@ -289,3 +294,21 @@ def test_bench_times_windowed_runs_beside_full_causal(tmp_path):
     assert set(runs) == {"single process", "single process window 16", "burst x2", "burst window 16 x2"}
     # the window's 15 keys of k and v before rank 1's first chunk, against all of rank 0's shard
     assert runs["burst window 16 x2"]["sent_forward_mib"] < runs["burst x2"]["sent_forward_mib"] / 4
+
+
+# ---- burst plan
+
+
+def test_the_planner_counts_each_layers_window():
+    """A model whose layers have windows: the FLOPs and attention time count each layer's band, the FLOPs exactly
+    the band's pairs (sum over queries of min(i + 1, W)) against the causal triangle's."""
+    seq, window = 4096, 256
+    model = footprint(ModelConfig.from_name("tiny"))
+    local = dataclasses.replace(model, windows=(window,) * (model.layers - 1) + (None,))  # one global layer
+    shape = RunShape(seq_len=seq, cp=2)
+    band = sum(min(i + 1, window) for i in range(seq))
+    causal = seq * (seq + 1) // 2
+    saved = 3 * 4 * model.heads * model.head_dim * (model.layers - 1) * (causal - band)  # forward and backward
+    assert model_flops(shape, model) - model_flops(shape, local) == saved
+    hardware = gpu("h200")
+    assert time_parts(shape, local, hardware)["attention"] < time_parts(shape, model, hardware)["attention"] / 2
