@@ -392,12 +392,21 @@ app.command("train")(_train_command)
 
 def _plan_command(config: Path | None = None, gpu: str | None = None, gpus_per_node: int | None = None,
                   nodes: int = 1, search: bool = False, json_path: Path | None = None, vocab_size: int | None = None,
-                  doc_len: int | None = None, force: bool = False, **flags: Any) -> None:
+                  doc_len: int | None = None, force: bool = False, calibrate: bool = False, **flags: Any) -> None:
     """What a training run needs per rank (memory by part, fits or not) and how fast it goes (step time by part,
     tokens/s per GPU, MFU), before it starts: for this machine, or --gpu NAME. Takes `burst train`'s settings.
     With --search: the cp x dp x recomputation settings of the GPUs that fit, fastest first."""
     from trainer.config import load_config
-    from trainer.plan import PlanRequest, check_json_path, format_plan, format_search, plan, to_json, write_json
+    from trainer.plan import (
+        PlanRequest,
+        calibrate_here,
+        check_json_path,
+        format_plan,
+        format_search,
+        plan,
+        to_json,
+        write_json,
+    )
     from trainer.plan import search as search_settings
 
     flags.pop("val_sequences", None)
@@ -406,6 +415,8 @@ def _plan_command(config: Path | None = None, gpu: str | None = None, gpus_per_n
         request = PlanRequest(load_config(config, overrides), gpu, gpus_per_node, nodes, vocab_size, doc_len)
         if json_path is not None:
             check_json_path(json_path, force)
+        if calibrate:
+            calibrate_here(request)
         shape, result, hardware = plan(request)
         found = longest = None
         if search:
@@ -435,6 +446,11 @@ _plan_command.__signature__ = inspect.Signature([
                       default=typer.Option(None, "--json", help="Also write the plan to this JSON file.")),
     inspect.Parameter("force", inspect.Parameter.KEYWORD_ONLY, annotation=bool,
                       default=typer.Option(False, "--force", help="Replace the --json file if it exists.")),
+    inspect.Parameter("calibrate", inspect.Parameter.KEYWORD_ONLY, annotation=bool,
+                      default=typer.Option(False, "--calibrate", help="First fit the estimate's constants to a few "
+                                                                      "minutes of short steps on this machine (its "
+                                                                      "device and precision), kept for every plan "
+                                                                      "and memory check here from then on.")),
     inspect.Parameter("vocab_size", inspect.Parameter.KEYWORD_ONLY, annotation=int | None,
                       default=typer.Option(None, "--vocab-size", help="The tokenizer's vocabulary, replacing the "
                                                                       "preset's.")),

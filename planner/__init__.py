@@ -6,7 +6,8 @@ so does scripts/gpu_benchmark.py, for its one FLOP count and peak rate.
 
     shape.py        RunShape: the dozen settings memory and time depend on
     hardware.py     the GPU table, this machine's memory and measured CPU rate
-    calibration.py  the constants no shape gives: one record per machine
+    calibration.py  the constants no shape gives: one record per machine (shipped, or `burst plan --calibrate`'s)
+    calibrate.py    fitting the constants to measured steps (benchmarks/plan_calibration.py, `--calibrate`)
     memory.py       peak memory of one rank, by part
     attention.py    one sequence's plan of kernel calls, and its documents
     time.py         step time by part, and the model FLOPs of a step (MFU's numerator)

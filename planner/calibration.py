@@ -21,7 +21,10 @@ gloo's hand-off taken from fp32.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -87,7 +90,7 @@ _CUDA = Constants(block_bytes_per_value=4.66, backward_bytes_per_value=0.0, full
 GPU = Calibration("NVIDIA H200", "cuda", _CUDA, _CUDA, "issue 36's H200 measurements (bf16, one GPU)")
 # A 2-core Intel Xeon with AVX-512, avx512_bf16 and amx_bf16 (docs/plan.md): the fp32 grid and the bf16 grid.
 CPU = Calibration(
-    "Intel Xeon Processor (2 threads)", "cpu",
+    "Intel(R) Xeon(R) Processor, 2 threads, AVX512", "cpu",
     Constants(block_bytes_per_value=4.161, backward_bytes_per_value=0.316, full_recompute_bytes_per_value=6.393,
               selective_values_per_dim=7.257, outer_bytes_per_dim=0.0, matmul_efficiency=1.0, attention_fraction=1.0,
               elementwise_s_per_value=2.03e-09, attention_score_s=2.73e-10, ring_step_s=0.00767,
@@ -102,3 +105,30 @@ CPU = Calibration(
 def default(device: str) -> Calibration:
     """The record shipped for `device`: the H200's for CUDA, the calibration CPU's for a CPU."""
     return GPU if device == "cuda" else CPU
+
+
+def cache_path() -> Path:
+    """Where `burst plan --calibrate` keeps each machine's record: ~/.cache/burst/calibration.json."""
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "burst" / "calibration.json"
+
+
+def cached(machine: str) -> Calibration | None:
+    """The record `burst plan --calibrate` fitted on `machine` (planner/hardware.py's machine_id), or None."""
+    try:
+        entry = json.loads(cache_path().read_text())[machine]
+        return Calibration(entry["machine"], entry["device"], Constants(**entry["fp32"]), Constants(**entry["bf16"]),
+                           entry["source"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def save(record: Calibration) -> Path:
+    """Keep `record` as its machine's, beside other machines' records; returns the file."""
+    path = cache_path()
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        known = {}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**known, record.machine: asdict(record)}, indent=1) + "\n")
+    return path

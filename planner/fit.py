@@ -4,8 +4,9 @@ any process starts, naming the settings that would."""
 from __future__ import annotations
 
 from models.config import ModelConfig
+from planner import calibration
 from planner.estimate import memory_estimate
-from planner.hardware import available_memory_bytes, memory_only
+from planner.hardware import available_memory_bytes, machine_id, memory_only
 from planner.search import fitting, longest_sequence
 from planner.shape import RunShape
 
@@ -15,11 +16,12 @@ GIB = 2**30
 def this_machine(device_kind: str, local_ranks: int):
     """The hardware the fit check measures: one rank's GPU on CUDA (its memory from torch.cuda), else this machine's
     available memory shared by its local ranks."""
-    if device_kind == "cuda":
+    if device_kind == "cuda":  # with `burst plan --calibrate`'s constants, once made here
         import torch
 
-        return memory_only("cuda", torch.cuda.get_device_properties(0).total_memory, local_ranks)
-    return memory_only("cpu", available_memory_bytes(), local_ranks)
+        properties = torch.cuda.get_device_properties(0)
+        return memory_only("cuda", properties.total_memory, local_ranks, calibration.cached(properties.name))
+    return memory_only("cpu", available_memory_bytes(), local_ranks, calibration.cached(machine_id("cpu")))
 
 
 def check_fits(shape: RunShape, model_config: ModelConfig, local_ranks: int, device_kind: str = "cpu") -> None:

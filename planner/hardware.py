@@ -109,12 +109,41 @@ def local_hardware(gpus_per_node: int | None = None, nodes: int = 1, precision: 
         named = table_gpu(properties.name) or GPUS["h100"]
         return replace(named, name=properties.name, memory_bytes=properties.total_memory,
                        gpus_per_node=gpus_per_node or torch.cuda.device_count(), nodes=nodes,
-                       source=f"torch.cuda for memory; rates of the table's {named.name}")
+                       source=f"torch.cuda for memory; rates of the table's {named.name}",
+                       calibration=calibration.cached(properties.name))
     from runtime.launch import available_cores
 
     tflops, cores = cpu_matmul_tflops(dtype=torch.bfloat16 if precision == "bf16" else torch.float32), available_cores()
     return Hardware("this CPU", "cpu", available_memory_bytes(), tflops, tflops, 5.0, 1.0, 10.0, gpus_per_node or 1,
-                    nodes, f"MemAvailable; {precision} matmul {tflops:.3f} TFLOP/s measured on {cores} cores", cores)
+                    nodes, f"MemAvailable; {precision} matmul {tflops:.3f} TFLOP/s measured on {cores} cores", cores,
+                    calibration=calibration.cached(machine_id("cpu")))
+
+
+def machine_id(device: str) -> str:
+    """This machine as a calibration record names it: its first GPU's name, or its CPU's model, torch's threads and
+    its vector capability (what the CPU constants depend on)."""
+    import torch
+
+    if device == "cuda":
+        return torch.cuda.get_device_name(0)
+    return f"{cpu_model()}, {torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}"
+
+
+def planned_machine(hardware: Hardware) -> str:
+    """The machine `hardware` describes, as a record names one: a table GPU by its entry's key, this CPU by
+    `machine_id`."""
+    if hardware.device == "cuda":
+        return next((key for key in GPUS if key in hardware.name.lower()), hardware.name)
+    return machine_id("cpu")
+
+
+def foreign_constants(hardware: Hardware) -> bool:
+    """Whether `hardware` is planned with constants fitted on another machine."""
+    record = hardware.record
+    if hardware.device == "cuda":
+        return next((key for key in GPUS if key in record.machine.lower()), record.machine) != \
+            planned_machine(hardware)
+    return record.machine != machine_id("cpu")
 
 
 def available_memory_bytes() -> int:
@@ -171,7 +200,9 @@ def cpu_model() -> str:
         return "cpu"
 
 
-def memory_only(device: str, memory_bytes: int, gpus_per_node: int = 1) -> Hardware:
-    """Hardware known by its memory alone, for checks that need no rates (the preflight's)."""
+def memory_only(device: str, memory_bytes: int, gpus_per_node: int = 1, record: Calibration | None = None) -> Hardware:
+    """Hardware known by its memory alone, for checks that need no rates (the fit check's); its constants `record`'s
+    (None: the device's default)."""
     return Hardware(f"this {'GPU' if device == 'cuda' else 'machine'}", device, memory_bytes, 0.0, 0.0, 0.0, 0.0, 0.0,
-                    gpus_per_node, 1, "torch.cuda total memory" if device == "cuda" else "MemAvailable")
+                    gpus_per_node, 1, "torch.cuda total memory" if device == "cuda" else "MemAvailable",
+                    calibration=record)

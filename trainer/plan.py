@@ -17,7 +17,7 @@ from pathlib import Path
 from models import PRESETS, ModelConfig
 from planner import Estimate, RunShape, estimate
 from planner.attention import effective_doc_len
-from planner.hardware import Hardware, gpu, local_hardware
+from planner.hardware import Hardware, foreign_constants, gpu, local_hardware, planned_machine
 from planner.search import layouts, longest_sequence
 from trainer.config import TrainConfig
 from trainer.preflight import resolve_model, run_shape
@@ -46,6 +46,24 @@ class PlanRequest:
                              f"it out to take the stores' length-weighted mean")
         if self.gpu is not None and self.config.device == "cpu":
             raise ValueError("--gpu plans for GPUs of the table, --device cpu for this machine's CPU: drop one")
+
+
+def calibrate_here(request: PlanRequest) -> None:
+    """`burst plan --calibrate`: fit this machine's constants (trainer/calibrate.py) on the device and in the precision
+    the request's run would take here; progress on stderr."""
+    if request.gpu is not None:
+        raise ValueError("--calibrate measures this machine, --gpu plans for a GPU of the table: drop one")
+    import sys
+
+    import torch
+
+    from runtime.device import resolve_device
+    from runtime.precision import resolve_precision
+    from trainer.calibrate import calibrate
+
+    device = resolve_device(request.config.device).kind
+    precision = resolve_precision(request.config.precision, torch.device(device)).name
+    calibrate(device, precision, say=lambda line: print(line, file=sys.stderr, flush=True))
 
 
 def check_json_path(path: Path, force: bool) -> None:
@@ -98,7 +116,7 @@ def documents_length(request: PlanRequest) -> int | None:
         raise ValueError("--doc-len is the length of documents --doc-mask keeps apart; without --doc-mask a sequence "
                          "attends as one document: add --doc-mask, or drop --doc-len")
     if request.doc_len is not None and request.doc_len >= config.seq_len:
-        return None  # one document fills every sequence: counted as one, and said so
+        return None  # one document fills every sequence: counted as one (no documents line)
     if request.doc_len is not None or not config.doc_mask or config.objective != "nll":
         return request.doc_len
     from data import default_store
@@ -221,6 +239,12 @@ def format_plan(config: TrainConfig, shape: RunShape, result: Estimate, hardware
     lines += [f"  {name:<20} {seconds:10.3f}" for name, seconds in result.step_time_parts.items()]
     lines.append(f"  {'step':<20} {result.step_time_s:10.3f}")
     lines.append(f"tokens/s per GPU {result.tokens_per_s:,.0f}; MFU {result.mfu:.1%}")
+    if foreign_constants(hardware):
+        lines.append(f"note: the estimate's constants were fitted on {hardware.record.machine}, not on "
+                     f"{hardware.name if hardware.device == 'cuda' else planned_machine(hardware)}, and do not carry "
+                     f"over exactly"
+                     + ("; `burst plan --calibrate` fits them on this machine in a few minutes"
+                        if hardware.device == "cpu" or hardware.source.startswith("torch.cuda") else ""))
     if hardware.device == "cpu" and shape.precision == "bf16" and not native_cpu_bf16():
         lines.append("note: this CPU has no native bf16, where bf16 runs many times slower than fp32; the estimate's "
                      "bf16 constants come from a CPU that has it (docs/plan.md), so its step time is not this "
@@ -276,7 +300,9 @@ def hardware_json(hardware: Hardware) -> dict:
     figures = {field.name: getattr(hardware, field.name) for field in dataclasses.fields(hardware)
                if field.name != "calibration"}
     record = hardware.record
-    return {**figures, "calibration": {"machine": record.machine, "source": record.source}}
+    return {**figures, "calibration": {"machine": record.machine, "source": record.source,
+                                       "this_machine": not foreign_constants(hardware),
+                                       "constants": dataclasses.asdict(record)}}
 
 
 def write_json(path: Path, document: dict) -> None:
