@@ -82,10 +82,11 @@ def _flags(settings: dict) -> list:
     return line
 
 
-def test_long_conversations_on_an_instruction_store_is_read_not_refused(chat_store):
-    chat = chat_store
-    config = load_config(None, {"model": "debug", "data": [str(chat)], "long_conversations": "truncate"})
-    assert "long_conversations" not in ignored_settings(config, {"long_conversations"})
+def test_long_conversations_on_instruction_and_preference_stores_is_read_not_refused(chat_store, tmp_path):
+    for data, objective in ((chat_store, "nll"), (make_pair_store(tmp_path / "pairs"), "dpo")):
+        config = load_config(None, {"model": "debug", "data": [str(data)], "objective": objective,
+                                    "long_conversations": "truncate"})
+        assert "long_conversations" not in ignored_settings(config, {"long_conversations"})
 
 
 def test_eval_settings_given_that_it_never_reads_are_refused(store, tmp_path):

@@ -131,20 +131,22 @@ def ignored_settings(config: TrainConfig, given: set[str]) -> dict[str, str]:
     if config.val_tokens == 0 and "val_every" not in ignored:
         ignored["val_every"] = "sets the steps between validation losses, and --val-tokens 0 turns validation off"
     if "long_conversations" in given and not _holds_conversations(config):
-        ignored["long_conversations"] = ("is for instruction stores (`burst prepare --chat`), whose conversations "
-                                         "may outgrow a sequence; no --data store holds conversations")
+        ignored["long_conversations"] = ("is for instruction and preference stores (`burst prepare --chat`, "
+                                         "--preference), whose conversations may outgrow a sequence; no --data store "
+                                         "holds conversations")
     return ignored
 
 
 def _holds_conversations(config: TrainConfig) -> bool:
-    """Whether a --data store holds conversations (the embedded corpus does not); a store that cannot be opened
-    counts as one, left to preflight to refuse by name."""
+    """Whether a --data store holds conversations or preference pairs (the embedded corpus does not); a store that
+    cannot be opened counts as one, left to preflight to refuse by name."""
     from data.mixture import parse_mixture
     from data.store import TokenStore
 
     for spec in parse_mixture(config.data or []) if config.data else []:
         try:
-            if TokenStore(spec.path).is_conversations:
+            store = TokenStore(spec.path)
+            if store.is_conversations or store.is_preferences:
                 return True
         except (OSError, ValueError):
             return True
