@@ -54,7 +54,8 @@ def footprint(model_config: ModelConfig) -> Footprint:
     return Footprint(parameters=sum(count.values()), block=max(blocks), outer=outer, matmul=matrices + head,
                      dim=model_config.dim, layers=model_config.n_layers, heads=model_config.n_heads,
                      kv_heads=model_config.n_kv_heads, head_dim=model_config.head_dim,
-                     ffn=model_config.ffn_hidden_dim, vocab=model_config.vocab_size)
+                     ffn=model_config.ffn_hidden_dim, vocab=model_config.vocab_size,
+                     windows=tuple(model_config.window(i) for i in range(model_config.n_layers)))
 
 
 def matmul_flops_per_token(model: Footprint) -> int:

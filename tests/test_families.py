@@ -245,3 +245,29 @@ def test_lora_keeps_the_q_k_v_biases_of_qwen2(tmp_path):
     tokens = torch.randint(0, 300, (1, SHORT))
     with torch.no_grad():
         assert relative(model(tokens), reference(tokens).logits) <= 1e-4
+
+
+def test_the_plan_counts_each_layers_window():
+    """`burst plan` counts a sliding-window layer's band, not the causal triangle: Gemma-3 270M's FLOPs at 32K over 4
+    ranks, against the pairs each layer's mask leaves visible, counted on the dense mask in float64 arithmetic."""
+    import dataclasses
+
+    from planner.shape import RunShape
+    from planner.time import model_flops
+
+    seq_len, config = 32768, PRESETS["gemma3-270m"].model
+    model = footprint(config)
+    causal = dataclasses.replace(model, windows=(None,) * model.layers)
+    shape = RunShape(seq_len=seq_len, cp=4)
+    attention = model_flops(shape, model) - seq_len * 6 * model.matmul
+    causal_attention = model_flops(shape, causal) - seq_len * 6 * causal.matmul
+    per_pair = 3 * 4 * model.heads * model.head_dim  # forward and backward, QK^T and PV
+    i = torch.arange(seq_len, dtype=torch.float64)
+    band = torch.clamp(i + 1, max=512).sum().item()  # a query at i sees keys i - 512 < j <= i
+    triangle = seq_len * (seq_len + 1) / 2
+    visible = sum(band if window else triangle for window in model.windows) * per_pair
+    assert causal_attention == model.layers * triangle * per_pair  # a causal layer computes exactly its triangle
+    print(f"attention FLOPs: {attention / visible:.3f}x the visible pairs', "
+          f"{attention / causal_attention:.3f}x causal's")
+    assert visible <= attention <= 1.25 * visible  # a band's edges are computed in strips and masked
+    assert attention < causal_attention / 5
