@@ -241,6 +241,14 @@ def check_bytes_follow_the_plan(rank, world_size, window):
     assert forward == targets * (window - 1) * 2 * lk.shape[0] * lk[0, 0].numel() * lk.element_size()
 
 
+def check_the_module_passes_a_layers_window(world_size):
+    """`BurstAttention`, as parallelize swaps it in, attends with the window the model's layer passes."""
+    q, k, v, dout = make_inputs(2 * world_size * 24, 4, 2, torch.float32, seed=5, head_dim=8)
+    expected = reference(q, k, v, dout, [visible_mask(q.shape[1], 11)] * 2)[0]
+    out = burst.BurstAttention()(*(burst.shard_sequence(t) for t in (q, k, v)), window=11)
+    assert (burst.gather_sequence(out).double() - expected).abs().max() <= OUT_TOLERANCE
+
+
 def _cases(rank, world_size):
     balance.OPTIONS = SMALL_TILES  # chunks of 8 tokens and more: real permutations on short sequences
     seq = 2 * world_size * 24
@@ -251,6 +259,11 @@ def _cases(rank, world_size):
     check_ranks(world_size, 30, boundaries, sees, "ring", "balanced", layout_windows=(30, None, 70))
     check_ranks(world_size, 70, boundaries, sees, "burst")
     check_bytes_follow_the_plan(rank, world_size, 5)
+    check_the_module_passes_a_layers_window(world_size)
+    if world_size == 2:
+        q = burst.shard_sequence(torch.randn(1, 96, 2, 8))
+        with pytest.raises(ValueError, match="window: rank 0 5, rank 1 6"):
+            burst.burst_attn(q, q, q, window=5 + rank)
     if world_size == 4:  # the other topologies, on 2 simulated nodes of 2
         check_ranks(4, 30, boundaries, sees, "ring", "zigzag", "two-level", 2)
         check_ranks(4, 30, boundaries, sees, "burst", "balanced", "ulysses", 2, layout_windows=(30,))
