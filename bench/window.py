@@ -31,6 +31,7 @@ class RankCount:
 
     rank: int
     window: int | None
+    steps: int  # key/value shards (the rank's own included) its queries make a kernel call on: its ring steps with work
     calls: int
     computed_pairs: int  # (query, key) pairs the rank's kernel calls compute, over the batch rows and one head
     sent_forward_mib: float
@@ -42,6 +43,7 @@ class BandOwn:
     """What the window itself asks of one rank: the pairs its queries see, the bytes that must travel."""
 
     rank: int
+    steps: int  # key/value shards (its own included) holding a key that one of the rank's queries sees
     visible_pairs: int
     sent_forward_mib: float
     sent_backward_mib: float
@@ -58,7 +60,8 @@ def count_plan(plan: AttentionPlan, config: AttentionBenchConfig, mode: str) -> 
             rows, cols = (len(range(plan.shard_len)[x]) for x in (s.q_rows, s.kv_rows))
             pairs += rows * (rows + 1) // 2 if s.causal else rows * cols
         forward, _, backward, _ = plan_bytes(plan, "flat", q, k, mode, plan.world_size, rank)
-        counts.append(RankCount(rank, plan.window, len(segments), pairs * config.batch, forward / MIB,
+        steps = sum(bool(plan(rank, owner)) for owner in range(plan.world_size))
+        counts.append(RankCount(rank, plan.window, steps, len(segments), pairs * config.batch, forward / MIB,
                                 backward / MIB))
     return counts
 
@@ -84,6 +87,7 @@ def band_own(config: AttentionBenchConfig, window: int, mode: str) -> list[BandO
     for rank in range(config.nproc):
         mine = positions[owner == rank]
         keys_seen = queries_seeing = 0
+        steps = 1  # its own shard: a query's nearest key is itself
         for other in range(config.nproc):
             if other == rank:
                 continue
@@ -92,10 +96,12 @@ def band_own(config: AttentionBenchConfig, window: int, mode: str) -> list[BandO
             keys_seen += int(np.count_nonzero(prefix[other][end] - prefix[other][mine]))
             # a query of mine at i sees `other`'s keys if it holds one in [i - window + 1, i]
             start = np.maximum(mine - window + 1, 0)
-            queries_seeing += int(np.count_nonzero(prefix[other][mine + 1] - prefix[other][start]))
+            seeing = int(np.count_nonzero(prefix[other][mine + 1] - prefix[other][start]))
+            queries_seeing += seeing
+            steps += seeing > 0
         rows_backward = queries_seeing if mode == "burst" else keys_seen
         visible = int(np.minimum(mine + 1, window).sum())
-        counts.append(BandOwn(rank, visible * config.batch, keys_seen * kv_row * config.batch / MIB,
+        counts.append(BandOwn(rank, steps, visible * config.batch, keys_seen * kv_row * config.batch / MIB,
                               rows_backward * (visitor + gradient) * config.batch / MIB))
     return counts
 
@@ -126,6 +132,7 @@ def print_window_counts(config: AttentionBenchConfig, window: int, counts: dict[
 
     for win, causal, band in zip(counts["window"], counts["causal"], counts["band"], strict=True):
         for what, got, own, full, shown in (
+                ("steps with work", win.steps, band.steps, causal.steps, str),
                 ("kernel calls", win.calls, None, causal.calls, str),
                 ("pairs computed (M)", win.computed_pairs, band.visible_pairs, causal.computed_pairs,
                  lambda x: f"{x / 1e6:.2f}"),
@@ -133,13 +140,15 @@ def print_window_counts(config: AttentionBenchConfig, window: int, counts: dict[
                  lambda x: f"{x:.2f}"),
                 ("sent backward (MiB)", win.sent_backward_mib, band.sent_backward_mib, causal.sent_backward_mib,
                  lambda x: f"{x:.2f}")):
-            table.add_row(str(win.rank) if what == "kernel calls" else "", what, shown(got),
+            table.add_row(str(win.rank) if what.startswith("steps") else "", what, shown(got),
                           "-" if own is None else shown(own), "-" if own is None else ratio(got, own), shown(full),
                           ratio(full, got))
     Console().print(table)
-    Console().print("band: what the window itself asks of the rank: the (query, key) pairs it lets the rank's queries "
-                    "see (per head), and the rows that must cross between ranks for them; pairs computed: by the "
-                    "rank's kernel calls (a causal square by half, a band block in full)", style="dim")
+    Console().print("band: what the window itself asks of the rank: the shards holding keys its queries see, the "
+                    "(query, key) pairs it lets them see (per head), and the rows that must cross between ranks for "
+                    "them; steps with work: the ring steps, the shards the rank's kernel calls use (the others cost "
+                    "no call and no bytes); pairs computed: by its kernel calls (a causal square by half, a band "
+                    "block in full)", style="dim")
 
 
 def write_window_json(path: str, config: AttentionBenchConfig, window: int, counts: dict[str, list]) -> None:

@@ -3,6 +3,7 @@
     out = burst.burst_attn(q, k, v, causal=True, group=cp_group)   # q, k, v: this rank's shards
     out = burst.burst_attn(q, k, v, group=cp_group, doc_boundaries=offsets, layout="balanced")  # packed documents
     out = burst.local_attn(q, k, v, doc_boundaries=offsets)   # one process, the whole sequence, no process group
+    out = burst.burst_attn(q, k, v, group=cp_group, window=4096)   # a sliding window: i - 4096 < j <= i
 """
 
 from burst.attention import BACKWARD_MODES, burst_attn, check_backward_mode

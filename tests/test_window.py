@@ -290,6 +290,7 @@ def test_bench_counts_each_rank_against_the_band(tmp_path):
     legible_at_80_columns(result.output, "per rank", "causal / window")
     ranks = json.loads(out.read_text())["ranks"]
     for window, causal, band in zip(ranks["window"], ranks["causal"], ranks["band"], strict=True):
+        assert window["steps"] == band["steps"] < causal["steps"]
         assert band["visible_pairs"] <= window["computed_pairs"] <= 1.25 * band["visible_pairs"]
         for sent in ("sent_forward_mib", "sent_backward_mib"):
             assert 0 < band[sent] <= window[sent] <= 1.25 * band[sent]
