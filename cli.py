@@ -425,7 +425,7 @@ def _plan_command(config: Path | None = None, gpu: str | None = None, gpus_per_n
             if found:
                 shape, result = found[0].shape, found[0].estimate
         else:
-            typer.echo(format_plan(request.config, shape, result, hardware))
+            typer.echo(format_plan(request.config, shape, result, hardware, request.doc_len))
         if json_path is not None:
             write_json(json_path, to_json(request.config, shape, result, hardware, found, longest))
 

@@ -302,6 +302,7 @@ def test_doc_len_needs_doc_mask_and_one_longer_than_the_sequence_counts_one_docu
                     "--json", out)
     assert longer.exit_code == 0, longer.output
     assert "documents of 8,192" not in longer.output and json.loads(out.read_text())["doc_len"] is None
+    assert "--doc-len 8,192 is not shorter than --seq-len 4,096: one document a sequence" in longer.output
 
 
 @pytest.mark.parametrize("flag, value", [("--gpus-per-node", 0), ("--nodes", 0), ("--nodes", -2),

@@ -116,7 +116,7 @@ def documents_length(request: PlanRequest) -> int | None:
         raise ValueError("--doc-len is the length of documents --doc-mask keeps apart; without --doc-mask a sequence "
                          "attends as one document: add --doc-mask, or drop --doc-len")
     if request.doc_len is not None and request.doc_len >= config.seq_len:
-        return None  # one document fills every sequence: counted as one (no documents line)
+        return None  # one document fills every sequence: counted as one (format_plan says so)
     if request.doc_len is not None or not config.doc_mask or config.objective != "nll":
         return request.doc_len
     from data import default_store
@@ -220,7 +220,9 @@ def model_name(config: TrainConfig) -> str:
     return config.model or (f"--init-from {config.init_from}" if config.init_from else "tiny")
 
 
-def format_plan(config: TrainConfig, shape: RunShape, result: Estimate, hardware: Hardware) -> str:
+def format_plan(config: TrainConfig, shape: RunShape, result: Estimate, hardware: Hardware,
+                doc_len: int | None = None) -> str:
+    """The plan as `burst plan` prints it; doc_len: --doc-len as given."""
     lines = [f"plan: {model_name(config)}, --seq-len {shape.seq_len:,}, {shape.describe()}, --batch-size "
              f"{shape.batch_size}, --precision {shape.precision}, on {hardware.name} "
              f"({hardware.nodes} x {hardware.gpus_per_node})"]
@@ -230,6 +232,9 @@ def format_plan(config: TrainConfig, shape: RunShape, result: Estimate, hardware
     if isinstance(result.doc_len, int):
         lines.append(f"documents: attention counted for documents of {result.doc_len:,} tokens (--doc-len, or the "
                      "stores' length-weighted mean)")
+    elif doc_len is not None and result.doc_len is None:
+        lines.append(f"documents: --doc-len {doc_len:,} is not shorter than --seq-len {shape.seq_len:,}: one document "
+                     f"a sequence, counted as one")
     lines.append("memory per rank (GiB):")
     lines += [f"  {name:<18} {size / GIB:10,.2f}" for name, size in result.memory_bytes.items()]
     verdict = "fits" if result.fits else "does NOT fit"
