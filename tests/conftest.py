@@ -1,5 +1,5 @@
-"""Fixtures shared by test files: SmolLM2-135M-Instruct, a real pretrained LLaMA (scripts/smollm2.py); and the
-device the suite runs on.
+"""Fixtures shared by test files: the small token store (tests/fixtures.py); SmolLM2-135M-Instruct, a real
+pretrained LLaMA (scripts/smollm2.py); and the device the suite runs on.
 
 The suite means the CPU: its multi-rank tests start gloo ranks, more of them than a machine has GPUs, so
 BURST_DEVICE=cpu is set for the whole session (runtime/device.py), and a machine with GPUs runs the suite as
@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from scripts.smollm2 import INSTALL, WHEEL, smollm2_dir, truncated_dir
+from tests.fixtures import store as store  # noqa: F401  (registered here: every test file may ask for it)
 
 
 def _or_skip(make) -> Path:

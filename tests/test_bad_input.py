@@ -27,7 +27,6 @@ from planner import fit as planner_fit
 from planner.hardware import memory_only
 from tests.test_data_prepare import tokenizer as tokenizer  # noqa: F401  (module-scoped fixtures)
 from tests.test_data_prepare import write_corpus
-from tests.test_train import store as store  # noqa: F401
 from trainer import preflight
 from trainer.config import TrainConfig
 

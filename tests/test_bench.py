@@ -6,7 +6,6 @@ from typer.testing import CliRunner
 
 from burst.attention import input_signature
 from cli import app
-from tests.test_train import store as store  # noqa: F401  (the module-scoped token store fixture)
 
 
 def test_bench_attention_writes_figures_for_each_mode(tmp_path):

@@ -20,8 +20,7 @@ from checkpoints.training import MARKER, complete_checkpoints
 from cli import app
 from data import TokenStore, load_tokenizer
 from models import ModelConfig, Transformer, load_model
-from tests.test_train import burst_train, burst_train_together, metrics, relative_gap
-from tests.test_train import store as store  # noqa: F401  (the module-scoped token store fixture)
+from tests.fixtures import burst_train, burst_train_together, metrics, relative_gap
 
 COMMON = ["--model", "debug", "--seq-len", 256, "--lr", 0.01, "--warmup", 2, "--precision", "fp32"]
 REPO = Path(__file__).parents[1]

@@ -17,7 +17,6 @@ from runtime.process import worker_device
 from tests.test_bad_input import invoke, refused
 from tests.test_instruction_training import chat_store as chat_store  # noqa: F401
 from tests.test_preference import make_pair_store
-from tests.test_train import store as store  # noqa: F401
 from trainer.config import given_in_file, ignored_settings, load_config, save_config
 from trainer.preflight import check_run
 

@@ -17,9 +17,8 @@ from data import load_tokenizer, train_tokenizer
 from models import ModelConfig, convert_checkpoint, load_model
 from models.convert import config_from_hf
 from models.llama import rope_frequencies
+from tests.fixtures import burst_train
 from tests.hf_forms import transformers4_form, transformers5_form
-from tests.test_train import burst_train
-from tests.test_train import store as store  # noqa: F401
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 16}

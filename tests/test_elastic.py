@@ -14,9 +14,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.distributed import free_port
+from tests.fixtures import events, metrics
 from tests.test_checkpoint import COMMON, REPO, losses, train_command
-from tests.test_train import events, metrics
-from tests.test_train import store as store  # noqa: F401  (the module-scoped token store fixture)
 from trainer.config import load_config
 from trainer.distributed import Distributed, is_collective_timeout, unresponsive_ranks
 from trainer.train import train

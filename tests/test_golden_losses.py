@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from data import prepare
-from tests.test_train import metrics
+from tests.fixtures import metrics
 
 GOLDEN = Path(__file__).with_name("golden_losses.json")
 RELATIVE = 1e-6

@@ -21,9 +21,9 @@ from models import ModelConfig
 from models.convert import NATIVE_TO_HF, rename
 from models.hf_config import config_to_hf
 from tests.distributed import run_on_ranks
+from tests.fixtures import burst_train, events, metrics
 from tests.test_chat import CONVERSATIONS, LLAMA3_TEMPLATE, LLAMA_SPECIALS, chat_tokenizer, write_rows
 from tests.test_tokenizers import refused
-from tests.test_train import burst_train, events, metrics
 from trainer.config import TrainConfig
 from trainer.distributed import Distributed
 from trainer.parallelize import build_model

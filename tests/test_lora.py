@@ -23,12 +23,12 @@ from models import Transformer
 from models.convert import read_checkpoint as read_model
 from models.lora import TARGETS, LoRAConfig, apply_lora
 from tests.distributed import run_on_ranks
+from tests.fixtures import burst_train, burst_train_together, metrics
 from tests.test_instruction_training import hf_model as hf_of_burst
 from tests.test_instruction_training import model_config
 from tests.test_parallelize import full_batch, rank_batches
 from tests.test_preference import make_pair_store
 from tests.test_smollm2 import corpus, hf_model, store  # noqa: F401 -- fixtures
-from tests.test_train import burst_train, burst_train_together, metrics
 from trainer.config import TrainConfig
 from trainer.distributed import Distributed
 from trainer.parallelize import build_model, model_name

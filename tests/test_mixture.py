@@ -14,10 +14,10 @@ from burst import shard_for_rank
 from cli import app
 from data import SequenceLoader, prepare
 from data.mixture import MixtureSchedule, SourceSpec, open_sources, parse_mixture, parse_source
+from tests.fixtures import burst_train, burst_train_together, make_text, metrics
 from tests.test_chat import LLAMA3_TEMPLATE, LLAMA_SPECIALS, chat_tokenizer, write_rows
 from tests.test_data_loader import BOS, make_store
 from tests.test_instruction_training import conversation_rows
-from tests.test_train import burst_train, burst_train_together, make_text, metrics
 
 
 def test_a_source_is_name_store_share_and_min_doc_read_from_the_right(tmp_path):

@@ -30,7 +30,6 @@ from tests.test_bad_input import model_for_store as model_for_store  # noqa: F40
 from tests.test_data_prepare import make_text, write_corpus
 from tests.test_data_prepare import tokenizer as tokenizer  # noqa: F401
 from tests.test_directories import hold, stop
-from tests.test_train import store as store  # noqa: F401
 
 REPO = Path(__file__).parents[1]
 # `burst prepare` whose reading is slowed down, so that a test can act while it is under way.

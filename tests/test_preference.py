@@ -24,9 +24,9 @@ from evaluation.run import open_inputs
 from models import ModelConfig, init_model, save_model
 from models.preference import OBJECTIVES
 from tests.distributed import run_on_ranks
+from tests.fixtures import burst_train, burst_train_together, events, metrics
 from tests.test_chat import CHATML_SPECIALS, CHATML_TEMPLATE, chat_tokenizer, write_rows
 from tests.test_instruction_training import hf_model, model_config
-from tests.test_train import burst_train, burst_train_together, events, metrics
 from trainer.config import TrainConfig
 from trainer.distributed import Distributed
 from trainer.parallelize import build_model, end_forward_only

@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 
 from models.config import FINE_TUNING, PRESETS, TrainingRecipe
+from tests.fixtures import burst_train
 from tests.test_preference import SEQ_LEN, make_pair_store
-from tests.test_train import burst_train
-from tests.test_train import store as store  # noqa: F401
 from trainer.config import RECIPE_FIELDS, load_config, load_run_config, recipe_origin, save_config, warmup_note
 from trainer.preflight import check_run
 

@@ -28,7 +28,6 @@ from models.rope import (
     rope_scaling_from_dict,
 )
 from tests.hf_forms import rope_of, transformers4_form, transformers5_form
-from tests.test_train import store as store  # noqa: F401  (the module-scoped token store fixture)
 from trainer.config import TrainConfig, load_run_config, save_config
 from trainer.preflight import model_and_store
 

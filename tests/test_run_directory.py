@@ -21,12 +21,11 @@ from checkpoints.training import complete_checkpoints
 from cli import app
 from data import TokenStore, prepare
 from models import ModelConfig, Transformer, save_model
+from tests.fixtures import burst_train, events, make_text, metrics
 from tests.test_checkpoint import COMMON, losses
 from tests.test_output_faults import one_error_line
 from tests.test_output_faults import seal as seal  # noqa: F401  (fixtures)
 from tests.test_output_faults import small_disk as small_disk  # noqa: F401
-from tests.test_train import burst_train, events, make_text, metrics
-from tests.test_train import store as store  # noqa: F401
 from trainer.saving import CheckpointSaver
 
 REPO = Path(__file__).parents[1]

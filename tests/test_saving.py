@@ -6,9 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.fixtures import burst_train, events
 from tests.test_checkpoint import COMMON, losses, steps_of
-from tests.test_train import burst_train, events
-from tests.test_train import store as store  # noqa: F401  (the module-scoped token store fixture)
 
 
 def test_async_saves_stop_and_resume_exactly_and_keep_the_newest(store, tmp_path):

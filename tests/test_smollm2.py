@@ -25,8 +25,8 @@ from data.loader import IGNORE_INDEX, PackedStream
 from evaluation import EvalConfig, evaluate, load_for_eval
 from models import convert_checkpoint
 from tests.distributed import run_on_ranks
+from tests.fixtures import burst_train, events, metrics
 from tests.hf_forms import rope_of
-from tests.test_train import burst_train, events, metrics
 
 # Standard-library modules of 1.5K-9K SmolLM2 tokens each: code the model knows, long enough for document mode.
 MODULES = ("bisect.py", "colorsys.py", "fnmatch.py", "glob.py", "heapq.py", "json/decoder.py", "json/encoder.py",

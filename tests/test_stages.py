@@ -16,10 +16,9 @@ from cli import app
 from data import prepare
 from models import save_model
 from models.rope import YarnRope
+from tests.fixtures import burst_train, burst_train_together, events, make_text
 from tests.test_checkpoint import losses
 from tests.test_checkpoint import run as run  # noqa: F401  (a 4-step run stopped after step 3)
-from tests.test_train import burst_train, burst_train_together, events, make_text
-from tests.test_train import store as store  # noqa: F401
 from trainer.checkpoint import load_stage_start
 from trainer.config import TrainConfig, save_config
 from trainer.optim import build_optimizer, build_schedule

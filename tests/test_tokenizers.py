@@ -26,8 +26,8 @@ from data.tokenizer import file_sha256, fingerprint
 from models import ModelConfig, init_model, save_model
 from models.checkpoint import model_from_tensors
 from models.hf_tokenizer import write_hf_tokenizer
+from tests.fixtures import burst_train
 from tests.hf_forms import rope_of
-from tests.test_train import burst_train
 
 TEXTS = ["def f(x):\n    return x * 2  # doubled\n", "  über naïve café 数据 🙂\t\ttabs\n\n\nend",
          "class Ring:\n\tdef step(self, k):\n\t\treturn (k + 1) % 8\n", "1234567890 3.14159 2**16", "x"]

@@ -1,13 +1,11 @@
 """`burst train` through the real command line: cp and dp runs against one process, refusals before any work."""
 
-import json
 import math
 import random
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -16,73 +14,9 @@ from typer.testing import CliRunner
 import burst
 from burst.layout import zigzag_layout
 from cli import app
-from data import SequenceLoader, TokenStore, prepare, train_tokenizer
+from data import SequenceLoader, TokenStore, train_tokenizer
 from models import ModelConfig, Transformer, save_model
-
-WORDS = ["def", "return", "self", "import", "tensor", "rank", "shard", "ring", "(", ")", ":", "=", "+", "0", "1"]
-
-
-def make_text(rng: random.Random, lines: int) -> str:
-    """Code-like lines from a small vocabulary of words: structure a model learns within a few steps."""
-    return "\n".join(" " * rng.choice([0, 4, 8]) + " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 9)))
-                     for _ in range(lines)) + "\n"
-
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("corpus")
-    rng = random.Random(0)
-    for i in range(30):
-        (root / f"doc{i}.py").write_text(make_text(rng, rng.randint(20, 200)))
-    out = tmp_path_factory.mktemp("store")  # unique: test_checkpoint builds this fixture again
-    prepare([root], out, vocab_size=320, val_fraction=0.05, progress=False)
-    return out
-
-
-def burst_train(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cli", "train", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, cwd=Path(__file__).parents[1])
-
-
-def burst_train_together(*runs: Sequence[object], timeout: float = 240) -> list[subprocess.CompletedProcess]:
-    """Independent `burst train` invocations run at once, their results in order: most of a small run is start-up
-    (imports, spawning ranks), which overlaps well, so the suite waits less."""
-    started = []
-    for args in runs:
-        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")  # files: a full pipe would stall
-        command = [sys.executable, "-m", "cli", "train", *map(str, args)]
-        started.append((subprocess.Popen(command, stdout=out, stderr=err, text=True, cwd=Path(__file__).parents[1]),
-                        out, err))
-    deadline, results = time.monotonic() + timeout, []
-    try:
-        for process, out, err in started:
-            process.wait(timeout=max(deadline - time.monotonic(), 0.1))
-            out.seek(0)
-            err.seek(0)
-            results.append(subprocess.CompletedProcess(process.args, process.returncode, out.read(), err.read()))
-    finally:
-        for process, out, err in started:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-            out.close()
-            err.close()
-    return results
-
-
-def metrics(out: Path) -> list[dict]:
-    """The step rows of OUT/metrics.jsonl."""
-    return [row for row in events(out, None) if "step" in row]
-
-
-def events(out: Path, name: str | None) -> list[dict]:
-    """The event rows named `name` of OUT/metrics.jsonl (None: every row)."""
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [row for row in rows if name is None or row.get("event") == name]
-
-
-def relative_gap(a: list[float], b: list[float]) -> float:
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
+from tests.fixtures import burst_train, burst_train_together, make_text, metrics, relative_gap
 
 
 def test_cp2_gives_the_loss_curve_of_one_process_and_the_loss_falls(store, tmp_path):

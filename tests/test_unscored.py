@@ -11,10 +11,10 @@ from typer.testing import CliRunner
 
 from cli import app
 from data import SequenceLoader, TokenStore
+from tests.fixtures import events, metrics
 from tests.test_instruction_eval import checkpoint  # noqa: F401 (a fixture)
 from tests.test_instruction_training import chat_store, model_config  # noqa: F401 (a fixture)
 from tests.test_tokenizers import refused
-from tests.test_train import events, metrics
 from trainer.config import TrainConfig
 from trainer.distributed import Distributed
 from trainer.optim import build_optimizer

@@ -14,10 +14,9 @@ from typer.testing import CliRunner
 
 from cli import app
 from data import SequenceLoader, TokenStore, prepare
+from tests.fixtures import events, make_text
 from tests.test_instruction_training import chat_store  # noqa: F401 (a fixture)
 from tests.test_tokenizers import refused
-from tests.test_train import events, make_text
-from tests.test_train import store as store  # noqa: F401 (a fixture)
 from trainer.config import TrainConfig, load_config, load_run_config, save_config
 from trainer.metrics import Metrics
 
