@@ -1,6 +1,6 @@
 """Gemma-3 270M, a real pretrained model of a family beside LLaMA (scripts/gemma3.py), converted with
 `burst convert-checkpoint DIR OUT --to burst`: burst's logits equal transformers' on a 2,048-token text (four
-times its 512-token window); the export reloads in transformers as the same model."""
+times its 512-token window); the export reloads in transformers as the same model, its tokenizer too."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from typer.testing import CliRunner
 
 from cli import app
+from data import load_tokenizer
 from models import load_model
 from scripts.gemma3 import INSTALL, gemma3_dir
 
@@ -38,7 +39,7 @@ def text_tokens(directory: Path) -> torch.Tensor:
 
 
 def test_gemma3_270m_logits_equal_transformers_and_the_export_reloads(gemma3, tmp_path):
-    from transformers import Gemma3ForCausalLM
+    from transformers import AutoTokenizer, Gemma3ForCausalLM
 
     result = CliRunner().invoke(app, ["convert-checkpoint", str(gemma3), str(tmp_path / "burst"), "--to", "burst"])
     assert result.exit_code == 0, result.output
@@ -65,3 +66,9 @@ def test_gemma3_270m_logits_equal_transformers_and_the_export_reloads(gemma3, tm
     assert source.keys() == back.keys() and all(torch.equal(source[key], back[key]) for key in source)
     with torch.no_grad():  # the same weights and config: the same logits (a short text; the weights decide)
         assert torch.equal(reloaded(tokens[:, :64]).logits, reference(tokens[:, :64]).logits)
+    # the tokenizer round-trips: burst's reading of the converted directory and AutoTokenizer on the export encode
+    # as the source does, BOS first
+    source, exported = AutoTokenizer.from_pretrained(gemma3), AutoTokenizer.from_pretrained(tmp_path / "hf")
+    text = "Gemma's tokenizer: naïve café, 数据, emoji 🙂\n\tcode()"
+    assert exported(text)["input_ids"] == source(text)["input_ids"] == \
+        [2] + load_tokenizer(tmp_path / "burst").encode(text)
