@@ -184,7 +184,8 @@ def _number_list(text: str | None, kind: type, flag: str) -> list | None:
 def eval_command(
     checkpoint: Path = typer.Option(..., "--checkpoint", help="Run directory, training checkpoint, or native / "
                                                               "Hugging Face model directory."),
-    data: Path | None = typer.Option(None, "--data", help="Token store (default: the embedded stdlib corpus)."),
+    data: Path | None = typer.Option(None, "--data", help="Token store (default: the one a run's checkpoint "
+                                                         "trained on, else the embedded stdlib corpus)."),
     seq_len: int | None = typer.Option(None, "--seq-len", help="Tokens per validation sequence (4096)."),
     batches: int | None = typer.Option(None, "--batches", help="Validation sequences to score (16)."),
     buckets: int | None = typer.Option(None, "--buckets", help="Position buckets for loss by position (8)."),

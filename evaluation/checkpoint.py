@@ -10,10 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import tomllib
 import torch
 
 from checkpoints import detect_format, read_checkpoint
 from data import TokenStore
+from data.mixture import parse_mixture
 from models import ModelConfig, Transformer
 from models.checkpoint import model_from_tensors
 from models.convert import Checkpoint
@@ -64,3 +66,25 @@ def check_tokenizer(checkpoint: EvalCheckpoint, store: TokenStore) -> None:
                      f"{checkpoint.path}`, when it keeps one)")
     if checkpoint.checkpoint.tokenizer is not None:
         store.check_tokenizer(checkpoint.checkpoint.tokenizer, checkpoint.path)
+
+
+def recorded_store(path: Path) -> tuple[Path, str] | None:
+    """The token store the run that wrote checkpoint `path` trained on, with where that was read; None when
+    `path` is no run directory or checkpoint of one, or its run trained on the embedded corpus.
+
+    A run records its --data in config.toml (absolute paths); of a mixture, the first source is taken."""
+    for run in (path, path.parent.parent):  # RUN, or RUN/checkpoints/step-N
+        settings = run / "config.toml"
+        if not (settings.is_file() and (run / "checkpoints").is_dir()):
+            continue
+        try:
+            data = tomllib.loads(settings.read_text()).get("data")
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+            return None  # an unreadable record: the embedded corpus, as before; the tokenizer check still runs
+        if not data:
+            return None
+        sources = parse_mixture([data] if isinstance(data, str) else list(data))
+        origin = f"the store {settings} records" + (
+            f", the first of its {len(sources)} sources; pass --data for another" if len(sources) > 1 else "")
+        return Path(sources[0].path), origin
+    return None

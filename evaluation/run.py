@@ -28,7 +28,7 @@ from burst.layout import check_sequence_length
 from data import Tokenizer, TokenStore, default_store, passkey_sample
 from data.conversation_packing import check_policy
 from data.loader import IGNORE_INDEX
-from evaluation.checkpoint import EvalCheckpoint, check_tokenizer, load_for_eval
+from evaluation.checkpoint import EvalCheckpoint, check_tokenizer, load_for_eval, recorded_store
 from evaluation.distributed import context_parallel_group, use_burst_attention
 from evaluation.passkey import evaluate_passkey
 from evaluation.perplexity import (
@@ -65,7 +65,7 @@ class EvalConfig:
     """What to evaluate and how. passkey_lengths None: a quarter, half and all of seq_len."""
 
     checkpoint: Path
-    data: Path | None = None  # token store; None: the embedded standard-library corpus
+    data: Path | None = None  # token store; None: the one a run's checkpoint trained on, else the embedded corpus
     seq_len: int = 4096
     batches: int = 16  # validation sequences to score, one per batch; fewer if the split holds fewer
     buckets: int = 8  # equal position buckets for loss by position
@@ -200,7 +200,7 @@ def available_val_sequences(config: EvalConfig, store: TokenStore) -> int:
 def open_inputs(config: EvalConfig) -> EvalInputs:
     """Open checkpoint and data and check that they fit each other and the config."""
     checkpoint = load_for_eval(config.checkpoint)
-    store = TokenStore(config.data if config.data is not None else default_store())
+    store = TokenStore(eval_store(config))
     check_tokenizer(checkpoint, store)
     if config.reference is not None:
         check_tokenizer(load_for_eval(config.reference), store)
@@ -229,6 +229,20 @@ def open_inputs(config: EvalConfig) -> EvalInputs:
         check_answers_scored(config, store, sequences)
     return EvalInputs(checkpoint=checkpoint, store=store, tokenizer=tokenizer, sequences=sequences,
                       warnings=warnings)
+
+
+def eval_store(config: EvalConfig) -> Path:
+    """The store to score: --data, else the one the checkpoint's run trained on, else the embedded corpus."""
+    if config.data is not None:
+        return config.data
+    recorded = recorded_store(config.checkpoint)
+    if recorded is None:
+        return default_store()
+    path, origin = recorded
+    if not path.exists():
+        raise ValueError(f"--data not given, and the store {path} that {config.checkpoint}'s run trained on ({origin}) "
+                         f"no longer exists; pass --data STORE")
+    return path
 
 
 def ignored_settings(config: EvalConfig, store: TokenStore) -> dict[str, str]:

@@ -384,3 +384,20 @@ def test_without_matplotlib_the_plot_is_skipped_and_the_json_says_how_to_get_it(
                         json_path=out))
     assert not out.with_suffix(".png").exists()
     assert "pip install 'burst-attention[plot]'" in json.loads(out.read_text())["warnings"][-1]
+
+
+def test_a_run_is_scored_on_the_store_it_trained_on_without_data(store, tmp_path):
+    """A run on the user's own data (its own tokenizer): the embedded corpus would be refused by the tokenizer
+    check; without --data, eval takes the run's recorded store and scores what --data STORE scores."""
+    out = tmp_path / "run"
+    done = CliRunner().invoke(app, ["train", "--model", "debug", "--data", str(store.directory), "--seq-len", "64",
+                                    "--steps", "1", "--precision", "fp32", "--val-tokens", "0", "--out", str(out)])
+    assert done.exit_code == 0, done.output
+    common = ("--seq-len", 64, "--batches", 2, "--passkey-trials", 0)
+    implied = invoke("--checkpoint", out, *common, "--json", tmp_path / "implied.json")
+    assert implied.exit_code == 0, implied.output
+    given = invoke("--checkpoint", out / "checkpoints" / "step-000001", "--data", store.directory, *common,
+                   "--json", tmp_path / "given.json")
+    assert given.exit_code == 0, given.output
+    figures = [json.loads((tmp_path / f"{name}.json").read_text()) for name in ("implied", "given")]
+    assert figures[0]["data"] == str(store.directory) and figures[0]["perplexity"] == figures[1]["perplexity"]
