@@ -16,7 +16,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 
-from burst.attention import burst_attn, check_backward_mode
+from burst.attention import burst_attn
+from burst.checks import check_backward_mode
 from burst.comm import SENT
 from burst.kernels import check_kernel_name
 from burst.kernels.choice import check_kernel_serves

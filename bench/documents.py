@@ -33,12 +33,12 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from bench.attention import DTYPES, AttentionBenchConfig, global_inputs, time_call
-from burst.attention import heads_first
 from burst.balance import OPTIONS, choose_chunks, plan_work
 from burst.comm import SENT
 from burst.cost import plan_bytes
 from burst.kernels import default_scale, select_kernel
 from burst.layout import LAYOUTS, check_layout, shard_sequence, zigzag_layout
+from burst.operator import heads_first
 from burst.ring import merge_block
 from planner.attention import sequence_plan
 from runtime.launch import run_local

@@ -20,9 +20,9 @@ import time
 
 import torch
 
-from burst.attention import heads_first
 from burst.kernels import TorchCPUKernel
 from burst.layout import zigzag_layout
+from burst.operator import heads_first
 from burst.plan import block_segments
 
 FORWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu

@@ -4,11 +4,15 @@
     out = burst.burst_attn(q, k, v, group=cp_group, doc_boundaries=offsets, layout="balanced")  # packed documents
     out = burst.local_attn(q, k, v, doc_boundaries=offsets)   # one process, the whole sequence, no process group
     out = burst.burst_attn(q, k, v, group=cp_group, window=4096)   # a sliding window: i - 4096 < j <= i
+    documents = burst.Documents.of(offsets, seq_len, world_size, "balanced")  # the documents as one value, the
+    out = burst.burst_attn(q, k, v, group=cp_group, documents=documents, layout="balanced")  # layout chosen once
 """
 
-from burst.attention import BACKWARD_MODES, burst_attn, check_backward_mode
+from burst.attention import burst_attn
+from burst.checks import BACKWARD_MODES, check_backward_mode
 from burst.comm import SENT
 from burst.cost import choose_backward
+from burst.documents import Documents
 from burst.kernels import select_kernel
 from burst.layout import (
     LAYOUTS,
@@ -27,6 +31,7 @@ from burst.module import BurstAttention
 __all__ = [
     "BACKWARD_MODES",
     "BurstAttention",
+    "Documents",
     "LAYOUTS",
     "Layout",
     "SENT",

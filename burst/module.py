@@ -1,9 +1,9 @@
 """`BurstAttention`: the drop-in module a model's attention calls once it is parallelized.
 
 It has the forward signature of `models.LocalAttention` (q [b, s, hq, d], k/v [b, s, hkv, d],
-causal), so the parallelize step swaps one for the other and the model never knows. With
-layout="balanced" it derives each sequence's chunk placement from the doc_boundaries it is given, as
-the data loader did when it cut the shards (burst.shard_for_rank).
+causal), so the parallelize step swaps one for the other and the model never knows. Its documents are
+the `burst.Documents` the data loader made, whose layout (zigzag, or balanced: chosen once, when the loader
+cut the shards) the attention uses as it is.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from burst.attention import burst_attn, check_backward_mode
+from burst.attention import burst_attn
+from burst.checks import check_backward_mode
 from burst.layout import check_layout, check_layout_windows
 from burst.topology import check_topology
 

@@ -353,9 +353,25 @@ def normalize_boundaries(doc_boundaries, batch: int, seq_len: int) -> list[list[
                 or any(a >= c for a, c in pairwise(offsets))):
             raise ValueError(f"doc_boundaries row {b} must rise strictly from 0 to the global sequence length "
                              f"{seq_len} (cumulative offsets [0, end of doc 1, ..., {seq_len}]); "
-                             f"got {offsets[:8]}{' ...' if len(offsets) > 8 else ''}")
+                             f"got {offsets[:8]}{' ...' if len(offsets) > 8 else ''}{_first_wrong(offsets, seq_len)}")
         result.append(offsets)
     return result
+
+
+def _first_wrong(offsets: list[int], seq_len: int) -> str:
+    """Which offset of a row that does not rise from 0 to `seq_len` is wrong, and how to mend it."""
+    if len(offsets) < 2:
+        return f": give at least [0, {seq_len}] (one document)"
+    for i, offset in enumerate(offsets):
+        if not 0 <= offset <= seq_len:
+            return (f": offset {offset} at index {i} lies outside the sequence; every offset is a token position "
+                    f"0..{seq_len} (a document's start; the last is the sequence's end)")
+    if offsets[0] != 0:
+        return f": the first offset is {offsets[0]}; the first document starts at 0"
+    if offsets[-1] != seq_len:
+        return f": the last offset is {offsets[-1]}; the last document ends at the sequence's end, {seq_len}"
+    i = next(i for i in range(1, len(offsets)) if offsets[i] <= offsets[i - 1])
+    return f": offset {offsets[i]} at index {i} does not come after {offsets[i - 1]}; drop empty documents, sort them"
 
 
 def sees_by_row(doc_sees, documents: list[int] | None) -> list:

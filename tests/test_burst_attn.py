@@ -185,8 +185,8 @@ def test_autocast_does_not_lower_the_reference_kernel_precision():
 def test_cpu_kernel_folding_is_bit_identical_to_the_plain_op_call(kv_heads, causal):
     """The CPU kernel folds kv heads into the batch for speed; on the chunk views the ring
     passes (rows of heads-first memory, batch 2) it must give exactly the plain op's results."""
-    from burst.attention import heads_first
     from burst.kernels import TorchCPUKernel
+    from burst.operator import heads_first
 
     ops = torch.ops.aten
     torch.manual_seed(0)

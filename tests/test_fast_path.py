@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import burst
-import burst.attention
+import burst.operator
 from data.loader import Batch
 from models import ModelConfig
 from tests.distributed import run_on_ranks
@@ -45,8 +45,8 @@ def loss_grads_and_ring_forwards(mode: str, doc_mask: bool, monkeypatch) -> tupl
     config = config_for(doc_mask=doc_mask, activation_checkpointing=mode)
     model = build_model(MODEL, None, config, torch.device("cpu"))
     ring_forwards = []
-    real_ring_forward = burst.attention.ring_forward
-    monkeypatch.setattr(burst.attention, "ring_forward", lambda *a: ring_forwards.append(1) or real_ring_forward(*a))
+    real_ring_forward = burst.operator.ring_forward
+    monkeypatch.setattr(burst.operator, "ring_forward", lambda *a: ring_forwards.append(1) or real_ring_forward(*a))
     loss = forward_backward(model, batch_for(0, 0, 1), torch.tensor(float(ROWS * SEQ_LEN)), config,
                             torch.device("cpu"))
     grads = {n.replace("_checkpoint_wrapped_module.", ""): p.grad for n, p in model.named_parameters()}

@@ -12,7 +12,7 @@ import contextlib
 import pytest
 import torch
 
-import burst.attention
+import burst.operator
 from burst.kernels import FLASH_ATTN_CONTRACT, KernelContract, TorchCPUKernel
 from tests.distributed import run_on_ranks
 from tests.test_burst_attn import check_against_reference
@@ -53,12 +53,12 @@ class ContractCheckingKernel:
 @contextlib.contextmanager
 def using_kernel(kernel):
     """burst_attn uses `kernel` for every call inside the block, whatever it would select."""
-    select = burst.attention.select_kernel
-    burst.attention.select_kernel = lambda *_, **__: kernel
+    select = burst.operator.select_kernel
+    burst.operator.select_kernel = lambda *_, **__: kernel
     try:
         yield kernel
     finally:
-        burst.attention.select_kernel = select
+        burst.operator.select_kernel = select
 
 
 def run_with_checking_kernel(fn, *args) -> dict[str, int]:

@@ -165,7 +165,7 @@ class Parallelism:
                                      "else zigzag).")
 
     def check(self) -> None:
-        from burst.attention import check_backward_mode
+        from burst.checks import check_backward_mode
         from burst.kernels import check_kernel_name
         from burst.layout import check_layout
         from burst.topology import check_topology
