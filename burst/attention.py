@@ -42,8 +42,8 @@ def burst_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
     travels), "ring" (keys and values travel) or "auto" (whichever sends fewer bytes).
     kernel: the local attention kernel, see `burst.kernels.select_kernel`.
     doc_boundaries: for packed sequences, the cumulative document offsets of each batch row
-    over the global sequence (a list of 1-D tensors, e.g. [0, 100, 350, seq_len], as the
-    loader returns them; or a 2-D tensor). A query then sees only keys of its own document
+    over the global sequence (a list of 1-D tensors, e.g. [0, 100, 350, seq_len]; or a 2-D tensor;
+    or a `burst.Documents`, as `documents` below). A query then sees only keys of its own document
     (causally when `causal`), and fully masked blocks are skipped, not computed nor sent.
     doc_sees: with doc_boundaries, per batch row an int64 tensor [n_docs]: doc_sees[row][i] = j
     (0 <= j < i) lets document i's queries also see every key of document j (prefix sharing:

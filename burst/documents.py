@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from burst.layout import LAYOUTS, Layout, check_layout, row_layouts, whole_sequence
+from burst.layout import LAYOUTS, Layout, check_layout, row_layouts, shard_rows, whole_sequence
 from burst.plan import normalize_boundaries, normalize_sees
 
 Rows = tuple[tuple[int, ...], ...]
@@ -76,6 +76,11 @@ class Documents:
     @property
     def world_size(self) -> int:
         return self.layouts[0].world_size if self.layouts else 1
+
+    def shard(self, x: torch.Tensor, rank: int, dim: int = 1, batch_dim: int = 0) -> torch.Tensor:
+        """`rank`'s shard of the full-sequence tensor `x` [..., seq, ...] (seq at `dim`, the rows at `batch_dim`),
+        each row cut by its layout (a contiguous copy)."""
+        return shard_rows(x, self.layouts, rank, dim, batch_dim)
 
     @staticmethod
     def decode(encoded: torch.Tensor) -> Documents:

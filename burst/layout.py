@@ -208,7 +208,14 @@ def shard_for_rank(x: torch.Tensor, rank: int, world_size: int, dim: int = 1, *,
     """
     check_sequence_length(x.shape[dim], world_size)
     rows = x.shape[batch_dim] if layout != "zigzag" else 1
-    layouts = row_layouts(layout, doc_boundaries, x.shape[dim], world_size, rows, doc_sees, layout_windows)
+    return shard_rows(x, row_layouts(layout, doc_boundaries, x.shape[dim], world_size, rows, doc_sees,
+                                     layout_windows), rank, dim, batch_dim)
+
+
+def shard_rows(x: torch.Tensor, layouts: Sequence[Layout], rank: int, dim: int = 1, batch_dim: int = 0
+               ) -> torch.Tensor:
+    """`rank`'s shard of `x` along `dim`, each batch row (dimension `batch_dim`) cut by its layout of `layouts`
+    (one for every row, or all the same)."""
     if _same_everywhere(layouts):
         return x.index_select(dim, layouts[0].positions(rank).to(x.device)).contiguous()
     row_dim = dim - (dim > batch_dim)  # the sequence's dimension in one row

@@ -29,7 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from burst.layout import check_layout, check_sequence_length, shard_for_rank
+from burst.documents import Documents
+from burst.layout import check_layout, check_sequence_length
 from data.conversation_packing import ConversationStream, check_policy
 from data.mixture import MixtureSchedule
 from data.preference_packing import PairSequence, PreferenceStream
@@ -47,8 +48,10 @@ class Batch:
     #                       scored (a document's first token, its BOS if it has one; in conversations the prompts
     #                       and padding too)
     positions: torch.Tensor  # int64 [batch, seq_len // cp_size], global position ids of the shard's tokens
-    doc_boundaries: list[torch.Tensor]  # per sequence, int64 cumulative document starts over the FULL sequence:
-    #                                     [0, start_1, ..., seq_len]; a document starts at its BOS, or after an EOS
+    documents: Documents | None  # the sequences' documents (burst/documents.py): per sequence, the cumulative
+    #                              document starts over the FULL sequence [0, start_1, ..., seq_len] (a document
+    #                              starts at its BOS, or after an EOS), what each sees, and the layout the shards
+    #                              were cut with, chosen once here; attention uses it as it is
     num_tokens: int  # labels != IGNORE_INDEX in this shard, for normalising the loss across ranks
     rope_length: int  # max(position id) + 1 over the WHOLE sequences, the same on every cp rank: the length
     #                   a length-dependent RoPE scaling (dynamic NTK, longrope) is computed for (models/rope.py)
@@ -57,10 +60,20 @@ class Batch:
     #                                      belongs to, 2 x pair + side (0 chosen, 1 rejected), pairs numbered over
     #                                      the batch's rows; -1 where the label is not an answer's
     pair_documents: torch.Tensor | None = None  # int64 [pairs]: each pair's index in its store split
-    doc_sees: list[torch.Tensor] | None = None  # per sequence, int64 [documents]: the earlier document each one
-    #                                             also sees whole (a shared prompt), -1 none; None without sharing
     reference_logps: torch.Tensor | None = None  # float64 [pairs, 2], set by the trainer: the reference model's
     #                                              log-probabilities of each pair's chosen and rejected answer
+
+    @property
+    def doc_boundaries(self) -> list[torch.Tensor]:
+        """Per sequence, int64 cumulative document starts over the full sequence (the documents' offsets)."""
+        return [] if self.documents is None else [torch.tensor(row) for row in self.documents.offsets]
+
+    @property
+    def doc_sees(self) -> list[torch.Tensor] | None:
+        """Per sequence, int64 [documents]: the earlier document each one also sees whole (a shared prompt), -1
+        none; None where no document sees another."""
+        sees = None if self.documents is None else self.documents.sees
+        return None if sees is None else [torch.tensor(row) for row in sees]
 
     @property
     def num_pairs(self) -> int:
@@ -279,13 +292,12 @@ class SequenceLoader:
                 full[2, row] -= np.repeat(b[:-1], np.diff(b))  # the start of each position's document
         if answers is not None:
             full[3] = np.where(scored[:, 1:], answers[:, 1:], -1)
-        sharded = shard_for_rank(torch.from_numpy(full), self.cp_rank, self.cp_size, dim=2, layout=self.cp_layout,
-                                 doc_boundaries=boundaries, batch_dim=1, doc_sees=doc_sees)
+        documents = Documents.of(boundaries, seq_len, self.cp_size, self.cp_layout, doc_sees)  # the layout chosen
+        sharded = documents.shard(torch.from_numpy(full), self.cp_rank, dim=2, batch_dim=1)
         tokens, labels, positions_ = sharded[:3]
         return Batch(tokens=tokens, labels=labels, positions=positions_,  # each [rows, seq_len // cp_size]
-                     doc_boundaries=[torch.from_numpy(b.astype(np.int64)) for b in boundaries],
-                     num_tokens=int((labels != IGNORE_INDEX).sum()), rope_length=int(full[2].max()) + 1,
-                     answers=sharded[3] if answers is not None else None, doc_sees=doc_sees)
+                     documents=documents, num_tokens=int((labels != IGNORE_INDEX).sum()),
+                     rope_length=int(full[2].max()) + 1, answers=sharded[3] if answers is not None else None)
 
     def _pair_batch(self, sequences: list[PairSequence]) -> Batch:
         """The batch of packed pairs: answers numbered over the rows, and which documents see a shared prompt."""

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from burst.documents import Documents
 from burst.groups import group_rank_and_size
 from burst.layout import shard_for_rank
 from data import SequenceLoader, TokenStore
@@ -69,7 +70,7 @@ class Shard(NamedTuple):
     tokens: torch.Tensor  # int64 [1, seq_len // cp]
     labels: torch.Tensor  # int64 [1, seq_len // cp]
     positions: torch.Tensor  # int64 [1, seq_len // cp]
-    doc_boundaries: list[torch.Tensor] | None  # the documents attention keeps apart (conversations); None: causal
+    documents: Documents | None  # the documents attention keeps apart (conversations); None: causal
     rope_length: int  # the length a length-dependent RoPE is computed for, as training computes it
 
 
@@ -101,7 +102,7 @@ def packed_sequences(split: TokenStore, seq_len: int, count: int, cp_rank: int, 
                             reset_positions=conversations, long_conversations=long_conversations)
     for _ in range(count):
         batch = next(loader)
-        yield Shard(batch.tokens, batch.labels, batch.positions, batch.doc_boundaries if conversations else None,
+        yield Shard(batch.tokens, batch.labels, batch.positions, batch.documents if conversations else None,
                     batch.rope_length)
 
 
@@ -140,7 +141,7 @@ def bucket_losses(model: Transformer, shards: Iterable[Shard], boundaries: torch
     sequences = 0
     for shard in shards:
         tokens, labels, positions = (t.to(device) for t in shard[:3])
-        masked = {} if shard.doc_boundaries is None else {"doc_boundaries": shard.doc_boundaries}
+        masked = {} if shard.documents is None else {"doc_boundaries": shard.documents}
         hidden = model.hidden_states(tokens, positions, rope_length=shard.rope_length, **masked)  # [1, seq // cp, dim]
         losses = token_losses(hidden.flatten(0, 1), model.output_weight, labels.flatten(), chunk_size, IGNORE_INDEX)
         bucket = torch.bucketize(positions.flatten(), boundaries, right=True)  # [seq // cp]

@@ -54,7 +54,7 @@ def pair_logps(model: Transformer, val: TokenStore, seq_len: int, group: dist.Pr
         tokens, labels, positions, answers = (t.to(device) for t in (batch.tokens, batch.labels, batch.positions,
                                                                      batch.answers))
         logps, counts = model.answer_logps(tokens, labels, answers, 2 * batch.num_pairs, positions,
-                                           batch.doc_boundaries, batch.doc_sees, rope_length=batch.rope_length)
+                                           batch.documents, rope_length=batch.rope_length)
         logps, counts = summed(logps, lambda t: all_reduce(t, group)), all_reduce(counts, group)
         totals[batch.pair_documents.to(device)] = torch.stack([logps, counts], 1).double().view(-1, 2, 2)
     return totals[..., 0].cpu().numpy(), totals[..., 1].cpu().numpy()

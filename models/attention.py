@@ -33,7 +33,8 @@ class LocalAttention(nn.Module):
                 doc_sees: Sequence[torch.Tensor] | None = None, window: int | None = None) -> torch.Tensor:
         """q [batch, seq, n_heads, head_dim], k/v [batch, seq, n_kv_heads, head_dim] -> [batch, seq, n_heads, head_dim].
 
-        doc_boundaries: None, or one 1-D int tensor of document offsets per batch row
+        doc_boundaries: None, the batch's `burst.Documents` (as the data loader makes them), or one 1-D int
+        tensor of document offsets per batch row
         (first 0, last seq): a token attends to earlier tokens of its own document only.
         doc_sees: None, or per batch row an int tensor [n_docs]: the earlier document each document
         also sees whole (prefix sharing), or -1.

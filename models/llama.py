@@ -212,7 +212,8 @@ class Transformer(nn.Module):
         """tokens [batch, seq] -> final-normed hidden states [batch, seq, dim].
 
         positions: global position ids [seq] or [batch, seq] (default 0..seq-1).
-        doc_boundaries: one 1-D tensor of document offsets per batch row, or None.
+        doc_boundaries: the batch's `burst.Documents` (as the data loader makes them, doc_sees included), one
+        1-D tensor of document offsets per batch row, or None.
         doc_sees: with doc_boundaries, per batch row an int64 tensor [n_docs]: the earlier document each
         document's queries also see whole (prefix sharing), or -1; None: none.
         rope_length: the sequence length a length-dependent RoPE scaling (dynamic, longrope) is computed for,

@@ -28,8 +28,9 @@ def batch_for(step: int, cp_rank: int = 0, cp: int = 1) -> Batch:
     g = torch.Generator().manual_seed(step)
     tokens, labels = (torch.randint(0, MODEL.vocab_size, (ROWS, SEQ_LEN), generator=g) for _ in range(2))
     positions = torch.arange(SEQ_LEN).expand(ROWS, SEQ_LEN)
-    shards = [burst.shard_for_rank(t, cp_rank, cp) for t in (tokens, labels, positions)]
-    return Batch(*shards, doc_boundaries=[torch.tensor(d) for d in DOCUMENTS[step % len(DOCUMENTS)]],
+    documents = burst.Documents.of(DOCUMENTS[step % len(DOCUMENTS)], SEQ_LEN, cp, "balanced")  # --doc-mask's
+    shards = [documents.shard(t, cp_rank) for t in (tokens, labels, positions)]
+    return Batch(*shards, documents=documents,
                  num_tokens=shards[1].numel(), rope_length=SEQ_LEN)
 
 

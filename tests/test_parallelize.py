@@ -41,7 +41,7 @@ def rank_batches(dp_rank: int, dp: int, cp_rank: int, cp: int, grad_accum: int) 
     for micro in range(grad_accum):
         rows = slice(micro * rows_per_rank // grad_accum, (micro + 1) * rows_per_rank // grad_accum)
         t, lab, pos = (s[rows] for s in shards)
-        batches.append(Batch(t, lab, pos, doc_boundaries=[], num_tokens=int((lab != IGNORE_INDEX).sum()),
+        batches.append(Batch(t, lab, pos, documents=None, num_tokens=int((lab != IGNORE_INDEX).sum()),
                              rope_length=SEQ_LEN))
     return batches
 

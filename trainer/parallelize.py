@@ -41,6 +41,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 import burst
+from burst.documents import Documents
 from models import ModelConfig, Transformer
 from models.convert import Checkpoint, read_checkpoint, read_peft
 from models.init import initial_rows
@@ -103,13 +104,11 @@ def parallelize(model: Transformer, mesh: DeviceMesh | None, config: TrainConfig
     return model
 
 
-def mark_documents_dynamic(config: TrainConfig, *per_row: list[torch.Tensor] | None) -> None:
-    """Under --compile, let the per-row document tensors (doc_boundaries, doc_sees) vary in length: the documents
+def mark_documents_dynamic(config: TrainConfig, documents: Documents | None) -> None:
+    """Under --compile, let the documents' operator encoding (`Documents.encoded`) vary in length: the documents
     of a row change from batch to batch, and one graph serves any count instead of a recompile per count."""
-    if config.compile:
-        for rows in per_row:
-            for tensor in rows or ():
-                torch._dynamo.maybe_mark_dynamic(tensor, 0)
+    if config.compile and documents is not None:
+        torch._dynamo.maybe_mark_dynamic(documents.encoded, 0)
 
 
 def end_forward_only(model: torch.nn.Module) -> None:

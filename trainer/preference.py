@@ -85,10 +85,10 @@ def batch_logps(model: Transformer, batch: Batch, config: TrainConfig, env: Dist
     [2 x pairs] each: chosen, rejected of pair 0, then of pair 1, ..."""
     tokens, labels, positions, answers = (t.to(env.device, non_blocking=True) for t in (
         batch.tokens, batch.labels, batch.positions, batch.answers))
-    mark_documents_dynamic(config, batch.doc_boundaries, batch.doc_sees)
+    mark_documents_dynamic(config, batch.documents)
     with torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=config.precision == "bf16"):
         logps, counts = model.answer_logps(tokens, labels, answers, 2 * batch.num_pairs, positions,
-                                           batch.doc_boundaries, batch.doc_sees, chunk_size=config.loss_tile,
+                                           batch.documents, chunk_size=config.loss_tile,
                                            rope_length=batch.rope_length)
     group = cp_group(env)
     return summed(logps, lambda t: all_reduce(t, group)), all_reduce(counts, group)

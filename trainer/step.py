@@ -51,10 +51,10 @@ def forward_backward(model: Transformer, batch: Batch, global_count: torch.Tenso
     """Backward of this micro-batch's share of the global mean loss; returns its summed token loss."""
     tokens, labels, positions = (t.to(device, non_blocking=True) for t in (batch.tokens, batch.labels,
                                                                            batch.positions))  # [b, seq / cp]
-    doc_boundaries = batch.doc_boundaries if config.doc_mask else None  # offsets over the full sequence
-    mark_documents_dynamic(config, doc_boundaries)
+    documents = batch.documents if config.doc_mask else None  # over the full sequence, its layout chosen
+    mark_documents_dynamic(config, documents)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.precision == "bf16"):
-        loss_sum, _ = model.loss(tokens, labels, positions, doc_boundaries, chunk_size=config.loss_tile,
+        loss_sum, _ = model.loss(tokens, labels, positions, documents, chunk_size=config.loss_tile,
                                  rope_length=batch.rope_length)
     (loss_sum / global_count).backward()
     return loss_sum.detach()
@@ -95,11 +95,10 @@ def check_ranks_eagerly(model: Transformer, batch: Batch, config: TrainConfig, d
     --check-ranks-every)."""
     set_rank_checks(model, True)
     tokens, labels, positions = (t.to(device) for t in (batch.tokens, batch.labels, batch.positions))
-    doc_boundaries = batch.doc_boundaries if config.doc_mask else None
-    doc_sees = batch.doc_sees if config.objective != "nll" else None
+    documents = batch.documents if config.doc_mask else None  # with what each sees, as the step attends
     with torch.compiler.set_stance("force_eager"), \
             torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.precision == "bf16"):
-        model.loss(tokens, labels, positions, doc_boundaries, doc_sees, rope_length=batch.rope_length)
+        model.loss(tokens, labels, positions, documents, rope_length=batch.rope_length)
     end_forward_only(model)  # FSDP's per-iteration state of a forward without backward
 
 

@@ -143,7 +143,7 @@ class Validator:
             tokens, labels, positions = (t.to(env.device) for t in (batch.tokens, batch.labels, batch.positions))
             with torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=config.precision == "bf16"):
                 loss_sum, count = model.loss(tokens, labels, positions,
-                                             batch.doc_boundaries if config.doc_mask else None,
+                                             batch.documents if config.doc_mask else None,
                                              rope_length=batch.rope_length)
             totals += torch.stack([loss_sum.double(), count.double()])
         for hook in hooks:
