@@ -71,10 +71,16 @@ def _lengths(blocks: list[torch.Tensor]) -> list[int]:
     return [t.shape[1] for t in blocks for _ in range(t.shape[0])]
 
 
-def _varlen_groups(kernel: AttentionKernel, causal_flags: list) -> list[list[int]]:
-    """Indices of the blocks to pack together: per causal flag, when the kernel's varlen path is
-    checked and packing saves a call; otherwise (and for every band) one group per block."""
-    if not getattr(kernel, "use_varlen", False):
+def uses_varlen(kernel: AttentionKernel) -> bool:
+    """Whether the ring packs `kernel`'s blocks into varlen calls: its `use_varlen`, part of its interface, set once
+    when choice.py built it (after its varlen self-check); a kernel without a varlen path has none."""
+    return getattr(kernel, "use_varlen", False)
+
+
+def _varlen_groups(varlen: bool, causal_flags: list) -> list[list[int]]:
+    """Indices of the blocks to pack together: per causal flag, with `varlen` (packing saves a call); otherwise
+    (and for every band) one group per block."""
+    if not varlen:
         return [[i] for i in range(len(causal_flags))]
     groups = [[i for i, c in enumerate(causal_flags) if c is flag] for flag in (True, False)]
     return [g for g in groups if g] + [[i] for i, c in enumerate(causal_flags) if isinstance(c, tuple)]
@@ -99,11 +105,13 @@ def backward_block(kernel: AttentionKernel, dout, q, k, v, out, lse, mask, scale
     return kernel.backward(dout, q, k, v, out, lse, mask, scale)
 
 
-def forward_blocks(kernel: AttentionKernel, blocks: list[ForwardBlock], scale: float
+def forward_blocks(kernel: AttentionKernel, blocks: list[ForwardBlock], scale: float, varlen: bool | None = None
                    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(out [nb, len, hq, d], lse [nb, hq, len] float32) of every block, in the blocks' order."""
+    """(out [nb, len, hq, d], lse [nb, hq, len] float32) of every block, in the blocks' order; packed into varlen
+    calls as the kernel was built to (`uses_varlen`), or as `varlen` says (its self-check tries the path)."""
     results: list = [None] * len(blocks)
-    for group in _varlen_groups(kernel, [b[3] for b in blocks]):
+    varlen = uses_varlen(kernel) if varlen is None else varlen
+    for group in _varlen_groups(varlen, [b[3] for b in blocks]):
         if len(group) == 1:
             results[group[0]] = forward_block(kernel, *blocks[group[0]], scale)
             continue
@@ -116,11 +124,13 @@ def forward_blocks(kernel: AttentionKernel, blocks: list[ForwardBlock], scale: f
     return results
 
 
-def backward_blocks(kernel: AttentionKernel, blocks: list[BackwardBlock], scale: float
+def backward_blocks(kernel: AttentionKernel, blocks: list[BackwardBlock], scale: float, varlen: bool | None = None
                     ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """(dq, dk, dv) of every block (dout, q, k, v, out, lse, causal), each shaped like its input."""
+    """(dq, dk, dv) of every block (dout, q, k, v, out, lse, causal), each shaped like its input; packed as
+    `forward_blocks` packs."""
     results: list = [None] * len(blocks)
-    for group in _varlen_groups(kernel, [b[6] for b in blocks]):
+    varlen = uses_varlen(kernel) if varlen is None else varlen
+    for group in _varlen_groups(varlen, [b[6] for b in blocks]):
         if len(group) == 1:
             results[group[0]] = backward_block(kernel, *blocks[group[0]], scale)
             continue

@@ -115,6 +115,9 @@ FLASH_ATTN_CONTRACT = KernelContract(
 class AttentionKernel(Protocol):
     name: str
     contract: KernelContract
+    # A kernel with forward_varlen / backward_varlen (burst/varlen.py) also has `use_varlen: bool`, part of its
+    # interface: whether the ring packs a step's blocks into one varlen call. choice.py sets it once, when it builds
+    # the kernel, from the varlen self-check; nothing toggles it after (the self-check tries the path directly).
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                 scale: float) -> tuple[torch.Tensor, torch.Tensor]: ...

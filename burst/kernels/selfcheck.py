@@ -133,11 +133,9 @@ def varlen_self_check(kernel: AttentionKernel, device: torch.device, dtype: torc
     forward = [(q[b, r], k[b, c], v[b, c], causal) for b, r, c, causal in rectangles]
     out_tol, lse_tol, grad_tol = TOLERANCES[dtype]
     reference, scale = MathKernel(), head_dim ** -0.5
-    checked = getattr(kernel, "use_varlen", False)
-    try:
-        kernel.use_varlen = True
+    try:  # the varlen path tried as such: the kernel itself is not changed (choice.py sets its use_varlen once)
         with torch.no_grad(), torch.autocast(device.type, enabled=False):
-            results = forward_blocks(kernel, forward, scale)
+            results = forward_blocks(kernel, forward, scale, varlen=True)
             backward = []
             for (bq, bk, bv, causal), (out, lse), (b, r, _, _) in zip(forward, results, rectangles, strict=True):
                 ref_out, ref_lse = reference.forward(bq, bk, bv, causal, scale)
@@ -145,15 +143,13 @@ def varlen_self_check(kernel: AttentionKernel, device: torch.device, dtype: torc
                                or _max_error("varlen forward lse", lse, ref_lse, lse_tol)):
                     return problem
                 backward.append((dout[b, r], bq, bk, bv, ref_out, ref_lse, causal))
-            for block, grads in zip(backward, backward_blocks(kernel, backward, scale), strict=True):
+            for block, grads in zip(backward, backward_blocks(kernel, backward, scale, varlen=True), strict=True):
                 expected = reference.backward(*block[:6], block[6], scale)
                 for name, got, want in zip(("dq", "dk", "dv"), grads, expected, strict=True):
                     if problem := _max_error(f"varlen backward {name}", got, want, grad_tol):
                         return problem
     except Exception as error:  # noqa: BLE001 - any failure turns varlen off, with its message
         return f"it raised {one_line(error)}"
-    finally:
-        kernel.use_varlen = checked
     return None
 
 
