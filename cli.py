@@ -237,6 +237,52 @@ def eval_command(
         evaluate(eval_config)
 
 
+@app.command("generate")
+@_taking(*PLACEMENT)
+def generate_command(
+    model: Path = typer.Option(..., "--model", help="Run directory, training checkpoint, or native / Hugging Face "
+                                                    "model directory (with its tokenizer)."),
+    prompt: str | None = typer.Option(None, "--prompt", help="The prompt text."),
+    prompt_file: Path | None = typer.Option(None, "--prompt-file", help="A .jsonl file of {\"prompt\": ...} or "
+                                            "{\"messages\": [...]} per line, or any other file: one prompt."),
+    output: Path | None = typer.Option(None, "--output", help="Also write one JSON object per prompt to this "
+                                                              ".jsonl file (text, token_ids, prompt_token_ids, "
+                                                              "finish_reason)."),
+    force: bool = typer.Option(False, "--force", help="Replace the --output file if it exists."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Tokens to generate at most per prompt."),
+    chat: bool = typer.Option(False, "--chat", help="Give plain prompts to the model's chat template as a user "
+                                                    "message (.jsonl messages always go through it)."),
+    temperature: float = typer.Option(0.0, "--temperature", help="Sampling temperature; 0 is greedy."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling: keep the likeliest tokens up to this "
+                                                     "probability (1: all)."),
+    top_k: int = typer.Option(0, "--top-k", help="Sample among the k likeliest tokens (0: all)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the sampling: the same tokens at every --cp."),
+    stop: list[str] = typer.Option([], "--stop", help="A string that ends the generation (repeatable); EOS "
+                                                      "always does."),
+    batch_size: int = typer.Option(1, "--batch-size", help="Prompts generated together, padded to one length."),
+    cp: int = typer.Option(1, "--cp", help="Context-parallel ranks that share the prompt and its KV cache."),
+    layout: str = typer.Option("zigzag", "--layout", help="How the prompt is cut over the ranks: zigzag or "
+                                                          "balanced."),
+    precision: str = typer.Option("fp32", "--precision", help="Weights dtype: fp32, bf16 or auto."),
+    **placement: Any,
+) -> None:
+    """Generate text from a model: texts on stdout, prefill and decode tokens/s on stderr.
+
+    With --cp N it starts N local ranks: the prompt is read by BurstAttention over them, each keeping its slice of
+    the KV cache. Exits 2 on bad input.
+    """
+    from evaluation.generate_run import GenerateConfig, Prompt, read_prompts, run_generate
+
+    with _exits():
+        if (prompt is None) == (prompt_file is None):
+            raise ValueError("give one of --prompt TEXT or --prompt-file FILE")
+        prompts = [Prompt(text=prompt)] if prompt is not None else read_prompts(prompt_file)
+        run_generate(GenerateConfig(model=model, prompts=prompts, output=output, force=force,
+                                    max_new_tokens=max_new_tokens, chat=chat, temperature=temperature, top_p=top_p,
+                                    top_k=top_k, seed=seed, stop=stop, batch_size=batch_size, cp=cp, layout=layout,
+                                    precision=precision, **placement))
+
+
 @bench_app.command("attention")
 @_taking(*PLACEMENT)
 def bench_attention_command(

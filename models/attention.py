@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from burst.decode import LayerCache, attend_cached
 from burst.local import local_attn
 
 
@@ -30,7 +31,8 @@ class LocalAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 doc_boundaries: Sequence[torch.Tensor] | None = None,
-                doc_sees: Sequence[torch.Tensor] | None = None, window: int | None = None) -> torch.Tensor:
+                doc_sees: Sequence[torch.Tensor] | None = None, window: int | None = None,
+                cache: LayerCache | None = None) -> torch.Tensor:
         """q [batch, seq, n_heads, head_dim], k/v [batch, seq, n_kv_heads, head_dim] -> [batch, seq, n_heads, head_dim].
 
         doc_boundaries: None, the batch's `burst.Documents` (as the data loader makes them), or one 1-D int
@@ -39,6 +41,18 @@ class LocalAttention(nn.Module):
         doc_sees: None, or per batch row an int tensor [n_docs]: the earlier document each document
         also sees whole (prefix sharing), or -1.
         window: the layer's sliding window W (a query at i sees keys i - W < j <= i), or None.
+        cache: when generating, this layer's keys and values (burst/decode.py): the prompt's pass keeps its keys
+        there; a later pass's tokens attend to every key kept (one token at a time).
         """
+        if cache is not None and window is not None:
+            raise ValueError("generation does not yet keep a cache for sliding-window layers; generate from a model "
+                             "without windows")
+        if cache is not None and cache.length > 0:
+            if q.shape[1] != 1:
+                raise ValueError(f"after the prompt, generation passes one token at a time, got {q.shape[1]}")
+            cache.write(k, v)
+            return attend_cached(q, cache)[0].to(q.dtype)
+        if cache is not None:
+            cache.write(k, v)
         return local_attn(q, k, v, causal=True, kernel=self.kernel, doc_boundaries=doc_boundaries,
                           doc_sees=doc_sees, window=window)

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from burst.decode import KVCache, LayerCache
 from models import rope
 from models.attention import LocalAttention
 from models.config import ModelConfig
@@ -114,7 +115,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 doc_boundaries: Sequence[torch.Tensor] | None,
-                doc_sees: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+                doc_sees: Sequence[torch.Tensor] | None = None, cache: LayerCache | None = None) -> torch.Tensor:
         batch, seq_len, _ = x.shape
         q = self.wq(x).view(batch, seq_len, self.n_heads, self.head_dim)
         k = self.wk(x).view(batch, seq_len, self.n_kv_heads, self.head_dim)
@@ -124,10 +125,9 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.query_scale is not None:
             q = q * self.query_scale
-        # doc_sees and window only when given: a core attention without them keeps its four-argument call
-        extra = {} if doc_sees is None else {"doc_sees": doc_sees}
-        if self.window is not None:
-            extra["window"] = self.window
+        # doc_sees, window and cache only when given: a core attention without them keeps its four-argument call
+        extra = {name: value for name, value in (("doc_sees", doc_sees), ("window", self.window), ("cache", cache))
+                 if value is not None}
         out = self.core_attention(q, k, v, doc_boundaries, **extra)  # [batch, seq, n_heads, head_dim]
         return self.wo(out.reshape(batch, seq_len, -1))
 
@@ -164,8 +164,8 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 doc_boundaries: Sequence[torch.Tensor] | None = None,
-                doc_sees: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
-        h = self.attention(self.attention_norm(x), cos, sin, doc_boundaries, doc_sees)
+                doc_sees: Sequence[torch.Tensor] | None = None, cache: LayerCache | None = None) -> torch.Tensor:
+        h = self.attention(self.attention_norm(x), cos, sin, doc_boundaries, doc_sees, cache)
         x = x + (h if self.attention_out_norm is None else self.attention_out_norm(h))
         h = self.feed_forward(self.ffn_norm(x))
         return x + (h if self.ffn_out_norm is None else self.ffn_out_norm(h))
@@ -208,7 +208,7 @@ class Transformer(nn.Module):
     def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                       doc_boundaries: Sequence[torch.Tensor] | None = None,
                       doc_sees: Sequence[torch.Tensor] | None = None, *,
-                      rope_length: int | None = None) -> torch.Tensor:
+                      rope_length: int | None = None, cache: KVCache | None = None) -> torch.Tensor:
         """tokens [batch, seq] -> final-normed hidden states [batch, seq, dim].
 
         positions: global position ids [seq] or [batch, seq] (default 0..seq-1).
@@ -219,6 +219,8 @@ class Transformer(nn.Module):
         rope_length: the sequence length a length-dependent RoPE scaling (dynamic, longrope) is computed for,
         transformers' max(position_ids) + 1; default that of `positions`, which under sequence parallelism is
         only this rank's shard: pass the whole sequence's (`Batch.rope_length`).
+        cache: when generating, the keys and values kept so far, with the slots this pass writes reserved
+        (burst/decode.py); the attention modules keep and read them.
         """
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)
@@ -232,9 +234,9 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(tokens)  # [batch, seq, dim]
         if self.config.scale_embeddings:  # Gemma: by sqrt(dim), rounded to the weights' dtype as transformers does
             h = h * torch.tensor(self.config.dim ** 0.5, dtype=h.dtype)
-        for layer in self.layers:
+        for index, layer in enumerate(self.layers):
             cos, sin = rotation if layer.attention.window is None else local_rotation
-            h = layer(h, cos, sin, doc_boundaries, doc_sees)
+            h = layer(h, cos, sin, doc_boundaries, doc_sees, None if cache is None else cache.layer(index))
         return self.norm(h)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
