@@ -213,6 +213,20 @@ def eval_command(
                                                                     "checkpoint or model directory): report DPO's "
                                                                     "implicit rewards against it."),
     beta: float | None = typer.Option(None, "--beta", help="The implicit rewards' beta, with --reference (0.1)."),
+    seed: int | None = typer.Option(None, "--seed", help="Seed of the passkeys and of RULER's samples (0)."),
+    ruler: bool = typer.Option(False, "--ruler", help="Run RULER's tasks instead (docs/evaluation.md#ruler): "
+                                                      "generation, scored by string match."),
+    ruler_tasks: str | None = typer.Option(None, "--ruler-tasks", help="RULER tasks, comma-separated (the 11 "
+                                                                       "synthetic ones; qa needs --ruler-qa)."),
+    ruler_lengths: str | None = typer.Option(None, "--ruler-lengths", help="Prompt lengths in tokens, new tokens "
+                                                                           "included (4096,8192,16384,32768)."),
+    ruler_samples: int | None = typer.Option(None, "--ruler-samples", help="Samples per task and length (10)."),
+    ruler_threshold: float | None = typer.Option(None, "--ruler-threshold", help="The average an effective length "
+                                                                                 "reaches (85.6, RULER's)."),
+    ruler_qa: Path | None = typer.Option(None, "--ruler-qa", help="A .jsonl file of {\"question\", \"answers\", "
+                                                                  "\"documents\"} per line: task qa."),
+    samples_out: Path | None = typer.Option(None, "--samples-out", help="Write every RULER sample (prompt, ids, "
+                                                                        "answers, output, score) to this .jsonl."),
     **placement: Any,
 ) -> None:
     """Perplexity, loss by position and passkey retrieval of a model checkpoint: results on stdout. On an
@@ -233,8 +247,28 @@ def eval_command(
                  cp=cp, precision=precision, json_path=json_path, reference=reference, beta=beta, **placement)
     with _exits(failed=(EvaluationFailed,)):
         given = {name: v for name, v in flags.items() if v is not None}
-        eval_config = EvalConfig(checkpoint=checkpoint, force=force, given=frozenset(given), **given)
+        ruler_settings = _ruler_settings(ruler, ruler_tasks, ruler_lengths, ruler_samples, ruler_threshold, ruler_qa,
+                                         samples_out, seed, force)
+        eval_config = EvalConfig(checkpoint=checkpoint, force=force, given=frozenset(given), ruler=ruler_settings,
+                                 **given, **({"seed": seed} if seed is not None else {}))
         evaluate(eval_config)
+
+
+def _ruler_settings(ruler: bool, tasks: str | None, lengths: str | None, samples: int | None,
+                    threshold: float | None, qa: Path | None, samples_out: Path | None, seed: int | None, force: bool):
+    """--ruler's settings, or None without --ruler (refusing a --ruler-* flag given without it)."""
+    from evaluation.ruler.run import RulerSettings
+
+    given = {"tasks": tasks and tuple(_name_list(tasks)),
+             "lengths": tuple(_number_list(lengths, int, "--ruler-lengths") or ()) or None,
+             "samples": samples, "threshold": threshold, "qa": qa, "samples_out": samples_out}
+    given = {name: value for name, value in given.items() if value is not None}
+    if not ruler:
+        if given:
+            flag = f"--{'samples-out' if 'samples_out' in given else 'ruler-' + next(iter(given))}"
+            raise ValueError(f"{flag} is a setting of RULER; add --ruler, or drop it")
+        return None
+    return RulerSettings(**given, seed=seed or 0, force=force)
 
 
 @app.command("generate")

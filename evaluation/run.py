@@ -30,6 +30,8 @@ from data.conversation_packing import check_policy
 from data.loader import IGNORE_INDEX
 from evaluation.checkpoint import EvalCheckpoint, check_tokenizer, load_for_eval, recorded_store
 from evaluation.distributed import context_parallel_group, use_burst_attention
+from evaluation.generate import use_decode_attention
+from evaluation.generate_run import end_tokens, model_tokenizer
 from evaluation.passkey import evaluate_passkey
 from evaluation.perplexity import (
     POSITION_MODES,
@@ -43,6 +45,7 @@ from evaluation.preference import to_json as preference_json
 from evaluation.qa import evaluate_qa
 from evaluation.report import tables, write_files
 from evaluation.result import EvalResult
+from evaluation.ruler.run import RulerResult, RulerSettings, evaluate_ruler
 from planner import RunShape
 from planner.fit import check_fits
 from runtime.device import resolve_device
@@ -54,6 +57,10 @@ from runtime.precision import resolve_precision
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+
+
+RULER_IGNORES = ("data", "seq_len", "batches", "buckets", "positions", "passkey_lengths", "passkey_depths",
+                 "passkey_trials", "qa_samples", "long_conversations", "reference", "beta")
 
 
 class EvaluationFailed(RuntimeError):
@@ -91,9 +98,13 @@ class EvalConfig:
     device: str | None = None
     device_reason: str = ""
     attention_kernel: str = "auto"  # the local attention kernel (burst.select_kernel's names), checked on construction
+    ruler: RulerSettings | None = None  # --ruler: RULER's tasks instead of perplexity (evaluation/ruler/)
 
     def __post_init__(self) -> None:
         """Refuse values that cannot work, naming the flag; the checks that need files come later."""
+        if self.ruler is not None:
+            refuse_ignored(self.given, {name: "scores perplexity, passkeys or pairs, which --ruler does not run"
+                                        for name in RULER_IGNORES})
         if self.json_path is not None and self.json_path.suffix.lower() != ".json":
             raise ValueError(f"--json {self.json_path} must end in .json: the plot is written beside it, with .png "
                              f"for .json; e.g. --json {self.json_path.with_suffix('.json')}")
@@ -320,11 +331,15 @@ def check_memory(config: EvalConfig) -> None:
                config.device)
 
 
-def evaluate(config: EvalConfig, console: Console | None = None) -> EvalResult | PreferenceResult:
+def evaluate(config: EvalConfig, console: Console | None = None) -> EvalResult | PreferenceResult | RulerResult:
     """Evaluate `config.checkpoint`; print tables on rank 0 and, with `json_path`, write the JSON and PNG there."""
     check_memory(config)
     if config.cp > 1 and not dist.is_initialized() and not under_torchrun():
-        open_inputs(config)  # bad input is refused here, once, rather than as a crash of every rank
+        # bad input is refused here, once, rather than as a crash of every rank
+        if config.ruler is not None:
+            model_tokenizer(load_for_eval(config.checkpoint))
+        else:
+            open_inputs(config)
         try:
             return run_local(evaluate, nproc=config.cp, args=(config,))[0]  # each rank's device, threads: worker_device
         except ChildFailedError as err:  # what the weights turned out to hold: one message, as in one process
@@ -342,6 +357,8 @@ def evaluate(config: EvalConfig, console: Console | None = None) -> EvalResult |
     with context_parallel_group(config.cp, config.device) as (group, device):
         is_main = group_rank_and_size(group)[0] == 0
         say = log.print if is_main else lambda *_: None
+        if config.ruler is not None:
+            return ruler(config, group, device, say, console if is_main else None)
         inputs = open_inputs(config)
         for warning in inputs.warnings:
             say(f"[yellow]warning:[/] {warning}")
@@ -385,3 +402,15 @@ def evaluate(config: EvalConfig, console: Console | None = None) -> EvalResult |
             say(f"wrote {config.json_path}" + (f" and {plot}" if plot else ""))
     return result
 
+
+
+def ruler(config: EvalConfig, group: dist.ProcessGroup | None, device: torch.device, say,
+          console: Console | None) -> RulerResult:
+    """`burst eval --ruler`: RULER's tasks answered by the model across the group (evaluation/ruler/)."""
+    checkpoint = load_for_eval(config.checkpoint)
+    tokenizer = model_tokenizer(checkpoint)
+    model = checkpoint.model(device, PRECISIONS[config.precision])
+    use_decode_attention(model, group)
+    say(f"weights in {config.precision} ({config.precision_reason}), on {config.device} ({config.device_reason})")
+    return evaluate_ruler(model, tokenizer, end_tokens(checkpoint, tokenizer), config.ruler, group, say, console,
+                          config.json_path, f"RULER, cp {config.cp}")

@@ -1,0 +1,151 @@
+"""`burst generate` against transformers' generate: SmolLM2-135M-Instruct in float32, greedy, at cp 1, 2 and 4.
+
+The prompt of 3,000 tokens (padded on the left to 2 x cp chunks at cp > 1) and a short chat run at every cp
+on the first 2 layers of the model (real weights and tokenizer at a tenth of the cost: the cache, the ring and
+the merge are the same code at any depth); the whole model answers the chat in one process. Each cp is one
+process group that runs everything (greedy and sampled) through `run_generate`, as the command does. Sampling has no
+transformers twin that draws alike: with a seed it must give the same tokens at every cp.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sysconfig
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from typer.testing import CliRunner
+
+from cli import app
+from evaluation.generate_run import GenerateConfig, Prompt, run_generate
+from tests.distributed import run_on_ranks
+
+NEW_TOKENS = 64
+CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+SAMPLING = {"temperature": 0.8, "top_p": 0.9, "top_k": 50, "seed": 7}
+
+
+@functools.cache
+def long_text(directory: Path, tokens: int = 3000) -> str:
+    """Python's own textwrap.py and shlex.py (code the model knows), cut to `tokens` tokens."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    text = (stdlib / "textwrap.py").read_text() + (stdlib / "shlex.py").read_text()
+    return tokenizer.decode(tokenizer(text)["input_ids"][:tokens])
+
+
+def _generate_all(rank: int, world_size: int, model: Path, out: Path, text: str) -> None:
+    """Run on every rank of a group: greedy on both prompts, then sampled; rank 0 writes what it got."""
+    prompts = [Prompt(text=text), Prompt(messages=CHAT)]
+    greedy = run_generate(GenerateConfig(model=model, prompts=prompts, max_new_tokens=NEW_TOKENS, cp=world_size))
+    sampled = run_generate(GenerateConfig(model=model, prompts=prompts[1:], max_new_tokens=NEW_TOKENS,
+                                          cp=world_size, **SAMPLING))
+    if rank == 0:
+        out.write_text(json.dumps({name: [asdict(g) for g in results] for name, results in
+                                   (("greedy", greedy), ("sampled", sampled))}))
+
+
+@pytest.fixture(scope="module")
+def generated(smollm2_2_layers, tmp_path_factory) -> dict[int, dict]:
+    """What each cp generated: {cp: {"greedy": [...], "sampled": [...]}}."""
+    root = tmp_path_factory.mktemp("generate")
+    results = {}
+    for cp in (1, 2, 4):
+        out = root / f"cp{cp}.json"
+        if cp == 1:
+            _generate_all(0, 1, smollm2_2_layers, out, long_text(smollm2_2_layers))
+        else:
+            run_on_ranks(_generate_all, world_size=cp, args=(smollm2_2_layers, out, long_text(smollm2_2_layers)),
+                         timeout_s=600)
+        results[cp] = json.loads(out.read_text())
+    return results
+
+
+@functools.cache
+def hf_model(directory: Path) -> transformers.PreTrainedModel:
+    return transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+
+
+def transformers_ids(directory: Path, prompt_ids: list[int]) -> list[int]:
+    """transformers' greedy continuation of `prompt_ids`, up to its EOS (included) or NEW_TOKENS."""
+    model = hf_model(directory)
+    with torch.no_grad():
+        ids = model.generate(torch.tensor([prompt_ids]), max_new_tokens=NEW_TOKENS, do_sample=False)[0]
+    return ids[len(prompt_ids):].tolist()
+
+
+def test_prompts_are_the_ids_transformers_reads(smollm2_2_layers, generated):
+    tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_2_layers)
+    long, chat = generated[1]["greedy"]
+    assert long["prompt_token_ids"] == tokenizer(long_text(smollm2_2_layers))["input_ids"]
+    assert 2990 < len(long["prompt_token_ids"]) < 3010
+    assert chat["prompt_token_ids"] == tokenizer.apply_chat_template(CHAT, add_generation_prompt=True,
+                                                                     return_dict=False)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_greedy_tokens_equal_transformers(smollm2_2_layers, generated, cp):
+    for result in generated[cp]["greedy"]:
+        assert result["token_ids"] == transformers_ids(smollm2_2_layers, result["prompt_token_ids"])
+
+
+def test_the_whole_model_answers_a_chat_as_transformers_does(smollm2):
+    (result,) = run_generate(GenerateConfig(model=smollm2, prompts=[Prompt(messages=CHAT)], max_new_tokens=NEW_TOKENS))
+    result = asdict(result)
+    expected = transformers_ids(smollm2, result["prompt_token_ids"])
+    assert result["token_ids"] == expected
+    assert "Paris" in result["text"]
+
+
+def test_sampling_with_a_seed_gives_the_same_tokens_at_every_cp(generated):
+    runs = [generated[cp]["sampled"][0]["token_ids"] for cp in (1, 2, 4)]
+    assert runs[0] == runs[1] == runs[2]
+    assert runs[0] != generated[1]["greedy"][1]["token_ids"]  # it did sample
+
+
+def test_a_batch_of_prompts_gives_each_prompt_its_own_tokens(smollm2_2_layers, generated):
+    prompts = [Prompt(text="The capital of France is"), Prompt(messages=CHAT), Prompt(text="def fibonacci(n):")]
+    alone = [run_generate(GenerateConfig(model=smollm2_2_layers, prompts=[p], max_new_tokens=12))[0] for p in prompts]
+    together = run_generate(GenerateConfig(model=smollm2_2_layers, prompts=prompts, max_new_tokens=12, batch_size=3))
+    assert [g.token_ids for g in together] == [g.token_ids for g in alone]
+
+
+def test_burst_generate_writes_text_and_ids(smollm2_2_layers, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "The capital of France is"}) + "\n" + json.dumps({"messages": CHAT}))
+    out = tmp_path / "out.jsonl"
+    result = CliRunner().invoke(app, ["generate", "--model", str(smollm2_2_layers), "--prompt-file", str(prompts),
+                                      "--max-new-tokens", "8", "--output", str(out), "--stop", "\n"])
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 2 and all({"text", "token_ids", "prompt_token_ids"} <= set(row) for row in rows)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_2_layers)
+    for row in rows:
+        assert "\n" not in row["text"]
+        assert tokenizer.decode(row["token_ids"]).startswith(row["text"])
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "give one of --prompt TEXT or --prompt-file FILE"),
+    (["--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens 0 must be at least 1"),
+    (["--prompt", "x", "--temperature", "-1"], "--temperature -1.0 must be a finite number >= 0"),
+    (["--prompt", "x", "--top-p", "0"], "--top-p 0.0 must be in (0, 1]"),
+    (["--prompt", "x", "--output", "out.json"], "must end in .jsonl"),
+    (["--prompt-file", "missing.txt"], "--prompt-file missing.txt is not a file"),
+])
+def test_bad_input_gets_one_line(smollm2_2_layers, args, message, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["generate", "--model", str(smollm2_2_layers), *args])
+    assert result.exit_code == 2
+    assert message in result.output and "Traceback" not in result.output
+
+
+def test_a_bad_jsonl_line_is_named(smollm2_2_layers, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "ok"}\n{"text": "wrong key"}\n')
+    result = CliRunner().invoke(app, ["generate", "--model", str(smollm2_2_layers), "--prompt-file", str(prompts)])
+    assert result.exit_code == 2 and "line 2 holds neither" in result.output
