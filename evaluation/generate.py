@@ -63,12 +63,14 @@ class Speed:
     prefill_seconds: float = 0.0
     decode_tokens: int = 0
     decode_seconds: float = 0.0
+    kv_cache_bytes: int = 0  # this rank's cache, the largest batch's
 
     def line(self) -> str:
         def rate(tokens: int, seconds: float) -> str:
             return f"{tokens / seconds:,.1f} tok/s" if seconds > 0 else "-"
         return (f"prefill {self.prefill_tokens:,} tokens {rate(self.prefill_tokens, self.prefill_seconds)}, "
-                f"decode {self.decode_tokens:,} tokens {rate(self.decode_tokens, self.decode_seconds)}")
+                f"decode {self.decode_tokens:,} tokens {rate(self.decode_tokens, self.decode_seconds)}, "
+                f"KV cache {self.kv_cache_bytes / 2**20:,.1f} MiB per rank")
 
 
 def padded_length(longest: int, world_size: int) -> int:
@@ -105,6 +107,7 @@ def generate(model: Transformer, prompts: list[list[int]], tokenizer: Tokenizer,
                     config.n_kv_heads, config.head_dim, model.output_weight.dtype, device)
     outputs = [Generated(prompt_token_ids=list(p)) for p in prompts]
     speed = speed if speed is not None else Speed()
+    speed.kv_cache_bytes = max(speed.kv_cache_bytes, cache.nbytes)
 
     started = time.perf_counter()
     cache.reserve(index >= pad[:, None])

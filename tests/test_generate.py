@@ -42,7 +42,7 @@ def _generate_all(rank: int, world_size: int, model: Path, out: Path, text: str)
     """Run on every rank of a group: greedy on both prompts, then sampled; rank 0 writes what it got."""
     prompts = [Prompt(text=text), Prompt(messages=CHAT)]
     greedy = run_generate(GenerateConfig(model=model, prompts=prompts, max_new_tokens=NEW_TOKENS, cp=world_size))
-    sampled = run_generate(GenerateConfig(model=model, prompts=prompts[1:], max_new_tokens=NEW_TOKENS,
+    sampled = run_generate(GenerateConfig(model=model, prompts=prompts[1:], max_new_tokens=24,
                                           cp=world_size, **SAMPLING))
     if rank == 0:
         out.write_text(json.dumps({name: [asdict(g) for g in results] for name, results in
