@@ -314,7 +314,8 @@ def generate_command(
         run_generate(GenerateConfig(model=model, prompts=prompts, output=output, force=force,
                                     max_new_tokens=max_new_tokens, chat=chat, temperature=temperature, top_p=top_p,
                                     top_k=top_k, seed=seed, stop=stop, batch_size=batch_size, cp=cp, layout=layout,
-                                    precision=precision, **placement))
+                                    precision=precision,
+                                    **{name: value for name, value in placement.items() if value is not None}))
 
 
 @bench_app.command("attention")
@@ -473,7 +474,8 @@ app.command("train")(_train_command)
 
 def _plan_command(config: Path | None = None, gpu: str | None = None, gpus_per_node: int | None = None,
                   nodes: int = 1, search: bool = False, json_path: Path | None = None, vocab_size: int | None = None,
-                  doc_len: int | None = None, force: bool = False, calibrate: bool = False, **flags: Any) -> None:
+                  doc_len: int | None = None, force: bool = False, calibrate: bool = False,
+                  generate: int | None = None, **flags: Any) -> None:
     """What a training run needs per rank (memory by part, fits or not) and how fast it goes (step time by part,
     tokens/s per GPU, MFU), before it starts: for this machine, or --gpu NAME. Takes `burst train`'s settings.
     With --search: the cp x dp x recomputation settings of the GPUs that fit, fastest first."""
@@ -493,7 +495,7 @@ def _plan_command(config: Path | None = None, gpu: str | None = None, gpus_per_n
     flags.pop("val_sequences", None)
     overrides = {name: value for name, value in flags.items() if value is not None}
     with _exits():
-        request = PlanRequest(load_config(config, overrides), gpu, gpus_per_node, nodes, vocab_size, doc_len)
+        request = PlanRequest(load_config(config, overrides), gpu, gpus_per_node, nodes, vocab_size, doc_len, generate)
         if json_path is not None:
             check_json_path(json_path, force)
         if calibrate:
@@ -532,6 +534,10 @@ _plan_command.__signature__ = inspect.Signature([
                                                                       "minutes of short steps on this machine (its "
                                                                       "device and precision), kept for every plan "
                                                                       "and memory check here from then on.")),
+    inspect.Parameter("generate", inspect.Parameter.KEYWORD_ONLY, annotation=int | None,
+                      default=typer.Option(None, "--generate", help="Plan `burst generate` of this many new tokens "
+                                                                    "after a --seq-len prompt: the weights, one "
+                                                                    "block's activations and the KV cache per rank.")),
     inspect.Parameter("vocab_size", inspect.Parameter.KEYWORD_ONLY, annotation=int | None,
                       default=typer.Option(None, "--vocab-size", help="The tokenizer's vocabulary, replacing the "
                                                                       "preset's.")),

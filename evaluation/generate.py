@@ -28,14 +28,16 @@ from models import Transformer
 from runtime.process import all_reduce
 
 
-def use_decode_attention(model: Transformer, group: dist.ProcessGroup | None, layout: str = "zigzag") -> None:
-    """Make every block's attention read the prompt across `group` and decode against every rank's slice of the
-    cache (in place); a no-op for a single process, whose LocalAttention keeps its own cache."""
+def use_decode_attention(model: Transformer, group: dist.ProcessGroup | None, layout: str = "zigzag",
+                         kernel: str = "auto") -> None:
+    """Make every block's attention read the prompt across `group` with the local kernel `kernel` and decode against
+    every rank's slice of the cache (in place); a single process keeps its LocalAttention (its own cache path)."""
     check_layout(layout, "--layout")
-    if group_rank_and_size(group)[1] == 1:
-        return
     for block in model.layers:
-        block.attention.core_attention = DecodeAttention(group, layout=layout)
+        if group_rank_and_size(group)[1] == 1:
+            block.attention.core_attention.kernel = kernel
+        else:
+            block.attention.core_attention = DecodeAttention(group, kernel=kernel, layout=layout)
 
 
 @dataclass(frozen=True)

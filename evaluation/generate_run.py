@@ -1,6 +1,6 @@
 """`burst generate`: text from a model, the prompt read across --cp ranks (evaluation/generate.py).
 
-    results = run_generate(GenerateConfig(model=Path("out/run"), prompts=[Prompt(text="Hello")], cp=2))
+    results, speed = run_generate(GenerateConfig(model=Path("out/run"), prompts=[Prompt(text="Hello")], cp=2))
 
 Prompts come from --prompt or --prompt-file (`read_prompts`), are tokenized as transformers would (the
 tokenizer's BOS first where it adds one; messages through the model's chat template), and are generated
@@ -20,6 +20,7 @@ import torch
 from rich.console import Console
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+from burst.kernels import check_kernel_name
 from burst.layout import check_layout
 from data import Tokenizer, load_tokenizer
 from data.chat import ChatFormat, ConversationRefused
@@ -96,6 +97,7 @@ class GenerateConfig:
     layout: str = "zigzag"
     precision: str = "fp32"
     device: str | None = None
+    attention_kernel: str = "auto"  # the prompt's local kernel (burst.select_kernel's names)
     precision_reason: str = ""
     device_reason: str = ""
 
@@ -111,6 +113,7 @@ class GenerateConfig:
         if any(not s for s in self.stop):
             raise ValueError("--stop takes a non-empty string")
         check_layout(self.layout, "--layout")
+        check_kernel_name(self.attention_kernel, "--attention-kernel")
         self.sampling  # noqa: B018 (checks temperature, top-p, top-k)
         if self.precision not in (*PRECISIONS, "auto"):
             raise ValueError(f"--precision {self.precision!r} is not one of auto, {', '.join(PRECISIONS)}")
@@ -188,8 +191,9 @@ def open_inputs(config: GenerateConfig) -> GenerateInputs:
     return GenerateInputs(checkpoint, tokenizer, ids, Stops(end_tokens(checkpoint, tokenizer), tuple(config.stop)))
 
 
-def run_generate(config: GenerateConfig, console: Console | None = None) -> list[Generated]:
-    """Generate for every prompt of `config`; with cp > 1 starts cp local ranks (unless torchrun did)."""
+def run_generate(config: GenerateConfig, console: Console | None = None) -> tuple[list[Generated], Speed]:
+    """Generate for every prompt of `config`: the generations and rank 0's speed and KV cache; with cp > 1 starts
+    cp local ranks (unless torchrun did)."""
     if config.cp > 1 and not torch.distributed.is_initialized() and not under_torchrun():
         open_inputs(config)  # bad input refused once, here
         try:
@@ -206,7 +210,7 @@ def run_generate(config: GenerateConfig, console: Console | None = None) -> list
         say = log.print if is_main else lambda *_: None
         inputs = open_inputs(config)
         model = inputs.checkpoint.model(device, PRECISIONS[config.precision])
-        use_decode_attention(model, group, config.layout)
+        use_decode_attention(model, group, config.layout, config.attention_kernel)
         say(f"weights in {config.precision} ({config.precision_reason}), on {config.device} "
             f"({config.device_reason}), cp {config.cp}")
         results, speed = [], Speed()
@@ -225,5 +229,5 @@ def run_generate(config: GenerateConfig, console: Console | None = None) -> list
             with writing(config.output, kept="; the texts are those printed above"):
                 write_atomically(config.output, "\n".join(lines) + "\n")
             say(f"wrote {config.output}")
-    return results
+    return results, speed
 

@@ -325,6 +325,8 @@ def check_memory(config: EvalConfig) -> None:
     check of its longest sequence, forward only (the weights in its precision, one block's activations, attention's
     buffers and the loss's chunk)."""
     longest = max([config.seq_len] + (config.passkey_lengths if config.passkey_trials else []))
+    if config.ruler is not None:
+        longest = max(config.ruler.lengths)
     shape = RunShape(seq_len=longest, cp=config.cp, precision=config.precision, forward_only=True,
                      models=1 if config.reference is None else 2)  # --reference: its model is held beside
     check_fits(shape, load_for_eval(config.checkpoint).config, local_world_size(config.cp),
@@ -410,7 +412,7 @@ def ruler(config: EvalConfig, group: dist.ProcessGroup | None, device: torch.dev
     checkpoint = load_for_eval(config.checkpoint)
     tokenizer = model_tokenizer(checkpoint)
     model = checkpoint.model(device, PRECISIONS[config.precision])
-    use_decode_attention(model, group)
+    use_decode_attention(model, group, kernel=config.attention_kernel)
     say(f"weights in {config.precision} ({config.precision_reason}), on {config.device} ({config.device_reason})")
     return evaluate_ruler(model, tokenizer, end_tokens(checkpoint, tokenizer), config.ruler, group, say, console,
                           config.json_path, f"RULER, cp {config.cp}")

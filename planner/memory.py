@@ -11,6 +11,7 @@ term (adapters, offloaded activations, a tiled MLP) is one more function and one
 
 from __future__ import annotations
 
+from burst.decode import cache_capacity
 from models.footprint import Footprint
 from planner.hardware import Hardware
 from planner.shape import RunShape
@@ -84,12 +85,24 @@ def loss_bytes(shape: RunShape, model: Footprint) -> int:
     return 2 * rows * model.vocab * 4
 
 
+def kv_cache_bytes(shape: RunShape, model: Footprint) -> int:
+    """Generation's KV cache on one rank (burst/decode.py): every layer's keys and values of the rank's shard of the
+    prompt and of its round-robin share of the new tokens, in the weights' dtype; 0 when not generating."""
+    if not shape.new_tokens:
+        return 0
+    tokens = cache_capacity(shape.seq_len, shape.new_tokens, shape.cp)
+    return 2 * model.layers * shape.batch_size * tokens * model.kv_heads * model.head_dim * compute_width(shape)
+
+
 def forward_parts(shape: RunShape, model: Footprint, hardware: Hardware) -> dict[str, int]:
     """Evaluation's tensors: every rank holds each model whole in its dtype, one block's activations, attention's
-    buffers and the loss's chunk; no gradients or optimizer."""
-    return {"weights": shape.models * compute_width(shape) * model.parameters, "gathered weights": 0,
-            "activations": forward_activation_bytes(shape, model, hardware),
-            "attention buffers": attention_buffer_bytes(shape, model), "loss chunk": loss_bytes(shape, model)}
+    buffers and the loss's chunk, and when generating its KV cache; no gradients or optimizer."""
+    parts = {"weights": shape.models * compute_width(shape) * model.parameters, "gathered weights": 0,
+             "activations": forward_activation_bytes(shape, model, hardware),
+             "attention buffers": attention_buffer_bytes(shape, model), "loss chunk": loss_bytes(shape, model)}
+    if shape.new_tokens:
+        parts["kv cache"] = kv_cache_bytes(shape, model)
+    return parts
 
 
 def training_parts(shape: RunShape, model: Footprint, hardware: Hardware, mode: str) -> dict[str, int]:
@@ -123,7 +136,7 @@ def memory_parts(shape: RunShape, model: Footprint, hardware: Hardware, mode: st
 
 
 TENSOR_PARTS = ("weights", "gradients", "optimizer state", "gathered weights", "activations", "backward working set",
-                "attention buffers", "loss chunk")
+                "attention buffers", "loss chunk", "kv cache")
 
 
 def allocated_bytes(parts: dict[str, int]) -> int:

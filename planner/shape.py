@@ -30,6 +30,7 @@ class RunShape:
     attention_backward: str = "auto"
     forward_only: bool = False  # evaluation: no gradients or optimizer, the model whole on every rank
     models: int = 1  # models held at once (evaluation with a --reference model: 2)
+    new_tokens: int = 0  # generation (forward only): tokens generated after the seq_len prompt, their keys kept
 
     def __post_init__(self) -> None:
         if isinstance(self.doc_len, list):

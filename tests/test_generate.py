@@ -41,12 +41,13 @@ def long_text(directory: Path, tokens: int = 3000) -> str:
 def _generate_all(rank: int, world_size: int, model: Path, out: Path, text: str) -> None:
     """Run on every rank of a group: greedy on both prompts, then sampled; rank 0 writes what it got."""
     prompts = [Prompt(text=text), Prompt(messages=CHAT)]
-    greedy = run_generate(GenerateConfig(model=model, prompts=prompts, max_new_tokens=NEW_TOKENS, cp=world_size))
-    sampled = run_generate(GenerateConfig(model=model, prompts=prompts[1:], max_new_tokens=24,
-                                          cp=world_size, **SAMPLING))
+    greedy, speed = run_generate(GenerateConfig(model=model, prompts=prompts, max_new_tokens=NEW_TOKENS,
+                                                cp=world_size))
+    sampled, _ = run_generate(GenerateConfig(model=model, prompts=prompts[1:], max_new_tokens=24,
+                                             cp=world_size, **SAMPLING))
     if rank == 0:
-        out.write_text(json.dumps({name: [asdict(g) for g in results] for name, results in
-                                   (("greedy", greedy), ("sampled", sampled))}))
+        out.write_text(json.dumps({"greedy": [asdict(g) for g in greedy], "sampled": [asdict(g) for g in sampled],
+                                   "kv_cache_bytes": speed.kv_cache_bytes}))
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +95,8 @@ def test_greedy_tokens_equal_transformers(smollm2_2_layers, generated, cp):
 
 
 def test_the_whole_model_answers_a_chat_as_transformers_does(smollm2):
-    (result,) = run_generate(GenerateConfig(model=smollm2, prompts=[Prompt(messages=CHAT)], max_new_tokens=NEW_TOKENS))
+    (result,), _ = run_generate(GenerateConfig(model=smollm2, prompts=[Prompt(messages=CHAT)],
+                                               max_new_tokens=NEW_TOKENS))
     result = asdict(result)
     expected = transformers_ids(smollm2, result["prompt_token_ids"])
     assert result["token_ids"] == expected
@@ -107,11 +109,34 @@ def test_sampling_with_a_seed_gives_the_same_tokens_at_every_cp(generated):
     assert runs[0] != generated[1]["greedy"][1]["token_ids"]  # it did sample
 
 
-def test_a_batch_of_prompts_gives_each_prompt_its_own_tokens(smollm2_2_layers, generated):
+def test_a_batch_of_prompts_gives_each_prompt_its_own_tokens(smollm2_2_layers):
     prompts = [Prompt(text="The capital of France is"), Prompt(messages=CHAT), Prompt(text="def fibonacci(n):")]
-    alone = [run_generate(GenerateConfig(model=smollm2_2_layers, prompts=[p], max_new_tokens=12))[0] for p in prompts]
-    together = run_generate(GenerateConfig(model=smollm2_2_layers, prompts=prompts, max_new_tokens=12, batch_size=3))
+    alone = [run_generate(GenerateConfig(model=smollm2_2_layers, prompts=[p], max_new_tokens=12))[0][0]
+             for p in prompts]
+    together, _ = run_generate(GenerateConfig(model=smollm2_2_layers, prompts=prompts, max_new_tokens=12,
+                                              batch_size=3))
     assert [g.token_ids for g in together] == [g.token_ids for g in alone]
+
+
+def test_kv_cache_per_rank_at_cp_4_is_a_quarter_of_cp_1s_measured_and_planned(smollm2_2_layers, generated,
+                                                                               tmp_path):
+    measured = {cp: generated[cp]["kv_cache_bytes"] for cp in (1, 4)}
+    assert abs(measured[4] / (measured[1] / 4) - 1) < 0.10
+    tokens = 3000 + NEW_TOKENS  # the longer prompt and its new tokens, kept whole at cp 1
+    config = json.loads((smollm2_2_layers / "config.json").read_text())
+    per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * config["hidden_size"] // \
+        config["num_attention_heads"] * 4  # keys and values of every layer, float32
+    assert measured[1] == tokens * per_token
+    planned = {}
+    for cp in (1, 4):
+        plan = tmp_path / f"plan{cp}.json"
+        result = CliRunner().invoke(app, ["plan", "--model", str(smollm2_2_layers), "--seq-len", "3000", "--cp",
+                                          str(cp), "--generate", str(NEW_TOKENS), "--precision", "fp32",
+                                          "--device", "cpu", "--json", str(plan)])
+        assert result.exit_code == 0, result.output
+        assert "kv cache" in result.output
+        planned[cp] = json.loads(plan.read_text())["memory_bytes"]["kv cache"]
+    assert abs(planned[1] - measured[1]) / measured[1] < 0.01 and abs(planned[4] - measured[4]) / measured[4] < 0.01
 
 
 def test_burst_generate_writes_text_and_ids(smollm2_2_layers, tmp_path):

@@ -33,6 +33,7 @@ class PlanRequest:
     nodes: int = 1
     vocab_size: int | None = None  # replace the preset's vocabulary (a store prepared with another tokenizer)
     doc_len: int | None = None  # with --doc-mask: the packed documents' length (None: one per sequence)
+    generate: int | None = None  # plan `burst generate` of this many new tokens after a --seq-len prompt
 
     def __post_init__(self) -> None:
         """Refuse hardware and document settings that cannot describe a run, naming the flag."""
@@ -41,6 +42,8 @@ class PlanRequest:
             if value is not None and value < 1:
                 raise ValueError(f"{flag} {value} must be at least 1 (leave it out for "
                                  f"{'the table' if flag != '--vocab-size' else 'the preset'}'s or this machine's)")
+        if self.generate is not None and self.generate < 1:
+            raise ValueError(f"--generate {self.generate} must be at least 1 new token (leave it out to plan training)")
         if self.doc_len is not None and self.doc_len < 1:
             raise ValueError(f"--doc-len {self.doc_len} must be at least 1 token: the packed documents' length; leave "
                              f"it out to take the stores' length-weighted mean")
@@ -182,6 +185,9 @@ def plan(request: PlanRequest) -> tuple[RunShape, Estimate, Hardware]:
         raise ValueError(f"--cp {config.cp} x --dp {config.dp} = {config.world_size} ranks, but {hardware.nodes} "
                          f"node(s) of {hardware.gpus_per_node} GPUs have {gpus}; raise --gpus-per-node or --nodes")
     shape = run_shape(config, documents_length(request))
+    if request.generate is not None:  # forward only, one cp group, and the KV cache of prompt and new tokens
+        shape = dataclasses.replace(shape, forward_only=True, new_tokens=request.generate, dp=1, grad_accum=1,
+                                    activation_checkpointing="none")
     return shape, estimate(shape, model_config_of(request), hardware), hardware
 
 
