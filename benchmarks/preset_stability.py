@@ -68,7 +68,7 @@ def shrunk(name: str, dim: int, layers: int) -> str:
     width = kv_heads * group * head
     ffn = round(preset.ffn_hidden_dim / preset.dim * width / 32) * 32
     small = dataclasses.replace(preset, dim=width, n_layers=layers, n_heads=kv_heads * group, n_kv_heads=kv_heads,
-                                ffn_hidden_dim=ffn, ffn_dim_multiplier=None)
+                                ffn_hidden_dim=ffn, ffn_dim_multiplier=None, head_dim=head)
     PRESETS[f"{name}-shrunk"] = Preset(small, PRESETS[name].recipe)
     return f"{name}-shrunk"
 

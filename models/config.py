@@ -25,8 +25,8 @@ class ModelConfig:
 
     `ffn_hidden_dim` is derived from dim, multiple_of and ffn_dim_multiplier (as Meta's LLaMA
     code does) only when it is None; `dataclasses.replace(config, dim=...)` therefore needs
-    `ffn_hidden_dim=None` as well to re-derive it. `max_seq_len` is the context length the
-    model is meant for (written to exported configs); RoPE itself works at any position.
+    `ffn_hidden_dim=None` as well to re-derive it, and `head_dim=None` with another dim or n_heads. `max_seq_len`
+    is the context length the model is meant for (written to exported configs); RoPE itself works at any position.
     `rope_scaling` is one of the types of models/rope.py, or None for plain RoPE.
 
     The families beside LLaMA are configuration (models/llama.py): `head_dim` (None: dim // n_heads), q/k/v and
