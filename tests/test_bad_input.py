@@ -510,3 +510,19 @@ def test_prepare_refuses_workers_below_one_and_an_out_under_a_file(tmp_path, cor
     refused(invoke("prepare", corpus, "--out", tmp_path / "a_file" / "store", "--tokenizer", tokenizer.path),
             f"{tmp_path / 'a_file'} is a file, not a directory")
     assert not (tmp_path / "store").exists() and (tmp_path / "a_file").read_text() == "not a directory"
+
+
+def test_a_finished_run_is_extended_by_a_larger_steps_and_never_shortened(store, tmp_path):
+    out = tmp_path / "run"
+    done = invoke("train", "--model", "debug", "--data", store, "--seq-len", 128, "--steps", 2, "--precision",
+                  "fp32", "--val-tokens", 0, "--out", out)
+    assert done.exit_code == 0, done.output
+    saved = (out / "config.toml").read_text()
+    refused(invoke("train", "--resume", "--steps", 1, "--out", out), "--steps 1", "cannot be shortened",
+            "--stop-after")
+    assert (out / "config.toml").read_text() == saved
+    extended = invoke("train", "--resume", "--steps", 3, "--out", out)
+    assert extended.exit_code == 0, extended.output
+    assert "extending the run from 2 to 3 steps" in " ".join(extended.output.split())
+    steps = [json.loads(line).get("step") for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert 3 in steps and "steps = 3" in (out / "config.toml").read_text()

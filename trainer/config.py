@@ -319,10 +319,16 @@ def load_run_config(out: str | Path, overrides: dict[str, Any]) -> TrainConfig:
         raise ValueError(f"--resume: {out} holds no run to continue ({path} does not exist); pass the --out of "
                          f"an earlier run, or start a new run without --resume")
     saved = load_config(path, {"out": str(out)}, recorded=True)
+    steps = overrides.get("steps", saved.steps)
+    if steps < saved.steps:
+        raise ValueError(f"--resume --steps {steps}: the run has {saved.steps} steps and cannot be shortened (its "
+                         f"learning-rate schedule decays over them); pass --stop-after N to stop it earlier, or a "
+                         f"--steps above {saved.steps} to extend it")
     # The device recorded is where the run ran, not a request: this machine's is resolved again (flag, BURST_DEVICE,
     # auto), and the run says so when it changed (trainer/trainer.py).
     config = load_config(path, {"device": None, **overrides, "out": str(out), "resume": True}, recorded=True)
-    changed = [name for name in FIELDS if name not in RESUMABLE_CHANGES and name != "out"
+    # a larger --steps extends the run (its schedule then the new length's, trainer/trainer.py says so)
+    changed = [name for name in FIELDS if name not in RESUMABLE_CHANGES and name not in ("out", "steps")
                and getattr(config, name) != getattr(saved, name)]
     if changed:
         raise ValueError("--resume continues a run with its own settings, but "

@@ -335,7 +335,8 @@ def check_resume(config: TrainConfig, out: Path, model_config: ModelConfig, sour
     recorded = read_train_state(path).get("settings")
     if isinstance(recorded, dict):  # checkpoints of older versions recorded none
         now = run_identity(config)
-        changed = [name for name in now if name in recorded and recorded[name] != now[name]]
+        changed = [name for name in now if name in recorded and recorded[name] != now[name]
+                   and not (name == "steps" and now[name] > recorded[name])]  # an extended run
         if changed:
             raise ValueError(f"{out / 'config.toml'} no longer describes the run its checkpoint {path.name} "
                              f"trained: " + ", ".join(f"{name} {now[name]!r} there, {recorded[name]!r} in the "
@@ -346,7 +347,7 @@ def check_resume(config: TrainConfig, out: Path, model_config: ModelConfig, sour
     step = step_of(path)
     if step >= config.steps:
         raise ValueError(f"the run in {out} is finished: its newest checkpoint {path.name} is at step {step} of "
-                         f"{config.steps}; there is nothing to resume")
+                         f"{config.steps}; there is nothing to resume (pass --steps above {step} to extend it)")
     if config.stop_after is not None and config.stop_after <= step:
         raise ValueError(f"--stop-after {config.stop_after} is not after the checkpoint to resume from "
                          f"({path.name}, step {step}); pass a later step")

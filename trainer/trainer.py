@@ -163,11 +163,13 @@ class Trainer:
         checked = self.checked
         if checked.init_from is not None:
             load_stage_start(checked.init_from, self.model, self.optimizer if self.config.init_optimizer else None)
+        recorded_steps = None  # the steps the checkpoint's run was set for: fewer when this resume extends it
         if checked.resume_from is not None:
             saved = load_checkpoint(checked.resume_from, self.model, self.optimizer, self.env.device)
             self.schedule.load_state_dict(saved["schedule"])
             self.loader.load_state_dict(saved["loader"])
             self.state.load_state_dict(saved["train"])
+            recorded_steps = saved.get("settings", {}).get("steps")
         self.check_starting_weights()
         if self.env.is_main:
             self.record()
@@ -189,11 +191,22 @@ class Trainer:
                                   else "starting over (no checkpoint yet)"))
         elif self.metrics is not None and checked.resume_from is not None:
             self.metrics.message(f"resumed from {checked.resume_from} (step {self.state.step})")
+        self.report_extension(recorded_steps)
         if self.metrics is not None and checked.recorded_device not in (None, self.config.device):
             was = checked.recorded_device
             self.metrics.event("device_changed", {"from": was, "to": self.config.device},
                                f"device: the run ran on {was} and continues on {self.config.device} "
                                f"({checked.device.reason}); pass --device {was} to keep it there")
+
+    def report_extension(self, recorded_steps: int | None) -> None:
+        """Say once that a resume with a larger --steps extends the run, and what that does to its schedule."""
+        steps = self.config.steps
+        if self.metrics is None or recorded_steps is None or recorded_steps == steps:
+            return
+        self.metrics.event("extended", {"from_steps": recorded_steps, "to_steps": steps},
+                           f"extending the run from {recorded_steps} to {steps} steps: the learning-rate schedule is "
+                           f"now the {steps}-step one (warmup {self.config.warmup} kept), so from step "
+                           f"{self.state.step} the rate is that schedule's, not the {recorded_steps}-step one's")
 
     def record(self) -> None:
         """Rank 0 writes the run directory, once everything it starts from is loaded and checked: a new run's
