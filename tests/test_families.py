@@ -21,6 +21,7 @@ from models.convert import name_tables, rename
 from models.footprint import footprint
 from models.hf_config import config_from_hf, config_to_hf
 from tests.distributed import run_on_ranks
+from tests.fixtures import burst_train_together, metrics, relative_gap
 from tests.hf_forms import transformers4_form, transformers5_form
 
 SIZES = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
@@ -47,12 +48,13 @@ SHORT = 12  # within the window
 FORMS = {"4.x": transformers4_form, "5.x": transformers5_form}
 
 
-def hf_model(name: str, path, form: str | None = None) -> transformers.PreTrainedModel:
-    """A small random model of family `name`, its weights (norms and biases too) drawn far from their initial
-    values, saved in `path` (config.json in transformers `form`, or as the installed release writes it)."""
+def hf_model(name: str, path, form: str | None = None, **sizes) -> transformers.PreTrainedModel:
+    """A small random model of family `name` (SIZES, changed by `sizes`), its weights (norms and biases too) drawn far
+    from their initial values, saved in `path` (config.json in transformers `form`, or as the installed release
+    writes it)."""
     config_class, model_class, extra = FAMILIES[name]
     torch.manual_seed(0)
-    model = model_class(config_class(**SIZES, **extra, attn_implementation="eager")).eval()
+    model = model_class(config_class(**{**SIZES, **sizes}, **extra, attn_implementation="eager")).eval()
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.add_(torch.randn_like(parameter) * 0.1)
@@ -271,3 +273,15 @@ def test_the_plan_counts_each_layers_window():
           f"{attention / causal_attention:.3f}x causal's")
     assert visible <= attention <= 1.25 * visible  # a band's edges are computed in strips and masked
     assert attention < causal_attention / 5
+
+
+def test_a_windowed_model_trains_alike_at_cp1_and_cp2(store, tmp_path):
+    """`burst train --model DIR` of a Gemma 3 (local layers sliding 16 tokens) over 64-token sequences: the ring
+    carries each layer's window, so the losses at cp 2 are those of one process."""
+    hf_model("gemma3", tmp_path / "hf", vocab_size=320, bos_token_id=1, eos_token_id=2)  # the store's tokenizer
+    common = ["--model", tmp_path / "hf", "--data", store, "--seq-len", 64, "--steps", 2, "--lr", 1e-3,
+              "--precision", "fp32", "--val-tokens", 0]
+    runs = burst_train_together(*([*common, "--cp", cp, "--out", tmp_path / f"cp{cp}"] for cp in (1, 2)))
+    assert all(done.returncode == 0 for done in runs), runs[0].stderr[-2000:] + runs[1].stderr[-2000:]
+    losses = {cp: [row["loss"] for row in metrics(tmp_path / f"cp{cp}")] for cp in (1, 2)}
+    assert len(losses[1]) == 2 and relative_gap(losses[2], losses[1]) <= 1e-5, losses
