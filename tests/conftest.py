@@ -64,3 +64,14 @@ def _cuda_tests_choose_their_device(request: pytest.FixtureRequest, monkeypatch:
     """A `cuda` test runs as a user's command would, with BURST_DEVICE unset (auto); every other keeps the CPU."""
     if cuda_gpus_needed(request.node) is not None:
         monkeypatch.delenv("BURST_DEVICE", raising=False)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """How many gloo ranks the session's run_on_ranks calls started (tests/distributed.py): the suite's main cost."""
+    import sys
+
+    distributed = sys.modules.get("tests.distributed")
+    if distributed is not None and distributed.counts["calls"]:
+        counts = distributed.counts
+        terminalreporter.write_line(f"run_on_ranks: {counts['calls']} calls on {counts['ranks asked']} ranks started "
+                                    f"{counts['ranks started']} gloo processes")
