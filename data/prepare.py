@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from rich.console import Console, Group
+from rich.console import Group
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 from rich.text import Text
@@ -36,6 +36,7 @@ from data.store import StoreWriter, TokenStore, token_dtype
 from data.tokenizer import SPM_FILE, Tokenizer
 from data.tokenizer_files import load_tokenizer, tokenizer_beside
 from data.tokenizer_spm import train_tokenizer
+from runtime.console import make_console
 from runtime.directories import exclusive_writer
 from runtime.failure import writing
 from runtime.launch import available_cores
@@ -96,7 +97,7 @@ def prepare(inputs: Sequence[str | Path], out_dir: str | Path, *, tokenizer: str
     _check_arguments(inputs, out_dir, tokenizer, vocab_size, val_fraction, seed, force, chat or preference,
                      text_field, workers)
     text_field = text_field or DEFAULT_TEXT_FIELD
-    console = Console(quiet=not progress)
+    console = make_console(quiet=not progress)
     with exclusive_writer(out_dir, "store") as directory:
         directory.check_replaceable(force, older=_is_token_store)  # before the inputs are even listed
         report = PreferenceReport() if preference else InputReport(conversations=chat)

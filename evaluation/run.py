@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from rich.console import Console
+from rich.markup import escape
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from burst.groups import group_rank_and_size
@@ -48,6 +49,7 @@ from evaluation.result import EvalResult
 from evaluation.ruler.run import RulerResult, RulerSettings, evaluate_ruler
 from planner import RunShape
 from planner.fit import check_fits
+from runtime.console import make_console
 from runtime.device import resolve_device
 from runtime.directories import check_writable, write_atomically
 from runtime.failure import WriteFailed, writing
@@ -354,8 +356,8 @@ def evaluate(config: EvalConfig, console: Console | None = None) -> EvalResult |
                                    f"rank {rank}: {error_type}: {text}\n{traceback}" if error_type else
                                    f"rank {rank} {text}") from None
     started = time.perf_counter()
-    console = console or Console()  # the results: stdout, for a pipe or a file
-    log = Console(stderr=True)  # what happens meanwhile
+    console = console or make_console()  # the results: stdout, for a pipe or a file
+    log = make_console(stderr=True)  # what happens meanwhile
     with context_parallel_group(config.cp, config.device) as (group, device):
         is_main = group_rank_and_size(group)[0] == 0
         say = log.print if is_main else lambda *_: None
@@ -363,7 +365,7 @@ def evaluate(config: EvalConfig, console: Console | None = None) -> EvalResult |
             return ruler(config, group, device, say, console if is_main else None)
         inputs = open_inputs(config)
         for warning in inputs.warnings:
-            say(f"[yellow]warning:[/] {warning}")
+            say(f"[yellow]warning:[/] {escape(warning)}")
         model = inputs.checkpoint.model(device, PRECISIONS[config.precision])
         use_burst_attention(model, group, config.attention_kernel)
         say(f"weights in {config.precision} ({config.precision_reason}), on {config.device} ({config.device_reason})")
@@ -400,7 +402,7 @@ def evaluate(config: EvalConfig, console: Console | None = None) -> EvalResult |
         if config.json_path is not None:
             plot = write_files(result, config.json_path)
             if plot is None:
-                say(f"[yellow]warning:[/] {result.warnings[-1]}")
+                say(f"[yellow]warning:[/] {escape(result.warnings[-1])}")
             say(f"wrote {config.json_path}" + (f" and {plot}" if plot else ""))
     return result
 

@@ -377,13 +377,16 @@ def test_a_world_that_does_not_match_cp_is_refused(store, checkpoint, monkeypatc
 
 
 def test_without_matplotlib_the_plot_is_skipped_and_the_json_says_how_to_get_it(store, checkpoint, tmp_path,
-                                                                                  monkeypatch):
+                                                                                  monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # makes the import fail
     out = tmp_path / "eval.json"
     evaluate(EvalConfig(checkpoint=checkpoint, data=store.directory, seq_len=SEQ_LEN, batches=1, passkey_trials=0,
                         json_path=out))
     assert not out.with_suffix(".png").exists()
     assert "pip install 'burst-attention[plot]'" in json.loads(out.read_text())["warnings"][-1]
+    # printed whole: the hint's [plot] is no markup, and a line into a pipe is not wrapped at 80 columns
+    warning = next(line for line in capsys.readouterr().err.splitlines() if "was skipped" in line)
+    assert len(warning) > 80 and warning.endswith("(pip install 'burst-attention[plot]')")
 
 
 def test_a_run_is_scored_on_the_store_it_trained_on_without_data(store, tmp_path):

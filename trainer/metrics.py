@@ -18,6 +18,8 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from runtime.console import make_console
+
 
 def format_line(step: int, total_steps: int, values: dict[str, Any]) -> str:
     """One human-readable line per logged step (the same in the live display and in plain logs)."""
@@ -37,7 +39,7 @@ class Metrics:
 
     def __init__(self, out: Path, total_steps: int, console: Console | None = None) -> None:
         self.total_steps = total_steps
-        self.console = console or Console()
+        self.console = console or make_console()
         self._jsonl = open(out / "metrics.jsonl", "a")
         self._tensorboard = None
         try:

@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from rich.console import Console
 from rich.table import Table
 
 from burst.kernels import select_kernel
@@ -34,6 +33,7 @@ from checkpoints.training import complete_checkpoints, remove_interrupted_saves
 from data import SequenceLoader
 from data.mixture import open_sources, parse_mixture, tokenizer_source
 from models.convert import generation_config_beside
+from runtime.console import make_console
 from runtime.memory import peak_memory_mib
 from runtime.process import all_reduce
 from trainer.checkpoint import forget_metrics_after, load_checkpoint, load_stage_start
@@ -80,7 +80,7 @@ class Trainer:
         # The precision this machine resolved "auto" to: the run records it, so a resume elsewhere keeps it.
         self.config = config = dataclasses.replace(checked.config, precision=checked.precision.name)
         self.checked, self.env, self.started = checked, env, started
-        self.out, self.console = Path(config.out), Console()
+        self.out, self.console = Path(config.out), make_console()
         self.sources = open_sources(parse_mixture(config.data))
         self.store = tokenizer_source(self.sources).store  # the same ids in every source; its files: the chat template
         if env.is_main:
