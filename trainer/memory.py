@@ -82,16 +82,21 @@ def check_offload(device: torch.device) -> None:
 
 def offloading_checkpoint(options: dict) -> Callable:
     """A `checkpoint_fn` for checkpoint_wrapper: torch's non-reentrant checkpoint with `options` (selective's
-    context_fn), whose block input waits in host memory. The first run uses the device input as it is; the
-    recomputation in backward starts from the host copy brought back."""
+    context_fn), whose block input waits in host memory. The forward uses the device input as it is; when
+    backward reaches the block's output, a hook brings the input back, and the recomputation starts from it
+    (outside the recomputed region, which selective checkpointing replays op by op)."""
 
     def run(block: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        first = [x]  # emptied by the forward run: the checkpoint keeps only the host copy
+        if not torch.is_grad_enabled():  # a forward without backward keeps nothing
+            return block(x, *args, **kwargs)
+        inputs = [x]  # the forward run takes it; the hook puts the copy brought back
         saved = HostCopy(x)
 
         def from_host(_: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-            return block(first.pop() if first else saved.back(), *args, **kwargs)
+            return block(inputs.pop(), *args, **kwargs)
 
-        return checkpoint(from_host, saved.host, *args, use_reentrant=False, **options, **kwargs)
+        out = checkpoint(from_host, saved.host, *args, use_reentrant=False, **options, **kwargs)
+        out.register_hook(lambda grad: inputs.append(saved.back()))
+        return out
 
     return run
