@@ -484,22 +484,41 @@ def _plan_command(config: Path | None = None, gpu: str | None = None, gpus_per_n
         PlanRequest,
         calibrate_here,
         check_json_path,
+        format_longest,
         format_plan,
         format_search,
         plan,
         to_json,
         write_json,
     )
+    from trainer.plan import longest as longest_settings
     from trainer.plan import search as search_settings
 
     flags.pop("val_sequences", None)
-    overrides = {name: value for name, value in flags.items() if value is not None}
+    seq_len = flags.pop("seq_len", None)
     with _exits():
+        if seq_len is not None and seq_len != "max":
+            if not seq_len.isdigit():
+                raise ValueError(f"--seq-len {seq_len!r} must be a number of tokens, or max (the longest that fits)")
+            flags["seq_len"] = int(seq_len)
+        overrides = {name: value for name, value in flags.items() if value is not None}
         request = PlanRequest(load_config(config, overrides), gpu, gpus_per_node, nodes, vocab_size, doc_len, generate)
         if json_path is not None:
             check_json_path(json_path, force)
         if calibrate:
             calibrate_here(request)
+        if seq_len == "max":
+            if search:
+                raise ValueError("--seq-len max finds the longest sequence over every setting already; drop --search")
+            found_longest = longest_settings(request)
+            if found_longest is None:
+                raise ValueError("not even 1,024 tokens fit on this hardware in any setting; plan fewer parameters "
+                                 "(--lora-rank), more GPUs or a larger GPU")
+            shape, result, hardware = found_longest
+            typer.echo(format_longest(request.config, shape, result, hardware))
+            if json_path is not None:
+                write_json(json_path, to_json(request.config, shape, result, hardware))
+            return
         shape, result, hardware = plan(request)
         found = longest = None
         if search:
@@ -511,6 +530,15 @@ def _plan_command(config: Path | None = None, gpu: str | None = None, gpus_per_n
             typer.echo(format_plan(request.config, shape, result, hardware, request.doc_len))
         if json_path is not None:
             write_json(json_path, to_json(request.config, shape, result, hardware, found, longest))
+
+
+def _plan_seq_len(parameter: inspect.Parameter) -> inspect.Parameter:
+    """`burst train`'s option, with --seq-len also taking max (the longest sequence that fits)."""
+    if parameter.name != "seq_len":
+        return parameter
+    return parameter.replace(annotation=str | None, default=typer.Option(
+        None, "--seq-len", help="Tokens per sequence (1,024), or max: the longest sequence any setting of the GPUs "
+                                "fits (cp x dp, recomputation, offloaded activations, a tiled MLP), and its plan."))
 
 
 _plan_command.__signature__ = inspect.Signature([
@@ -545,7 +573,7 @@ _plan_command.__signature__ = inspect.Signature([
                       default=typer.Option(None, "--doc-len", help="With --doc-mask: the packed documents' length "
                                                                    "(default: the --data stores' length-weighted "
                                                                    "mean, or the embedded corpus's).")),
-    *list(_train_command.__signature__.parameters.values())[1:],
+    *map(_plan_seq_len, list(_train_command.__signature__.parameters.values())[1:]),
 ])
 app.command("plan")(_plan_command)
 

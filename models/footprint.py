@@ -42,8 +42,19 @@ class Footprint:
         return 6 * self.dim + 2 * self.kv_heads * self.head_dim + 2 * self.ffn
 
 
+_FOOTPRINTS: dict[str, Footprint] = {}  # by the config's repr: a search counts one model thousands of times
+
+
 def footprint(model_config: ModelConfig) -> Footprint:
-    """The parameter counts of `model_config`."""
+    """The parameter counts of `model_config` (counted once per process: building an 8B model on the meta device
+    takes about a second)."""
+    key = repr(model_config)
+    if key not in _FOOTPRINTS:
+        _FOOTPRINTS[key] = _count(model_config)
+    return _FOOTPRINTS[key]
+
+
+def _count(model_config: ModelConfig) -> Footprint:
     count = {name: math.prod(shape) for name, shape in expected_shapes(model_config).items()}
     blocks = [sum(n for name, n in count.items() if name.startswith(f"layers.{i}."))
               for i in range(model_config.n_layers)]

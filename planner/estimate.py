@@ -7,9 +7,13 @@ from dataclasses import dataclass
 from models.config import ModelConfig
 from models.footprint import footprint
 from planner.hardware import Hardware
-from planner.memory import allocated_bytes, memory_parts
+from planner.memory import allocated_bytes, host_bytes, memory_parts
 from planner.shape import RunShape
 from planner.time import model_flops, step_seconds, time_parts
+
+# The share of a node's host memory offloaded activations may take: the rest is the processes', the page cache's
+# and the pinned staging of checkpoints.
+HOST_SHARE = 0.75
 
 
 @dataclass(frozen=True)
@@ -25,6 +29,8 @@ class Estimate:
     peak_tflops: float
     doc_len: int | tuple[int, ...] | None = None  # the packed documents' length attention was counted for
     vocab_size: int = 0  # the model's vocabulary the estimate counted (the head, the loss's chunk)
+    host_bytes: int = 0  # offloaded activations in one node's host memory (all its ranks')
+    host_capacity_bytes: int = 0  # a node's host memory (0: not counted)
 
     @property
     def peak_memory_bytes(self) -> int:
@@ -36,7 +42,12 @@ class Estimate:
 
     @property
     def fits(self) -> bool:
-        return self.peak_memory_bytes <= self.capacity_bytes
+        """The device memory, and the host memory offloaded activations take (where the hardware says it)."""
+        return self.peak_memory_bytes <= self.capacity_bytes and self.host_fits
+
+    @property
+    def host_fits(self) -> bool:
+        return not self.host_capacity_bytes or self.host_bytes <= HOST_SHARE * self.host_capacity_bytes
 
     @property
     def step_time_s(self) -> float:
@@ -57,7 +68,8 @@ class Estimate:
                 "step_time_s": self.step_time_s, "step_time_parts": self.step_time_parts,
                 "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
                 "doc_len": list(self.doc_len) if isinstance(self.doc_len, tuple) else self.doc_len,
-                "vocab_size": self.vocab_size}
+                "vocab_size": self.vocab_size, "host_bytes": self.host_bytes,
+                "host_capacity_bytes": self.host_capacity_bytes}
 
 
 def mfu(tokens_per_s_per_gpu: float, flops_per_token: float, peak_tflops: float) -> float:
@@ -71,9 +83,11 @@ def estimate(shape: RunShape, model_config: ModelConfig, hardware: Hardware, *,
     local_ranks: ranks sharing one CPU machine's memory (default: the shape's ranks over the nodes)."""
     model = footprint(model_config)
     parts, capacity = memory_estimate(shape, model_config, hardware, local_ranks=local_ranks)
+    node_ranks = min(shape.world_size, hardware.gpus_per_node)
     return Estimate(parts, capacity, time_parts(shape, model, hardware), shape.tokens_per_step, shape.world_size,
                     model_flops(shape, model), hardware.peak_tflops(shape.precision), shape.doc_len,
-                    model_config.vocab_size)
+                    model_config.vocab_size, node_ranks * host_bytes(shape, model, hardware),
+                    hardware.host_memory_bytes)
 
 
 def memory_estimate(shape: RunShape, model_config: ModelConfig, hardware: Hardware, *,
@@ -89,4 +103,6 @@ def memory_estimate(shape: RunShape, model_config: ModelConfig, hardware: Hardwa
 
 def fits(shape: RunShape, model_config: ModelConfig, hardware: Hardware, *, local_ranks: int | None = None) -> bool:
     parts, capacity = memory_estimate(shape, model_config, hardware, local_ranks=local_ranks)
-    return sum(parts.values()) <= capacity
+    offloaded = min(shape.world_size, hardware.gpus_per_node) * host_bytes(shape, footprint(model_config), hardware)
+    host_fits = not hardware.host_memory_bytes or offloaded <= HOST_SHARE * hardware.host_memory_bytes
+    return sum(parts.values()) <= capacity and host_fits

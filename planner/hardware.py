@@ -35,6 +35,8 @@ class Hardware:
     cores: int = 0  # a CPU's cores, which its ranks share (0: a GPU, each rank has its own)
     fp32_tflops: float = 0.0  # a GPU's dense fp32 peak without tensor cores (0: matmul_tflops, a CPU's measured rate)
     calibration: Calibration | None = None  # the constants this hardware is planned with (None: its device's default)
+    host_memory_bytes: int = 0  # a GPU node's host memory, which offloaded activations fill (0: not counted)
+    pcie_gbps: float = 0.0  # GB/s one way between a GPU and host memory (offloaded activations' link)
 
     @property
     def shared_memory(self) -> bool:
@@ -81,6 +83,19 @@ GPUS: dict[str, Hardware] = {
                      "1.8 TB/s both ways; ConnectX-7 400 Gb/s per GPU (DGX B200); attention: the H200's measured "
                      "fraction of peak (320 / 989), not measured; fp32 80 TFLOP/s", fp32_tflops=80.0),
 }
+
+
+# Host memory of a GPU node and each GPU's PCIe link, where --offload-activations puts the blocks' inputs. The
+# reference systems' datasheets; the link what a pinned copy reaches (about 85% of the PCIe x16 peak).
+TiB = 2**40
+HOSTS: dict[str, tuple[int, float, str]] = {
+    "h100": (2 * TiB, 55.0, "DGX H100: 2 TB host memory for 8 GPUs; PCIe Gen5 x16, 64 GB/s one way"),
+    "h200": (2 * TiB, 55.0, "DGX H200: 2 TB host memory for 8 GPUs; PCIe Gen5 x16, 64 GB/s one way"),
+    "a100": (1 * TiB, 25.0, "DGX A100: 1 TB host memory for 8 GPUs; PCIe Gen4 x16, 32 GB/s one way"),
+    "b200": (4 * TiB, 55.0, "DGX B200: 4 TB host memory for 8 GPUs (the largest option); PCIe Gen5 x16"),
+}
+GPUS = {key: replace(known, host_memory_bytes=HOSTS[key][0], pcie_gbps=HOSTS[key][1],
+                     source=f"{known.source}; {HOSTS[key][2]}") for key, known in GPUS.items()}
 
 
 def gpu(name: str, gpus_per_node: int | None = None, nodes: int = 1) -> Hardware:

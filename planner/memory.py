@@ -5,18 +5,72 @@ exist (from the second step on), and the gradients are only those of the blocks 
 (FSDP reduce-scatters each block's as it goes; one process adds them as it goes). Late in backward the
 activations are gone and the whole gradient is there; the peak is the larger of the two.
 
-Each part is one function of the shape, the model's footprint and the hardware; `memory_parts` names them. A new
-term (adapters, offloaded activations, a tiled MLP) is one more function and one more entry there.
+Each part is one function of the shape, the model's footprint and the hardware; `memory_parts` names them.
+LoRA keeps the frozen weights in the compute dtype (bf16 on CUDA) without gradients or optimizer state; offloaded
+activations leave two blocks' inputs on the GPU (one going out, one coming back) and the rest in host memory
+(`host_bytes`; on a CPU the host is the device, and offloading changes nothing); the tiled MLP holds its
+intermediate for --mlp-tile tokens at a time, the loss its logits for --loss-tile rows.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 from burst.decode import cache_capacity
 from models.footprint import Footprint
 from planner.hardware import Hardware
 from planner.shape import RunShape
 
-LOSS_CHUNK = 1024  # rows of logits models/loss.py forms at a time
+# Each --lora-targets name's (in, out) features, from a model's footprint.
+LORA_FEATURES = {"q": lambda m: (m.dim, m.heads * m.head_dim), "k": lambda m: (m.dim, m.kv_heads * m.head_dim),
+                 "v": lambda m: (m.dim, m.kv_heads * m.head_dim), "o": lambda m: (m.heads * m.head_dim, m.dim),
+                 "gate": lambda m: (m.dim, m.ffn), "up": lambda m: (m.dim, m.ffn), "down": lambda m: (m.ffn, m.dim)}
+
+
+class Trainable(NamedTuple):
+    """Parameter counts of a run's training: all that train, one block's and outside the blocks', and the frozen."""
+
+    parameters: int
+    block: int
+    outer: int
+    frozen: int
+
+
+def trainable_parameters(shape: RunShape, model: Footprint) -> Trainable:
+    """What trains: every parameter, or under LoRA the adapters (and with train_embeddings_and_norms the embeddings
+    and norms, which are then not frozen)."""
+    if not shape.lora_rank:
+        return Trainable(model.parameters, model.block, model.outer, 0)
+    adapters = sum(shape.lora_rank * sum(LORA_FEATURES[target](model)) for target in shape.lora_targets)
+    norms, embeddings = (2 * model.dim, model.vocab * model.dim + model.dim) if shape.train_embeddings_and_norms \
+        else (0, 0)
+    block, outer = adapters + norms, embeddings
+    base_trained = model.layers * norms + embeddings
+    return Trainable(model.layers * block + outer, block, outer, model.parameters - base_trained)
+
+
+def frozen_width(shape: RunShape, hardware: Hardware) -> int:
+    """Bytes per frozen weight: LoRA keeps them in bf16 where a bf16 run computes on CUDA, else float32."""
+    return 2 if shape.precision == "bf16" and hardware.device == "cuda" else 4
+
+
+def tiled_block_width(shape: RunShape, model: Footprint) -> float:
+    """`block_width` with the MLP's two [tokens, ffn] values held for --mlp-tile tokens of the rank's at a time."""
+    if not shape.mlp_tile or shape.mlp_tile >= shape.tokens_per_rank:
+        return model.block_width
+    return model.block_width - 2 * model.ffn * (1 - shape.mlp_tile / shape.tokens_per_rank)
+
+
+def offloads(shape: RunShape, hardware: Hardware) -> bool:
+    """Whether the blocks' kept inputs leave the device: offloaded, recomputed, on a GPU."""
+    return shape.offload_activations and shape.activation_checkpointing != "none" and hardware.device == "cuda"
+
+
+def host_bytes(shape: RunShape, model: Footprint, hardware: Hardware) -> int:
+    """Host memory one rank's offloaded activations take: the inputs every block keeps for its recomputation."""
+    if not offloads(shape, hardware):
+        return 0
+    return model.layers * shape.tokens_per_rank * residual_width(shape, hardware) * model.dim
 
 
 def compute_width(shape: RunShape) -> int:
@@ -47,14 +101,17 @@ def activation_bytes(shape: RunShape, model: Footprint, hardware: Hardware, mode
     recomputed), and what lies outside the blocks (embedding output, final norm, the loss's hidden rows)."""
     width, residual = activation_width(shape, hardware), residual_width(shape, hardware)
     constants = hardware.constants(shape.precision)
-    block = constants.block_bytes_per_value * model.block_width * width / 2
+    block_width = tiled_block_width(shape, model)
+    block = constants.block_bytes_per_value * block_width * width / 2
     selective = residual * model.dim + constants.selective_values_per_dim * width * model.dim
     kept = {"none": (model.layers - 1) * block,
             "selective": model.layers * (selective + 4 * model.heads),
             "full": model.layers * residual * model.dim}[mode]
+    if mode != "none" and offloads(shape, hardware):  # two inputs on the device: one going out, one coming back
+        kept -= (model.layers - min(2, model.layers)) * residual * model.dim
     in_flight = constants.backward_bytes_per_value + (
         constants.full_recompute_bytes_per_value if mode == "full" else 0.0)
-    working = block + in_flight * model.block_width * width / 2 + constants.outer_bytes_per_dim * model.dim
+    working = block + in_flight * block_width * width / 2 + constants.outer_bytes_per_dim * model.dim
     return int(shape.tokens_per_rank * kept), int(shape.tokens_per_rank * working)
 
 
@@ -67,21 +124,31 @@ def forward_activation_bytes(shape: RunShape, model: Footprint, hardware: Hardwa
 
 def attention_buffer_bytes(shape: RunShape, model: Footprint) -> int:
     """One layer's BurstAttention buffers (cp > 1): the key/value blocks in flight (compute and receive buffer),
-    the float32 output and log-sum-exp accumulators, and in backward the travelling query side (q, dout in the
-    compute dtype, dq in float32, lse and delta), double-buffered too."""
+    the float32 output and log-sum-exp accumulators, and in backward the travelling side, double-buffered too: the
+    query side under burst's backward (q, dout in the compute dtype, dq in float32, lse and delta), keys and values
+    under ring's (k, v in the compute dtype, dk, dv in float32; the local dq, lse and delta accumulators stay); auto
+    takes the one that sends fewer bytes (burst/cost.py), ring for grouped-query models."""
     if shape.cp == 1:
         return 0
     rows = shape.tokens_per_rank
     width = compute_width(shape)
     q, kv = model.heads * model.head_dim, model.kv_heads * model.head_dim
     forward = 2 * 2 * rows * kv * width + rows * (q + model.heads) * 4
-    backward = 2 * rows * (2 * q * width + q * 4 + 2 * model.heads * 4) + 2 * rows * kv * 4
-    return forward if shape.forward_only else max(forward, backward)
+    if shape.forward_only:
+        return forward
+    burst_hop, ring_hop = 2 * q * width + 2 * model.heads * 4 + q * 4, 2 * kv * width + 2 * kv * 4  # bytes a row
+    mode = shape.attention_backward if shape.attention_backward != "auto" else \
+        ("burst" if burst_hop < ring_hop else "ring")
+    if mode == "burst":
+        backward = 2 * rows * (2 * q * width + q * 4 + 2 * model.heads * 4) + 2 * rows * kv * 4
+    else:
+        backward = 2 * rows * ring_hop + rows * (q * 4 + 2 * model.heads * 4)
+    return max(forward, backward)
 
 
 def loss_bytes(shape: RunShape, model: Footprint) -> int:
-    """The loss's chunk: float32 logits of LOSS_CHUNK rows and their softmax gradient (models/loss.py)."""
-    rows = min(LOSS_CHUNK, shape.tokens_per_rank)
+    """The loss's chunk: float32 logits of --loss-tile rows and their softmax gradient (models/loss.py)."""
+    rows = min(shape.loss_tile, shape.tokens_per_rank)
     return 2 * rows * model.vocab * 4
 
 
@@ -111,11 +178,13 @@ def training_parts(shape: RunShape, model: Footprint, hardware: Hardware, mode: 
     # early in backward every layer's kept activations are held and few gradients; late, the whole gradient and
     # none of them; the block being differentiated, its buffers and the outer activations at both
     kept, working = activation_bytes(shape, model, hardware, mode)
-    early = 4 * (model.block + model.outer) // (world if world > 1 else 1)  # gradients held early in backward
-    late = 4 * model.parameters // world
+    trainable = trainable_parameters(shape, model)
+    early = 4 * (trainable.block + trainable.outer) // world  # gradients held early in backward
+    late = 4 * trainable.parameters // world
     early_peak = kept + loss_bytes(shape, model) + early >= late
-    return {"weights": 4 * model.parameters // world, "gradients": early if early_peak else late,
-            "optimizer state": 8 * model.parameters // world,
+    weights = 4 * trainable.parameters + frozen_width(shape, hardware) * trainable.frozen
+    return {"weights": weights // world, "gradients": early if early_peak else late,
+            "optimizer state": 8 * trainable.parameters // world,
             "gathered weights": (2 * model.block + model.outer) * compute_width(shape) if world > 1 else 0,
             "activations": kept if early_peak else 0, "backward working set": working,
             "attention buffers": attention_buffer_bytes(shape, model),

@@ -42,3 +42,26 @@ def longest_sequence(shape: RunShape, model_config: ModelConfig, hardware: Hardw
             break
         best, seq_len = seq_len, seq_len * 2
     return best
+
+
+MLP_TILE = 8192  # the tile the longest-sequence search tries (an [8K, ffn] intermediate: ALST's size of tile)
+
+
+def longest_settings(shape: RunShape, model_config: ModelConfig, hardware: Hardware, gpus: int, *,
+                     local_ranks: int | None = None) -> tuple[int, RunShape] | None:
+    """The longest sequence (`longest_sequence`'s powers of two) any setting of `gpus` ranks fits, and that setting:
+    cp x dp, selective or full recomputation, with the shape's own --offload-activations and --mlp-tile, and beside
+    them, on GPUs, offloaded activations and a tiled MLP; of equal lengths the first of that order (least
+    recomputation, fewest cp ranks, nothing offloaded or tiled). None: not even 1,024 tokens fit."""
+    offload = (shape.offload_activations, True) if hardware.device == "cuda" else (shape.offload_activations,)
+    tiles = (shape.mlp_tile, shape.mlp_tile or MLP_TILE)
+    candidates = [dataclasses.replace(shape, cp=cp, dp=gpus // cp, activation_checkpointing=mode,
+                                      offload_activations=offloaded, mlp_tile=tile)
+                  for offloaded in dict.fromkeys(offload) for tile in dict.fromkeys(tiles)
+                  for mode in ("selective", "full") for cp in range(1, gpus + 1) if gpus % cp == 0]
+    best = None
+    for candidate in candidates:
+        length = longest_sequence(candidate, model_config, hardware, local_ranks=local_ranks)
+        if length is not None and (best is None or length > best[0]):
+            best = (length, dataclasses.replace(candidate, seq_len=length))
+    return best

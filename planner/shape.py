@@ -31,10 +31,17 @@ class RunShape:
     forward_only: bool = False  # evaluation: no gradients or optimizer, the model whole on every rank
     models: int = 1  # models held at once (evaluation with a --reference model: 2)
     new_tokens: int = 0  # generation (forward only): tokens generated after the seq_len prompt, their keys kept
+    lora_rank: int = 0  # LoRA's rank (0: full fine-tuning): the frozen weights get no gradients or optimizer state
+    lora_targets: tuple[str, ...] = ("q", "k", "v", "o")
+    train_embeddings_and_norms: bool = False  # with LoRA: the token embeddings and the norms train too
+    offload_activations: bool = False  # the recomputed blocks' inputs wait in host memory
+    mlp_tile: int = 0  # tokens the MLP computes at once (0: the whole sequence)
+    loss_tile: int = 1024  # rows of logits the loss forms at once
 
     def __post_init__(self) -> None:
         if isinstance(self.doc_len, list):
             object.__setattr__(self, "doc_len", tuple(self.doc_len))
+        object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
 
     @property
     def world_size(self) -> int:
@@ -54,4 +61,6 @@ class RunShape:
         """The flags that set this shape's layout and recomputation."""
         if self.forward_only:
             return f"--cp {self.cp}"
-        return f"--cp {self.cp} --dp {self.dp} --activation-checkpointing {self.activation_checkpointing}"
+        return (f"--cp {self.cp} --dp {self.dp} --activation-checkpointing {self.activation_checkpointing}"
+                + (" --offload-activations" if self.offload_activations else "")
+                + (f" --mlp-tile {self.mlp_tile}" if self.mlp_tile else ""))

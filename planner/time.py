@@ -16,7 +16,7 @@ from burst.plan import AttentionPlan
 from models.footprint import Footprint, attention_flops, matmul_flops_per_token
 from planner.attention import busiest_rank_pairs, document_boundaries, prefix_sees, rank_pairs, sequence_plan
 from planner.hardware import Hardware
-from planner.memory import compute_width
+from planner.memory import compute_width, host_bytes, trainable_parameters
 from planner.shape import RunShape
 
 
@@ -96,17 +96,22 @@ def time_parts(shape: RunShape, model: Footprint, hardware: Hardware) -> dict[st
     if world > 1:
         link = hardware.network_gbps if world > hardware.gpus_per_node else hardware.nvlink_gbps
         gathered = model.parameters * compute_width(shape) * (2 if mode == "none" else 3)
-        reduced = model.parameters * 4
+        reduced = trainable_parameters(shape, model).parameters * 4  # LoRA: the adapters' gradients only
         fsdp = (gathered + reduced) * (world - 1) / world / (link * 1e9)
-    optimizer = 16 * 3 * model.parameters / world / (hardware.memory_gbps * 1e9)
+    optimizer = 16 * 3 * trainable_parameters(shape, model).parameters / world / (hardware.memory_gbps * 1e9)
+    # offloaded block inputs cross PCIe twice a step (out in forward, back in backward), beside the compute
+    offload = 2 * host_bytes(shape, model, hardware) * shape.grad_accum / (hardware.pcie_gbps * 1e9) \
+        if hardware.pcie_gbps else 0.0
     return {"matmuls": matmul, "elementwise": elementwise, "attention": attention,
             "ring exposed": max(0.0, ring - attention), "ring hand-offs": handoffs,
             "fsdp exposed": max(0.0, fsdp - matmul), "optimizer": optimizer,
+            "offload exposed": max(0.0, offload - matmul - attention),
             "overhead": constants.step_overhead_s * crowding, "ring (hidden or not)": ring,
-            "fsdp (hidden or not)": fsdp}
+            "fsdp (hidden or not)": fsdp, "offload (hidden or not)": offload}
 
 
-HIDDEN = ("ring (hidden or not)", "fsdp (hidden or not)")  # shown for information, not added to the step
+# shown for information, not added to the step
+HIDDEN = ("ring (hidden or not)", "fsdp (hidden or not)", "offload (hidden or not)")
 
 
 def step_seconds(parts: dict[str, float]) -> float:

@@ -193,10 +193,11 @@ def test_lora_settings_are_refused_in_one_line():
                                                                        "--lora-targets"),
                               (dict(lora_rank=4, lora_dropout=1.0), "--lora-dropout"),
                               (dict(train_embeddings_and_norms=True), "--train-embeddings-and-norms"),
-                              (dict(offload_activations=True), "--offload-activations")):
+                              (dict(mlp_tile=-1), "--mlp-tile"), (dict(loss_tile=0), "--loss-tile")):
         with pytest.raises(ValueError, match=message):
             TrainConfig(**settings)
     assert LoRAConfig(rank=8, alpha=16).scaling == 2.0
+    assert TrainConfig(offload_activations=True).activation_checkpointing == "full"  # what it offloads
 
 
 def test_a_lora_run_with_dropout_resumes_exactly(tmp_path):

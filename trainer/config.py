@@ -70,8 +70,8 @@ class TrainConfig(Run, Checkpointing, Memory, Lora, Objective, Optimizer, Parall
             # seq_len stands in for it here, where everything else about the flag is checked.
             parse_rope_scaling(self.rope_scaling, "--rope-scaling", original_length=self.seq_len)
         if self.offload_activations and self.activation_checkpointing == "none":
-            raise ValueError("--offload-activations moves the block inputs that activation checkpointing keeps: "
-                             "pass --activation-checkpointing full (or selective) too")
+            # the block inputs it moves are those recomputation keeps: without a mode given, full
+            object.__setattr__(self, "activation_checkpointing", "full")
         if self.cp_layout == "balanced" and not self.doc_mask:
             raise ValueError("--cp-layout balanced is chosen from each sequence's documents, which attention sees "
                              "only with --doc-mask; add --doc-mask, or use --cp-layout zigzag (or auto)")

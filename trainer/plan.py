@@ -18,7 +18,7 @@ from models import PRESETS, ModelConfig
 from planner import Estimate, RunShape, estimate
 from planner.attention import effective_doc_len
 from planner.hardware import Hardware, foreign_constants, gpu, local_hardware, planned_machine
-from planner.search import layouts, longest_sequence
+from planner.search import layouts, longest_sequence, longest_settings
 from trainer.config import TrainConfig
 from trainer.preflight import resolve_model, run_shape
 
@@ -222,6 +222,28 @@ def search(request: PlanRequest, top: int = 8) -> tuple[list[Candidate], int | N
     return found[:top], longest, hardware
 
 
+def longest(request: PlanRequest) -> tuple[RunShape, Estimate, Hardware] | None:
+    """--seq-len max: the longest sequence any setting of the hardware's GPUs fits (planner/search.py's
+    `longest_settings`: cp x dp, recomputation, offloaded activations and a tiled MLP on GPUs), its setting and its
+    estimate; None: not even 1,024 tokens fit."""
+    request = with_data_settings(request)
+    hardware = hardware_of(request)
+    config = resolved(request.config, hardware)
+    model = model_config_of(request)
+    found = longest_settings(run_shape(config, documents_length(request)), model, hardware,
+                             processors(hardware, config))
+    if found is None:
+        return None
+    _, shape = found
+    return shape, estimate(shape, model, hardware), hardware
+
+
+def format_longest(config: TrainConfig, shape: RunShape, result: Estimate, hardware: Hardware) -> str:
+    """The longest sequence's line, then its plan."""
+    return (f"longest sequence that fits {model_name(config)} on {processors(hardware, config)} x {hardware.name}: "
+            f"{shape.seq_len:,} tokens, with {shape.describe()}\n" + format_plan(config, shape, result, hardware))
+
+
 def model_name(config: TrainConfig) -> str:
     return config.model or (f"--init-from {config.init_from}" if config.init_from else "tiny")
 
@@ -246,6 +268,9 @@ def format_plan(config: TrainConfig, shape: RunShape, result: Estimate, hardware
     verdict = "fits" if result.fits else "does NOT fit"
     lines.append(f"  {'peak':<18} {result.peak_memory_bytes / GIB:10,.2f}  of {result.capacity_bytes / GIB:,.1f}: "
                  f"{verdict}")
+    if result.host_bytes:
+        lines.append(f"host memory per node (GiB): offloaded activations {result.host_bytes / GIB:,.2f} of "
+                     f"{result.host_capacity_bytes / GIB:,.0f}" + ("" if result.host_fits else ": does NOT fit"))
     lines.append("step time (s):")
     lines += [f"  {name:<20} {seconds:10.3f}" for name, seconds in result.step_time_parts.items()]
     lines.append(f"  {'step':<20} {result.step_time_s:10.3f}")
@@ -292,10 +317,13 @@ def to_json(config: TrainConfig, shape: RunShape, result: Estimate, hardware: Ha
             found: list[Candidate] | None = None, longest: int | None = None) -> dict:
     """The plan as one JSON object (see docs/plan.md for the keys); with --search, the ranked settings, and where
     none fits, the longest sequence that does (`longest_seq_len`, null: not even 1,024 tokens)."""
-    document = {**result.to_json(), "settings": {"model": config.model, "seq_len": shape.seq_len, "cp": shape.cp,
-                                                 "dp": shape.dp, "batch_size": shape.batch_size,
-                                                 "activation_checkpointing": shape.activation_checkpointing,
-                                                 "precision": shape.precision},
+    document = {**result.to_json(), "seq_len": shape.seq_len,
+                "settings": {"model": config.model, "seq_len": shape.seq_len, "cp": shape.cp,
+                             "dp": shape.dp, "batch_size": shape.batch_size,
+                             "activation_checkpointing": shape.activation_checkpointing,
+                             "precision": shape.precision, "lora_rank": shape.lora_rank,
+                             "offload_activations": shape.offload_activations, "mlp_tile": shape.mlp_tile,
+                             "loss_tile": shape.loss_tile},
                 "hardware": hardware_json(hardware)}
     if found is not None:
         document["search"] = [{"cp": c.shape.cp, "dp": c.shape.dp,

@@ -247,7 +247,10 @@ def run_shape(config: TrainConfig, doc_len: int | list[int] | None = None) -> Ru
                     doc_len=doc_len if config.doc_mask else None,
                     prefix_sharing=bool(config.doc_mask and config.objective != "nll" and config.prefix_sharing),
                     layout=config.sequence_layout, cp_topology=config.cp_topology,
-                    attention_backward=config.attention_backward)
+                    attention_backward=config.attention_backward, lora_rank=config.lora_rank,
+                    lora_targets=config.lora.targets, train_embeddings_and_norms=config.train_embeddings_and_norms,
+                    offload_activations=config.offload_activations, mlp_tile=config.mlp_tile,
+                    loss_tile=config.loss_tile)
 
 
 def restart_count() -> int:

@@ -315,7 +315,8 @@ class Memory:
     """Memory at long sequences (docs/lora.md): none of these changes the result."""
 
     offload_activations: bool = setting(False, "Keep each block's saved input in pinned host memory between forward "
-                                               "and backward (needs --activation-checkpointing full or selective).")
+                                               "and backward (with --activation-checkpointing full or selective; "
+                                               "none becomes full).")
     mlp_tile: int = setting(0, "Compute the MLP over slices of this many tokens, so its [tokens, ffn] intermediate "
                                "never spans the whole sequence (0: the whole sequence at once).")
     loss_tile: int = setting(1024, "Tokens whose logits the loss forms at once (the [tokens, vocab] slice).")

@@ -1,0 +1,84 @@
+"""`burst plan` for long sequences on the GPUs a user has: LoRA's trainable and frozen bytes counted from the model
+itself, offloaded activations in host memory, the tiled MLP and loss, and --seq-len max (issue 44's figures)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import torch
+from typer.testing import CliRunner
+
+from cli import app
+from models import ModelConfig, Transformer
+from models.footprint import footprint
+from models.lora import LoRAConfig, apply_lora
+from planner.hardware import gpu
+from planner.memory import activation_bytes, host_bytes, memory_parts, trainable_parameters
+from planner.shape import RunShape
+
+EIGHT_B = ModelConfig.from_name("llama3.1-8b")
+
+
+def plan_json(tmp_path, *args) -> dict:
+    out = tmp_path / "plan.json"
+    result = CliRunner().invoke(app, ["plan", *map(str, args), "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    return json.loads(out.read_text())
+
+
+def test_lora_counts_the_parameters_the_model_trains_and_freezes():
+    config = ModelConfig.from_name("tiny")
+    for lora in (LoRAConfig(rank=8), LoRAConfig(rank=16, targets=("q", "v", "gate", "up", "down")),
+                 LoRAConfig(rank=4, targets=("k", "o"), train_embeddings_and_norms=True)):
+        with torch.device("meta"):
+            model = apply_lora(Transformer(config), lora)
+        trains = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+        shape = RunShape(seq_len=1024, lora_rank=lora.rank, lora_targets=lora.targets,
+                         train_embeddings_and_norms=lora.train_embeddings_and_norms)
+        counted = trainable_parameters(shape, footprint(config))
+        assert (counted.parameters, counted.frozen) == (trains, frozen), lora
+
+
+def test_lora_holds_frozen_bf16_weights_and_the_adapters_state_only():
+    h100 = gpu("h100", 1)
+    full = memory_parts(RunShape(seq_len=8192, precision="bf16", activation_checkpointing="full"),
+                        footprint(EIGHT_B), h100)
+    lora = memory_parts(RunShape(seq_len=8192, precision="bf16", activation_checkpointing="full", lora_rank=16),
+                        footprint(EIGHT_B), h100)
+    parameters = footprint(EIGHT_B).parameters
+    assert abs(lora["weights"] - 2 * parameters) < 0.01 * parameters  # bf16, plus the adapters' float32
+    assert lora["optimizer state"] < 0.01 * full["optimizer state"] and full["optimizer state"] == 8 * parameters
+
+
+def test_offloading_moves_the_kept_inputs_to_host_memory_on_gpus_only():
+    shape = RunShape(seq_len=65536, precision="bf16", activation_checkpointing="full")
+    offloaded = dataclasses.replace(shape, offload_activations=True)
+    model = footprint(EIGHT_B)
+    kept, moved = (activation_bytes(s, model, gpu("h100", 1), "full")[0] for s in (shape, offloaded))
+    assert moved == 2 * kept // model.layers and host_bytes(offloaded, model, gpu("h100", 1)) == kept
+    cpu = dataclasses.replace(gpu("h100", 1), device="cpu")  # one memory: offloading changes nothing there
+    assert memory_parts(offloaded, model, cpu) == memory_parts(shape, model, cpu)
+    assert host_bytes(offloaded, model, cpu) == 0
+
+
+def test_the_tiled_mlp_and_loss_shrink_what_grows_with_the_sequence():
+    shape = RunShape(seq_len=65536, precision="bf16", activation_checkpointing="full")
+    tiled = dataclasses.replace(shape, mlp_tile=4096, loss_tile=256)
+    whole, sliced = (memory_parts(s, footprint(EIGHT_B), gpu("h100", 1)) for s in (shape, tiled))
+    assert sliced["backward working set"] < 0.7 * whole["backward working set"]
+    assert sliced["loss chunk"] == whole["loss chunk"] // 4
+
+
+def test_seq_len_max_on_one_h100_with_lora_and_on_eight_fine_tuning_whole(tmp_path):
+    one = plan_json(tmp_path, "--gpu", "h100", "--gpus-per-node", 1, "--model", "llama3.1-8b", "--lora-rank", 16,
+                    "--offload-activations", "--seq-len", "max")
+    assert one["seq_len"] >= 256 * 1024 and one["fits"] and one["settings"]["offload_activations"]
+    assert 0 < one["host_bytes"] <= one["host_capacity_bytes"]
+    eight = plan_json(tmp_path, "--gpu", "h100", "--gpus-per-node", 8, "--model", "llama3.1-8b", "--seq-len", "max",
+                      "--force")
+    assert eight["seq_len"] >= 2 * 2**20 and eight["fits"] and eight["settings"]["lora_rank"] == 0
+    assert eight["peak_memory_bytes"] <= gpu("h100").memory_bytes
+    refused = CliRunner().invoke(app, ["plan", "--seq-len", "many"])
+    assert refused.exit_code == 2 and "--seq-len 'many'" in refused.output
