@@ -91,12 +91,12 @@ GPU = Calibration("NVIDIA H200", "cuda", _CUDA, _CUDA, "issue 36's H200 measurem
 # A 2-core Intel Xeon with AVX-512, avx512_bf16 and amx_bf16 (docs/plan.md): the fp32 grid and the bf16 grid.
 CPU = Calibration(
     "Intel(R) Xeon(R) Processor, 2 threads, AVX512", "cpu",
-    Constants(block_bytes_per_value=4.161, backward_bytes_per_value=0.316, full_recompute_bytes_per_value=6.393,
-              selective_values_per_dim=7.257, outer_bytes_per_dim=0.0, matmul_efficiency=1.0, attention_fraction=1.0,
+    Constants(block_bytes_per_value=4.108, backward_bytes_per_value=0.712, full_recompute_bytes_per_value=6.056,
+              selective_values_per_dim=6.999, outer_bytes_per_dim=0.0, matmul_efficiency=1.0, attention_fraction=1.0,
               elementwise_s_per_value=2.03e-09, attention_score_s=2.73e-10, ring_step_s=0.00767,
-              process_bytes=387973120, allocator_overhead=0.10, step_overhead_s=0.029),
-    Constants(block_bytes_per_value=3.12, backward_bytes_per_value=1.44, full_recompute_bytes_per_value=4.151,
-              selective_values_per_dim=3.854, outer_bytes_per_dim=0.0, matmul_efficiency=1.0, attention_fraction=1.0,
+              process_bytes=386924544, allocator_overhead=0.10, step_overhead_s=0.029),
+    Constants(block_bytes_per_value=3.087, backward_bytes_per_value=1.721, full_recompute_bytes_per_value=3.911,
+              selective_values_per_dim=3.659, outer_bytes_per_dim=0.0, matmul_efficiency=1.0, attention_fraction=1.0,
               elementwise_s_per_value=8.94e-10, attention_score_s=5.95e-10, ring_step_s=0.00767,
               process_bytes=407896064, allocator_overhead=0.10, step_overhead_s=0.0717),
     "benchmarks/plan_calibration.py's grids (fp32: 34 rows, bf16: 16), fitted on the even rows (docs/plan.md)")
