@@ -27,7 +27,7 @@ def batch() -> Batch:
     tokens = torch.randint(0, MODEL.vocab_size, (1, SEQ_LEN), generator=g)
     labels = torch.randint(0, MODEL.vocab_size, (1, SEQ_LEN), generator=g)
     labels[0, :7] = IGNORE_INDEX
-    return Batch(tokens, labels, torch.arange(SEQ_LEN)[None], doc_boundaries=[],
+    return Batch(tokens, labels, torch.arange(SEQ_LEN)[None], documents=None,
                  num_tokens=int((labels != IGNORE_INDEX).sum()), rope_length=SEQ_LEN)
 
 
