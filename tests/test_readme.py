@@ -180,10 +180,12 @@ def test_relative_links_resolve(page: Path):
     assert not broken, f"broken links in {page.relative_to(REPO)}: {broken}"
 
 
-def burst_options() -> dict[str, set[str]]:
-    """'train' -> {'--cp', ...}, 'bench attention' -> {...}: every `burst` command and its options."""
+def burst_options(hidden: bool = False) -> dict[str, set[str]]:
+    """'train' -> {'--cp', ...}, 'bench attention' -> {...}: every `burst` command and its options; with `hidden`,
+    the retired ones too, kept only to be refused by name (--val-sequences), which a command may not use."""
     def walk(command: Any, name: str) -> Iterator[tuple[str, set[str]]]:
-        options = {option for p in command.params for option in (*p.opts, *p.secondary_opts)} | {"--help"}
+        options = {option for p in command.params if hidden or not getattr(p, "hidden", False)
+                   for option in (*p.opts, *p.secondary_opts)} | {"--help"}
         if hasattr(command, "commands"):  # a group (Typer's own click, not click's): burst --version
             yield name, options
             for sub_name, sub in command.commands.items():
@@ -257,7 +259,7 @@ def test_commands_use_options_that_exist(page: Path):
 def test_every_option_named_in_prose_exists():
     """An option named in a sentence (`--val-sequences` (8)) belongs to a `burst` command, a script in benchmarks/
     or scripts/, or one of the other tools the pages show: a renamed option cannot linger in the text."""
-    known = set(OTHER_TOOLS_OPTIONS).union(*burst_options().values(),
+    known = set(OTHER_TOOLS_OPTIONS).union(*burst_options(hidden=True).values(),
                                            *map(script_options, (REPO / "benchmarks").glob("*.py")),
                                            *map(script_options, (REPO / "scripts").glob("*.py")))
     named = {option for page in PAGES for option in OPTION.findall("\n".join(prose(page)))}
@@ -280,3 +282,14 @@ def test_the_checks_catch_what_they_are_for(tmp_path: Path):
     assert unknown_options("burst trian --cp 2", burst) == ["`burst trian` is no command"]
     assert unknown_options("docker build -t burst .", burst) == []
     assert unknown_options("python benchmarks/step_modes.py --setting compile --bogus", burst) == ["--bogus"]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_commands_start_from_a_run_with_init_from_and_eval_a_preference_store_without_passkeys(page: Path):
+    """`--model` takes a preset or a model directory, and refuses a run (runs/...): a new stage from a run's
+    weights is `--init-from RUN`; eval on a preference store (stores/prefs) refuses passkey flags, which it
+    never reads."""
+    wrong = [line.strip() for line in commands(page)
+             if re.search(r"burst train .*--model runs/", line)
+             or re.search(r"burst eval .*stores/prefs.*--passkey-", line)]
+    assert not wrong, f"{page.relative_to(REPO)} shows commands burst refuses: {wrong}"
