@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -129,8 +129,10 @@ POSITION_MODES = {"packed": packed_sequences, "document": document_sequences}
 
 
 def bucket_losses(model: Transformer, shards: Iterable[Shard], boundaries: torch.Tensor,
-                  chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Summed loss and scored tokens per position bucket over `shards`, and how many shards there were.
+                  chunk_size: int = 1024, progress: Callable[[int], None] | None = None) \
+        -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Summed loss and scored tokens per position bucket over `shards`, and how many shards there were;
+    `progress(n)` hears of each shard scored.
 
     boundaries: the start of every bucket but the first. Returns float64 [buckets] and
     int64 [buckets] sums of this rank only.
@@ -148,13 +150,16 @@ def bucket_losses(model: Transformer, shards: Iterable[Shard], boundaries: torch
         loss_sums.index_add_(0, bucket, losses.double())
         counts.index_add_(0, bucket, (labels.flatten() != IGNORE_INDEX).long())
         sequences += 1
+        if progress is not None:
+            progress(sequences)
     return loss_sums, counts, sequences
 
 
 @torch.no_grad()
 def evaluate_perplexity(model: Transformer, split: TokenStore, seq_len: int, num_sequences: int, buckets: int,
                         group: dist.ProcessGroup | None = None, chunk_size: int = 1024,
-                        positions: str = "packed", long_conversations: str = "refuse") -> PerplexityResult:
+                        positions: str = "packed", long_conversations: str = "refuse",
+                        progress: Callable[[int], None] | None = None) -> PerplexityResult:
     """Perplexity and loss by position over the first `num_sequences` sequences of `split` in mode `positions`.
 
     In "document" mode fewer are scored when fewer documents are long enough; the result counts
@@ -167,7 +172,7 @@ def evaluate_perplexity(model: Transformer, split: TokenStore, seq_len: int, num
     shards = POSITION_MODES[positions](split, seq_len, num_sequences, rank, cp_size, long_conversations)
     starts = bucket_starts(seq_len, buckets) + [seq_len]
     boundaries = torch.tensor(starts[1:-1], device=model.output_weight.device)
-    loss_sums, counts, sequences = bucket_losses(model, shards, boundaries, chunk_size)
+    loss_sums, counts, sequences = bucket_losses(model, shards, boundaries, chunk_size, progress)
     all_reduce(loss_sums, group)
     all_reduce(counts, group)
     by_position = [PositionBucket(start=starts[i], end=starts[i + 1], tokens=int(counts[i]),

@@ -376,7 +376,9 @@ def evaluate(config: EvalConfig, console: Console | None = None) -> EvalResult |
             f"positions {config.positions}" + (", answers scored" if conversations else ""))
         perplexity = evaluate_perplexity(model, inputs.store.split("val"), config.seq_len, inputs.sequences,
                                          config.buckets, group, positions=config.positions,
-                                         long_conversations=config.long_conversations)
+                                         long_conversations=config.long_conversations,
+                                         progress=lambda n: say(f"perplexity: sequence {n} of {inputs.sequences} "
+                                                                f"scored ({time.perf_counter() - started:.0f} s)"))
         if not math.isfinite(perplexity.perplexity):
             raise EvaluationFailed(f"the loss of {config.checkpoint} on {inputs.store.directory} is {perplexity.loss} "
                                    f"(perplexity {perplexity.perplexity}): the model diverged or its weights are "

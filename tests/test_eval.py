@@ -385,7 +385,9 @@ def test_without_matplotlib_the_plot_is_skipped_and_the_json_says_how_to_get_it(
     assert not out.with_suffix(".png").exists()
     assert "pip install 'burst-attention[plot]'" in json.loads(out.read_text())["warnings"][-1]
     # printed whole: the hint's [plot] is no markup, and a line into a pipe is not wrapped at 80 columns
-    warning = next(line for line in capsys.readouterr().err.splitlines() if "was skipped" in line)
+    err = capsys.readouterr().err
+    assert "perplexity: sequence 1 of 1 scored" in err  # a progress line per sequence scored
+    warning = next(line for line in err.splitlines() if "was skipped" in line)
     assert len(warning) > 80 and warning.endswith("(pip install 'burst-attention[plot]')")
 
 
