@@ -216,7 +216,7 @@ def damage(run: Path, tmp_path: Path, case: str) -> tuple[Path, list[str]]:
         complete["sha256"]["config.json"] = hashlib.sha256((newest / "config.json").read_bytes()).hexdigest()
         (newest / MARKER).write_text(json.dumps(complete))
     elif case == "other schedule":
-        args += ["--steps", "8"]
+        args += ["--steps", "3"]  # a larger --steps extends the run (test_bad_input); a smaller one is refused
     elif case == "other batch":
         args += ["--batch-size", "2"]
     return out, args
@@ -229,7 +229,7 @@ def damage(run: Path, tmp_path: Path, case: str) -> tuple[Path, list[str]]:
     ("overwritten shard", "step-000003 is damaged: __0_0.distcp does not match the SHA-256 its save recorded (its "
                           "bytes changed since); resume from the checkpoint before it, "),
     ("other model", "holds another model than this run's: dim 128 in the checkpoint, 64 in the run"),
-    ("other schedule", "--steps 8 differs from the run's 4"),
+    ("other schedule", "--steps 3: the run has 4 steps and cannot be shortened"),
     ("other batch", "changes the run's 1 sequences per step"),
 ])
 def test_resume_refuses_what_it_cannot_continue_exactly_and_changes_nothing(run, tmp_path, case, expected):
