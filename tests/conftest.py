@@ -66,6 +66,18 @@ def _cuda_tests_choose_their_device(request: pytest.FixtureRequest, monkeypatch:
         monkeypatch.delenv("BURST_DEVICE", raising=False)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _rank_pools_per_module():
+    """The gloo ranks run_on_ranks keeps (tests/distributed.py) serve one test module: the next starts its own,
+    so what one module's functions leave in a rank's process no other module sees."""
+    yield
+    import sys
+
+    distributed = sys.modules.get("tests.distributed")
+    if distributed is not None:
+        distributed.close_pools()
+
+
 def pytest_terminal_summary(terminalreporter) -> None:
     """How many gloo ranks the session's run_on_ranks calls started (tests/distributed.py): the suite's main cost."""
     import sys

@@ -3,14 +3,14 @@
     def _check(rank, world_size, x): ...          # module-level, so it pickles
     run_on_ranks(_check, world_size=3, args=(x,))
 
-The ranks are started once per world size and kept (a `RankPool`): each process imports torch and the
-project once, not once per test. A test that needs processes of its own (it compiles, counts what a fresh
-process does first, or ends the group) passes `fresh=True` and gets a spawned group for itself, as before.
+The ranks are started once per world size and kept for the test module (a `RankPool`): each process imports
+torch and the project once, not once per test. A test that needs processes of its own (it compiles, counts
+what a fresh process does first, or ends the group) passes `fresh=True` and gets a spawned group for itself.
 
-A failure on any rank fails the test with that rank's traceback. A rank that hangs fails after `timeout_s`
-instead of blocking the suite. BURST_TEST_FRESH_RANKS=1 makes every call spawn (to compare, or to
-rule the pool out when a test fails). A pool that failed, hung or lost its group is closed; the next call starts
-another.
+A failure on any rank fails the test with that rank's traceback. A rank that hangs fails the test instead of
+blocking the suite: a spawned group after `timeout_s` in one collective, a pool's call after
+CALL_LIMIT_FACTOR x `timeout_s` in all. A pool that failed, hung or lost its group is closed; the next call
+starts another. BURST_TEST_FRESH_RANKS=1 makes every call spawn (to compare, or to rule the pool out).
 
 Each call runs as it would in a fresh process, as far as a test can tell: the caller's environment
 variables, the rank's initial torch seed, float32 as the default dtype and one thread. What a function leaves
@@ -34,7 +34,10 @@ import torch.multiprocessing as mp
 
 from runtime.process import leaving_process_group
 
-GROUP_TIMEOUT_S = 300.0  # the gloo group's own limit on a collective; a call's `timeout_s` ends it sooner
+GROUP_TIMEOUT_S = 300.0  # the gloo group's own limit on one collective
+# A spawned group's `timeout_s` limits each collective; a pool's call gets this many times it in all, on the clock
+# (a loaded machine runs a long call past `timeout_s` without any collective hanging)
+CALL_LIMIT_FACTOR = 3
 KEPT_POOLS = 3  # pools alive at once (each rank holds torch and the project): the most recently used
 # what this session's calls asked for (a spawn per call would start "ranks asked") and started (conftest prints it)
 counts = {"calls": 0, "ranks asked": 0, "ranks started": 0}
@@ -118,7 +121,8 @@ class RankPool:
         environment = dict(os.environ)
         for rank_tasks in self.tasks:
             rank_tasks.put((fn, args, environment))
-        deadline, done, failures = time.monotonic() + timeout_s, set(), {}
+        limit_s = CALL_LIMIT_FACTOR * timeout_s
+        deadline, done, failures = time.monotonic() + limit_s, set(), {}
         try:
             while len(done) < self.world_size:
                 reported = self.next_result(0.2)
@@ -132,7 +136,7 @@ class RankPool:
                                            f"{fn.__qualname__} (exit code {self.processes[dead[0]].exitcode})")
                     if time.monotonic() > deadline:
                         raise TimeoutError(f"{fn.__qualname__} on {self.world_size} ranks took longer than "
-                                           f"{timeout_s:g} s; ranks {sorted(set(range(self.world_size)) - done)} "
+                                           f"{limit_s:g} s; ranks {sorted(set(range(self.world_size)) - done)} "
                                            f"did not finish")
                     continue
                 rank, failure = reported
@@ -190,7 +194,8 @@ def pool(world_size: int) -> RankPool:
 
 
 @atexit.register
-def _close_pools() -> None:
+def close_pools() -> None:
+    """Close every pool: conftest does at the end of each test module, so no module sees another's state."""
     while _pools:
         _pools.popitem()[1].close()
 
