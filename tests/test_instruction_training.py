@@ -105,7 +105,8 @@ def _step_on_ranks(rank, world_size, store_dir, cp, dp, grad_accum, expected):
     config = config_for(cp, dp, grad_accum)
     store = TokenStore(store_dir).split("train")
     loader = SequenceLoader(store, SEQ_LEN, config.batch_size, dp_rank=dp_rank, dp_size=dp, cp_rank=cp_rank,
-                            cp_size=cp, seed=config.seed, reset_positions=True)
+                            cp_size=cp, seed=config.seed, reset_positions=True,
+                            cp_layout=config.sequence_layout)
     model = build_model(model_config(store), mesh, config, torch.device("cpu"))
     result = train_step(model, torch.optim.SGD(model.parameters(), lr=1.0), [next(loader) for _ in range(grad_accum)],
                         config, env)

