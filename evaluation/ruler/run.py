@@ -16,6 +16,7 @@ import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from rich.markup import escape
 from rich.table import Table
 
 from data import Tokenizer
@@ -297,5 +298,8 @@ def evaluate_ruler(model, tokenizer: Tokenizer, end_ids: frozenset[int], setting
             write_atomically(json_path, json.dumps({"ruler": result.to_json()}, indent=2) + "\n")
             plot = json_path.with_suffix(".png")
             drawn = heatmap(result, plot)
-        say(f"wrote {json_path}" + (f" and {plot}" if drawn else " (no heatmap: install matplotlib)"))
+        # escaped: rich markup would eat the extra's "[plot]"
+        say(escape(f"wrote {json_path}" + (f" and {plot}" if drawn else
+                                           " (no heatmap: matplotlib is not installed; "
+                                           "pip install 'burst-attention[plot]')")))
     return result
