@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from models.checkpoint import CONFIG_NAME, check_tensor_shapes, expected_shapes, is_native_checkpoint, read_config
 from models.config import ModelConfig
-from models.hf_config import config_from_hf, config_to_hf, generation_config_to_hf
+from models.hf_config import FAMILIES, config_from_hf, config_to_hf, generation_config_to_hf
 from models.hf_tokenizer import check_tokenizer, copy_tokenizer_files, tokenizer_beside, write_hf_tokenizer
 from models.lora import (
     PEFT_CONFIG,
@@ -249,13 +249,22 @@ def read_checkpoint(path: str | Path, formats: SourceFormats = SOURCE_FORMATS) -
 
 def _recognize(path: Path, formats: SourceFormats) -> str | None:
     """What checkpoint `path` holds, for a refusal to replace it (a run of `burst train`, a Hugging Face model)."""
-    for source in formats.values():
+    for name, source in formats.items():
         try:
             if source.detect(path):
-                return source.description
+                return hf_description(path) if name == "hf" else source.description
         except ValueError:  # a damaged config.json: not a format we can name
             continue
     return None
+
+
+def hf_description(path: Path) -> str:
+    """The Hugging Face directory `path` named by the family its config.json says it holds."""
+    config = read_json(path / CONFIG_NAME)
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    family = next((f.name for f in FAMILIES.values() if f.model_type == model_type), None)
+    return (f"a Hugging Face {family or 'model'} directory (config.json with model_type {model_type!r})"
+            if model_type else SOURCE_FORMATS["hf"].description)
 
 
 def convert_checkpoint(src: str | Path, dst: str | Path, to: str, force: bool = False,
