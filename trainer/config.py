@@ -191,7 +191,7 @@ INVOCATION_FIELDS = ("resume", "stop_after")
 RESUMABLE_CHANGES = ("device", "cp", "dp", "batch_size", "grad_accum", "activation_checkpointing",
                      "attention_backward", "attention_kernel", "cp_topology", "cp_layout", "compile",
                      "check_ranks_every", "log_every", "checkpoint_every", "keep", "async_checkpoint", "max_restarts",
-                     "timeout", "val_tokens", "val_every", "offload_activations", "mlp_tile", "loss_tile",
+                     "timeout", "val_tokens", "val_every", "offload_activations", "mlp_tile", "loss_tile", "wandb",
                      *INVOCATION_FIELDS)
 
 

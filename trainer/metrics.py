@@ -1,8 +1,10 @@
-"""What a run reports, on rank 0: a live display (or plain lines), OUT/metrics.jsonl, and TensorBoard.
+"""What a run reports, on rank 0: a live display (or plain lines), OUT/metrics.jsonl, and the plots (TensorBoard
+when installed, W&B when asked for: trainer/plots.py), which one line names at the start.
 
     metrics = Metrics(out, total_steps)
     metrics.log(step, {"loss": 2.31, "lr": 1e-3, ...})
     metrics.event("model_ready", {"seconds": 4.2, ...}, "model ready: ...")   # a line with "event", no "step"
+    metrics.event("validation", {"loss": 2.4, ...}, "validation loss ...", step=10)   # also plotted at step 10
     metrics.progress("validation", done, total)   # a pass that is not a step: a bar, or plain lines
     metrics.close()
 """
@@ -19,6 +21,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from runtime.console import make_console
+from trainer.plots import plot_sinks
 
 
 def format_line(step: int, total_steps: int, values: dict[str, Any]) -> str:
@@ -34,20 +37,18 @@ def format_line(step: int, total_steps: int, values: dict[str, Any]) -> str:
 
 
 class Metrics:
-    """Logs on rank 0: one JSON object per logged step in `out/metrics.jsonl`, TensorBoard when installed,
-    and a live progress display with ETA on a terminal (plain lines otherwise, e.g. in a job log)."""
+    """Logs on rank 0: one JSON object per logged step in `out/metrics.jsonl`, the plots (TensorBoard when installed,
+    W&B in mode `wandb`, with the run's `settings`), and a live progress display with ETA on a terminal (plain lines
+    otherwise, e.g. in a job log)."""
 
-    def __init__(self, out: Path, total_steps: int, console: Console | None = None) -> None:
+    def __init__(self, out: Path, total_steps: int, console: Console | None = None, wandb: str | None = None,
+                 settings: dict[str, Any] | None = None) -> None:
         self.total_steps = total_steps
         self.console = console or make_console()
         self._jsonl = open(out / "metrics.jsonl", "a")
-        self._tensorboard = None
-        try:
-            from torch.utils.tensorboard import SummaryWriter  # needs the optional `tensorboard` package
-
-            self._tensorboard = SummaryWriter(str(out / "tensorboard"))
-        except ImportError:
-            pass
+        self._plots = plot_sinks(out, wandb, settings or {})
+        self.console.print("metrics: " + ", ".join([str(out / "metrics.jsonl"), *(sink.where for sink in self._plots)]),
+                           soft_wrap=True)
         self._progress = None
         if self.console.is_terminal:
             self._progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -64,12 +65,7 @@ class Metrics:
         record = {"step": step, **values}
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
-        if self._tensorboard is not None:
-            for name, value in values.items():
-                for key, number in (value.items() if isinstance(value, dict) else [("", value)]):
-                    if isinstance(number, int | float):  # not a skipped step's missing loss, nor its reason
-                        self._tensorboard.add_scalar(f"train/{name}" + (f"/{key}" if key else ""), float(number),
-                                                     step)
+        self._plot("train", values, step)
         line = format_line(step, self.total_steps, values)
         if self._progress is not None:
             self._progress.update(self._task, completed=step)
@@ -98,11 +94,22 @@ class Metrics:
             eta = datetime.timedelta(seconds=round(seconds / done * (total - done)))
             print(f"{label} {done}/{total}  {seconds:.1f} s  eta {eta}", flush=True)
 
-    def event(self, name: str, values: dict[str, Any], text: str) -> None:
-        """Record something that happened to the run, not a step's metrics (start-up, a restart), and print `text`."""
+    def event(self, name: str, values: dict[str, Any], text: str, step: int | None = None) -> None:
+        """Record something that happened to the run, not a step's metrics (start-up, a restart, a validation
+        pass), and print `text`; with `step`, its numbers are also plotted at that step, as NAME/KEY."""
         self._jsonl.write(json.dumps({"event": name, **values}) + "\n")
         self._jsonl.flush()
+        if step is not None:
+            self._plot(name, values, step)
         self.message(text)
+
+    def _plot(self, prefix: str, values: dict[str, Any], step: int) -> None:
+        """The numbers among `values` (a dict's, such as tokens_by_source, as several series) to every plot."""
+        scalars = {f"{prefix}/{name}" + (f"/{key}" if key else ""): float(number) for name, value in values.items()
+                   for key, number in (value.items() if isinstance(value, dict) else [("", value)])
+                   if isinstance(number, int | float)}  # not a skipped step's missing loss, nor its reason
+        for sink in self._plots:
+            sink.add(scalars, step)
 
     def message(self, text: str) -> None:
         """A line that is not a step's metrics (a warning, the end of the run)."""
@@ -111,6 +118,6 @@ class Metrics:
     def close(self) -> None:
         if self._progress is not None:
             self._progress.stop()
-        if self._tensorboard is not None:
-            self._tensorboard.close()
+        for sink in self._plots:
+            sink.close()
         self._jsonl.close()

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from runtime.settings import device_setting, flag, kernel_setting, setting
+from trainer.plots import check_wandb
 
 if TYPE_CHECKING:
     from models.lora import LoRAConfig
@@ -356,6 +357,9 @@ class Run:
     val_every: int = setting(0, "Steps between validation losses during the run (0: at the start and end only).")
     out: str | None = setting(None, "Run directory (must be new, unless --resume).", shown="runs/DATE-TIME")
     log_every: int = setting(1, "Steps between logged metrics.")
+    wandb: str | None = setting(None, "Also plot the metrics in Weights & Biases: offline (kept in OUT/wandb, "
+                                      "uploaded later with wandb sync) or online; needs the wandb package. "
+                                      "TensorBoard is used whenever it is installed.", shown="off")
     max_bad_steps: int = setting(3, "Non-finite steps in a row that end the run.")
     max_restarts: int = setting(0, "Times the launcher restarts the workers after one dies; they continue from the "
                                    "newest complete checkpoint. Under torchrun, pass torchrun's own --max-restarts.")
@@ -369,6 +373,7 @@ class Run:
 
     def check(self) -> None:
         at_least_one(self, "log_every", "max_bad_steps")
+        check_wandb(self.wandb)
         not_negative(self, "max_restarts", "val_every")
         if self.val_tokens is not None and self.val_tokens < 0:
             raise ValueError(f"--val-tokens {self.val_tokens} must not be negative (0: no validation)")

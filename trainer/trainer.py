@@ -236,7 +236,7 @@ class Trainer:
             forget_metrics_after(self.out, self.state.step)  # steps past the checkpoint (or all: none) come again
         else:
             (self.out / METRICS_FILE).unlink(missing_ok=True)  # a failed start-up's: no step was logged
-        self.metrics = Metrics(self.out, config.steps, self.console)
+        self.metrics = Metrics(self.out, config.steps, self.console, config.wandb, dataclasses.asdict(config))
 
     def check_starting_weights(self) -> None:
         """Refuse to train from weights that are not finite (a damaged file, a diverged model): the run would
@@ -325,7 +325,7 @@ class Trainer:
                                          "left_out": validator.skipped},
                           f"{text} at step {step} over {result.tokens:,} held-out tokens ({validator.sequences} "
                           f"sequence{'s' if validator.sequences > 1 else ''}, {result.seconds:.1f} s)"
-                          f"{validator.left_out()}")
+                          f"{validator.left_out()}", step=step)
 
     def step(self, check_ranks: bool) -> StepResult:
         """One optimizer step over grad_accum micro-batches, its counters, and its metrics when logged."""
