@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from burst.layout import LAYOUTS, Layout, check_layout, row_layouts, shard_rows, whole_sequence
+from burst.layout import LAYOUTS, Layout, check_layout, check_layout_windows, row_layouts, shard_rows, whole_sequence
 from burst.plan import normalize_boundaries, normalize_sees
 
 Rows = tuple[tuple[int, ...], ...]
@@ -45,6 +45,9 @@ class Documents:
     layout: str  # "zigzag" or "balanced" (burst/layout.py), or WHOLE
     layouts: tuple[Layout, ...]  # per row: how the ranks cut it (one `world_size`)
     encoded: torch.Tensor = field(compare=False, repr=False)  # the operator's encoding (module docstring)
+    # the layers' sliding windows a balanced layout weighed (None: causal work, or not balanced); the attention
+    # refuses documents laid out for other windows than its model's (`check_documents`)
+    windows: tuple[int | None, ...] | None = field(default=None, compare=False)
 
     @staticmethod
     def of(offsets, seq_len: int, world_size: int = 1, layout: str = "zigzag", sees=None,
@@ -67,7 +70,9 @@ class Documents:
         sees_ = None if seen is None else tuple(map(tuple, seen))
         layouts = (whole_sequence(seq_len),) * len(offsets_) if layout == WHOLE else \
             tuple(row_layouts(layout, offsets_, seq_len, world_size, len(offsets_), sees_, layout_windows))
-        return Documents(offsets_, seq_len, sees_, layout, layouts, _encode(offsets_, seq_len, sees_, layout, layouts))
+        windows = check_layout_windows(layout_windows) if layout == "balanced" else None
+        return Documents(offsets_, seq_len, sees_, layout, layouts, _encode(offsets_, seq_len, sees_, layout, layouts),
+                         windows)
 
     @property
     def rows(self) -> int:
@@ -130,7 +135,7 @@ def documents_of(doc_boundaries: Sequence | torch.Tensor | Documents | None, doc
     if isinstance(doc_boundaries, Documents):
         if doc_sees is not None:
             raise ValueError("doc_sees is part of a Documents value: pass it to Documents.of, not beside it")
-        check_documents(doc_boundaries, seq_len, world_size, layout, rows)
+        check_documents(doc_boundaries, seq_len, world_size, layout, rows, layout_windows)
         return doc_boundaries
     if doc_boundaries is None:
         if doc_sees is not None:
@@ -142,12 +147,24 @@ def documents_of(doc_boundaries: Sequence | torch.Tensor | Documents | None, doc
     return Documents.of(doc_boundaries, seq_len, world_size, layout, doc_sees, rows, layout_windows)
 
 
-def check_documents(documents: Documents, seq_len: int, world_size: int, layout: str, rows: int) -> None:
-    """Refuse a `Documents` made for another batch, sequence, world or layout than the call's (ValueError); one
-    process (layout WHOLE) attends with documents of any layout."""
+def check_documents(documents: Documents, seq_len: int, world_size: int, layout: str, rows: int,
+                    layout_windows=None) -> None:
+    """Refuse a `Documents` made for another batch, sequence, world or layout than the call's, or balanced for
+    other layers' windows than the call's `layout_windows` (ValueError); one process (layout WHOLE) attends with
+    documents of any layout."""
     made = (documents.rows, documents.seq_len, documents.world_size, documents.layout)
     if made != (rows, seq_len, world_size, layout) and (layout != WHOLE or made[:2] != (rows, seq_len)):
         raise ValueError(f"the documents were made for {documents.rows} rows of {documents.seq_len} tokens cut over "
                          f"{documents.world_size} ranks by layout {documents.layout!r}, but the attention has {rows} "
                          f"rows of {seq_len} tokens over {world_size} ranks with layout {layout!r}; make them with "
                          f"Documents.of(offsets, {seq_len}, {world_size}, {layout!r})")
+    if layout == "balanced" and documents.windows != check_layout_windows(layout_windows):
+        raise ValueError(f"the documents' balanced layout weighs the work of layers with windows "
+                         f"{_windows(documents.windows)}, but the attention's model has {_windows(layout_windows)}: "
+                         f"make them with Documents.of(..., layout_windows=the model's windows), as the data loader "
+                         f"does with its layout_windows (models.ModelConfig.windows)")
+
+
+def _windows(windows) -> str:
+    windows = check_layout_windows(windows)
+    return "no sliding window (causal work)" if windows is None else f"windows {list(windows)}"

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from burst.documents import Documents
-from burst.layout import check_layout, check_sequence_length
+from burst.layout import check_layout, check_layout_windows, check_sequence_length
 from data.conversation_packing import ConversationStream, check_policy
 from data.mixture import MixtureSchedule
 from data.preference_packing import PairSequence, PreferenceStream
@@ -172,17 +172,20 @@ class SequenceLoader:
     document masking. Instruction stores pack their conversations with the `long_conversations` policy and
     score their answers, or every token but the first of each conversation with `train_on_prompt`. With
     `once` (validation) no token is scored twice: what a source gives past its first epoch is input only.
+    `layout_windows`: the model's layers' sliding windows (`ModelConfig.windows`), whose work a balanced
+    `cp_layout` weighs; the attention refuses documents laid out for other windows than its own.
     """
 
     def __init__(self, sources: TokenStore | Sequence[TokenStore], seq_len: int, batch_size: int, *,
                  shares: Sequence[float] | None = None, dp_rank: int = 0, dp_size: int = 1, cp_rank: int = 0,
                  cp_size: int = 1, seed: int = 0, reset_positions: bool = False, cp_layout: str = "zigzag",
                  long_conversations: str = "refuse", train_on_prompt: bool = False, once: bool = False,
-                 prefix_sharing: bool = True) -> None:
+                 prefix_sharing: bool = True, layout_windows=None) -> None:
         stores = [sources] if isinstance(sources, TokenStore) else list(sources)
         shares = [1.0] if shares is None and len(stores) == 1 else shares
         check_sequence_length(seq_len, cp_size)
         check_layout(cp_layout, "cp_layout")
+        self.layout_windows = check_layout_windows(layout_windows)
         check_policy(long_conversations)
         if train_on_prompt and not any(store.is_conversations for store in stores):
             raise ValueError("--train-on-prompt scores the prompts of conversations as well as their answers, but no "
@@ -292,7 +295,8 @@ class SequenceLoader:
                 full[2, row] -= np.repeat(b[:-1], np.diff(b))  # the start of each position's document
         if answers is not None:
             full[3] = np.where(scored[:, 1:], answers[:, 1:], -1)
-        documents = Documents.of(boundaries, seq_len, self.cp_size, self.cp_layout, doc_sees)  # the layout chosen
+        documents = Documents.of(boundaries, seq_len, self.cp_size, self.cp_layout, doc_sees,  # the layout chosen
+                                 layout_windows=self.layout_windows)
         sharded = documents.shard(torch.from_numpy(full), self.cp_rank, dim=2, batch_dim=1)
         tokens, labels, positions_ = sharded[:3]
         return Batch(tokens=tokens, labels=labels, positions=positions_,  # each [rows, seq_len // cp_size]

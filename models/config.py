@@ -150,6 +150,12 @@ class ModelConfig:
         sliding = self.layer_types is None or self.layer_types[layer] == "sliding_attention"
         return self.sliding_window if sliding else None
 
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        """Every layer's sliding window in order (None for a causal layer): what the balanced layout weighs
+        (burst's `layout_windows`), the data loader and the attention alike."""
+        return tuple(self.window(layer) for layer in range(self.n_layers))
+
     @classmethod
     def from_name(cls, name: str) -> ModelConfig:
         """A fresh copy of the preset `name` (see PRESETS)."""

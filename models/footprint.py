@@ -66,7 +66,7 @@ def _count(model_config: ModelConfig) -> Footprint:
                      dim=model_config.dim, layers=model_config.n_layers, heads=model_config.n_heads,
                      kv_heads=model_config.n_kv_heads, head_dim=model_config.head_dim,
                      ffn=model_config.ffn_hidden_dim, vocab=model_config.vocab_size,
-                     windows=tuple(model_config.window(i) for i in range(model_config.n_layers)))
+                     windows=model_config.windows)
 
 
 def matmul_flops_per_token(model: Footprint) -> int:

@@ -5,6 +5,7 @@ HF -> burst -> HF keeps every tensor and the logits bit for bit; a Qwen tokenize
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from typer.testing import CliRunner
 
 import burst
+from burst.documents import documents_of
 from cli import app
 from data import load_tokenizer
 from models import PRESETS, ModelConfig, convert_checkpoint, load_model
@@ -54,7 +56,7 @@ def hf_model(name: str, path, form: str | None = None, **sizes) -> transformers.
     writes it)."""
     config_class, model_class, extra = FAMILIES[name]
     torch.manual_seed(0)
-    model = model_class(config_class(**{**SIZES, **sizes}, **extra, attn_implementation="eager")).eval()
+    model = model_class(config_class(**{**SIZES, **extra, **sizes}, attn_implementation="eager")).eval()
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.add_(torch.randn_like(parameter) * 0.1)
@@ -285,3 +287,69 @@ def test_a_windowed_model_trains_alike_at_cp1_and_cp2(store, tmp_path):
     assert all(done.returncode == 0 for done in runs), runs[0].stderr[-2000:] + runs[1].stderr[-2000:]
     losses = {cp: [row["loss"] for row in metrics(tmp_path / f"cp{cp}")] for cp in (1, 2)}
     assert len(losses[1]) == 2 and relative_gap(losses[2], losses[1]) <= 1e-5, losses
+
+
+# ---- the balanced layout of a windowed model: the loader and the attention weigh the model's windows
+
+LAYOUT_SEQ, LAYOUT_WINDOW = 4096, 128  # the balanced layout's chunks are 512 tokens and more
+
+
+@pytest.fixture(scope="module")
+def documents_store(tmp_path_factory):
+    """Documents of about 190, 600, 2,000 and 6,000 tokens: packed into 4,096-token sequences whose balanced
+    layout for causal layers cuts them into 4 chunks a rank, where a 128-token window's even work keeps zigzag."""
+    from data import prepare
+    from tests.fixtures import make_text
+
+    root, rng = tmp_path_factory.mktemp("documents"), random.Random(0)
+    for i in range(30):
+        (root / f"doc{i}.py").write_text(make_text(rng, rng.choice([20, 60, 200, 600])))
+    out = tmp_path_factory.mktemp("documents-store") / "store"
+    prepare([root], out, vocab_size=320, val_fraction=0.05, progress=False)
+    return out
+
+
+def test_documents_laid_out_for_other_windows_are_refused():
+    offsets = [[0, 1000, 1500, LAYOUT_SEQ]]
+    documents = burst.Documents.of(offsets, LAYOUT_SEQ, 2, "balanced", layout_windows=(LAYOUT_WINDOW, None))
+    assert documents_of(documents, None, LAYOUT_SEQ, 2, "balanced", 1, (LAYOUT_WINDOW, None)) is documents
+    with pytest.raises(ValueError, match=r"windows \[128, None\], but the attention's model has no sliding window"):
+        documents_of(documents, None, LAYOUT_SEQ, 2, "balanced", 1, None)
+
+
+def test_a_windowed_model_with_balanced_documents_trains_alike_at_cp1_and_cp2(documents_store, tmp_path):
+    """A Mistral whose every layer slides a 128-token window, trained with --doc-mask on 4,096 tokens: step 1's
+    loss at cp 1 is transformers' on each document alone; at cp 2 the balanced layout weighs the windows (the loader's
+    documents must be laid out for the model's windows, or the attention refuses them), with cp 1's losses."""
+    from data import SequenceLoader, TokenStore
+    from data.loader import IGNORE_INDEX
+
+    reference = hf_model("mistral", tmp_path / "hf", vocab_size=320, bos_token_id=1, eos_token_id=2,
+                         sliding_window=LAYOUT_WINDOW, max_position_embeddings=LAYOUT_SEQ)
+    windows = config_from_hf(json.loads((tmp_path / "hf" / "config.json").read_text()), "hf").windows
+    assert windows == (LAYOUT_WINDOW,) * SIZES["num_hidden_layers"]
+    common = ["--model", tmp_path / "hf", "--data", documents_store, "--seq-len", LAYOUT_SEQ, "--seed", 3,
+              "--steps", 2, "--lr", 1e-3, "--precision", "fp32", "--val-tokens", 0, "--doc-mask"]
+    runs = burst_train_together([*common, "--out", tmp_path / "cp1"],
+                                [*common, "--cp", 2, "--cp-layout", "balanced", "--out", tmp_path / "cp2"])
+    assert all(done.returncode == 0 for done in runs), runs[0].stderr[-2000:] + runs[1].stderr[-2000:]
+    losses = {cp: [row["loss"] for row in metrics(tmp_path / f"cp{cp}")] for cp in (1, 2)}
+    assert len(losses[1]) == 2 and relative_gap(losses[2], losses[1]) <= 1e-5, losses
+
+    # cp 1's first loss: transformers on each document of the first batch alone
+    train = TokenStore(documents_store).split("train")
+    batch = next(SequenceLoader(train, LAYOUT_SEQ, 1, seed=3, reset_positions=True))
+    total = 0.0
+    with torch.no_grad():
+        for row, offsets in enumerate(batch.documents.offsets):
+            for start, end in zip(offsets[:-1], offsets[1:], strict=True):
+                logits = reference(batch.tokens[row:row + 1, start:end]).logits[0]
+                total += torch.nn.functional.cross_entropy(logits, batch.labels[row, start:end],
+                                                           ignore_index=IGNORE_INDEX, reduction="sum").item()
+    assert losses[1][0] == pytest.approx(total / batch.num_tokens, rel=1e-5)
+
+    # the batch the cp 2 ranks cut: laid out for the windows, it is not what causal layers' work would choose
+    cut = {windows: SequenceLoader(train, LAYOUT_SEQ, 1, cp_size=2, seed=3, reset_positions=True,
+                                   cp_layout="balanced", layout_windows=windows) for windows in (windows, None)}
+    layouts = {key: next(loader).documents.layouts for key, loader in cut.items()}
+    assert layouts[windows] != layouts[None]

@@ -65,7 +65,8 @@ def parallelize(model: Transformer, mesh: DeviceMesh | None, config: TrainConfig
             block.attention.core_attention = burst.BurstAttention(group=cp_group, backward=config.attention_backward,
                                                                       kernel=config.attention_kernel,
                                                                       topology=config.cp_topology,
-                                                                      layout=config.sequence_layout)
+                                                                      layout=config.sequence_layout,
+                                                                      layout_windows=model.config.windows)
     else:
         for block in model.layers:
             block.attention.core_attention.kernel = config.attention_kernel

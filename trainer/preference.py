@@ -171,7 +171,7 @@ def compute_reference(model: Transformer, store: TokenStore, config: TrainConfig
     loader = SequenceLoader(store, config.seq_len, 1, dp_rank=env.dp_rank, dp_size=config.dp, cp_rank=env.cp_rank,
                             cp_size=config.cp, seed=config.seed, reset_positions=True,
                             cp_layout=config.sequence_layout, long_conversations=config.long_conversations,
-                            prefix_sharing=config.prefix_sharing)
+                            prefix_sharing=config.prefix_sharing, layout_windows=model.config.windows)
     sequences = loader.streams[0].sequences_in_epoch(0)  # every pair once
     sums = torch.zeros(store.num_documents, 2, dtype=torch.float64, device=env.device)
     seen = torch.zeros(store.num_documents, 1, dtype=torch.float64, device=env.device)

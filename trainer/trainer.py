@@ -103,13 +103,15 @@ class Trainer:
                                      dp_size=config.dp, cp_rank=env.cp_rank, cp_size=config.cp, seed=config.seed,
                                      reset_positions=config.doc_mask, cp_layout=config.sequence_layout,
                                      long_conversations=config.long_conversations,
-                                     train_on_prompt=config.train_on_prompt, prefix_sharing=config.prefix_sharing)
+                                     train_on_prompt=config.train_on_prompt, prefix_sharing=config.prefix_sharing,
+                                     layout_windows=checked.model_config.windows)
         self.state = TrainState()
         self.saver = CheckpointSaver(self.out, checked.model_config, env.device, config.keep, config.async_checkpoint,
                                      env.cpu_group, self.report_saved)
         self.metrics: Metrics | None = None  # rank 0's, once the run directory is written (`record`)
         # A preference run's held-out pairs are scored by `burst eval` (evaluation/preference.py), not by a token loss.
-        self.validator = Validator(self.sources if config.objective == "nll" else [], config, env)
+        self.validator = Validator(self.sources if config.objective == "nll" else [], config, env,
+                                   checked.model_config.windows)
         self.reference: Reference | None = None  # dpo, ipo: the starting weights' logps (trainer/preference.py)
         self.accuracies: list[float] = []  # a preference run's rewards/accuracies of this invocation's steps
         self.val_losses: list[tuple[int, ValidationResult]] = []  # (step, validation) of this invocation

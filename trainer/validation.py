@@ -49,8 +49,10 @@ class ValidationResult:
 class Validator:
     """Scores about `config.val_tokens` held-out tokens of `sources` (those with validation documents)."""
 
-    def __init__(self, sources: list[Source], config: TrainConfig, env: Distributed) -> None:
-        self.config, self.env = config, env
+    def __init__(self, sources: list[Source], config: TrainConfig, env: Distributed,
+                 layout_windows: tuple[int | None, ...] | None = None) -> None:
+        """layout_windows: the model's layers' windows (`ModelConfig.windows`), as the training loader has them."""
+        self.config, self.env, self.layout_windows = config, env, layout_windows
         held_out = [source for source in sources if source.val.num_documents > 0]
         self.skipped = [source.spec.name for source in sources if source.val.num_documents == 0]
         self.split_tokens = sum(source.val.num_tokens for source in held_out)
@@ -74,6 +76,7 @@ class Validator:
                               dp_size=config.dp, cp_rank=env.cp_rank, cp_size=config.cp, seed=config.seed,
                               reset_positions=config.doc_mask, cp_layout=config.sequence_layout,
                               long_conversations=config.long_conversations, once=True,
+                              layout_windows=self.layout_windows,
                               train_on_prompt=config.train_on_prompt and any(s.is_conversations for s in self.stores))
 
     def _batches(self) -> Iterator[Batch]:
