@@ -8,6 +8,7 @@ token, because greedy decoding follows the fed-in answer for as long as it agree
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -76,17 +77,21 @@ def greedy_answer(model: Transformer, sample: Answered, group: dist.ProcessGroup
 
 
 def evaluate_passkey(model: Transformer, tokenizer: Tokenizer, lengths: list[int], depths: list[float], trials: int,
-                     group: dist.ProcessGroup | None = None, seed: int = 0) -> PasskeyResult:
+                     group: dist.ProcessGroup | None = None, seed: int = 0,
+                     progress: Callable[[int, int], None] | None = None) -> PasskeyResult:
     """Retrieval accuracy of every (length, depth) cell over `trials` samples with different passkeys.
 
-    Trial t uses seed + t in every cell, so the cells differ only in length and depth.
+    Trial t uses seed + t in every cell, so the cells differ only in length and depth. `progress(done, total)`
+    hears of each sample answered.
     """
-    cells = []
+    cells, total = [], len(lengths) * len(depths) * trials
     for length in lengths:
         for depth in depths:
             retrieved = 0
             for trial in range(trials):
                 sample = passkey_sample(tokenizer, length, depth, seed=seed + trial)
                 retrieved += greedy_answer(model, sample, group) == sample.answer_ids
+                if progress is not None:
+                    progress((len(cells) * trials) + trial + 1, total)
             cells.append(PasskeyCell(length=length, depth=depth, trials=trials, retrieved=retrieved))
     return PasskeyResult(lengths=list(lengths), depths=list(depths), cells=cells)

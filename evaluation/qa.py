@@ -13,6 +13,7 @@ and counted.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -99,16 +100,20 @@ def answer_samples(split: TokenStore, tokenizer: Tokenizer, seq_len: int, count:
 
 
 def evaluate_qa(model: Transformer, split: TokenStore, tokenizer: Tokenizer, seq_len: int, count: int,
-                group: dist.ProcessGroup | None = None) -> QAResult:
-    """Answer accuracy, by depth, over the first `count` validation conversations of at most `seq_len` tokens."""
+                group: dist.ProcessGroup | None = None, progress: Callable[[int, int], None] | None = None
+                ) -> QAResult:
+    """Answer accuracy, by depth, over the first `count` validation conversations of at most `seq_len` tokens;
+    `progress(done, total)` hears of each sample answered."""
     samples, skipped = answer_samples(split, tokenizer, seq_len, count, 2 * group_rank_and_size(group)[1])
     edges = np.linspace(0, 1, DEPTH_BUCKETS + 1)
     by_depth = [QABucket(float(a), float(b)) for a, b in zip(edges[:-1], edges[1:], strict=True)]
     not_in_prompt = QABucket(None, None)
-    for sample in samples:
+    for done, sample in enumerate(samples, 1):
         bucket = not_in_prompt if sample.depth is None else \
             by_depth[min(int(sample.depth * DEPTH_BUCKETS), DEPTH_BUCKETS - 1)]
         bucket.samples += 1
         bucket.correct += greedy_answer(model, sample, group) == sample.answer_ids
+        if progress is not None:
+            progress(done, len(samples))
     correct = sum(b.correct for b in [*by_depth, not_in_prompt])
     return QAResult(len(samples), correct, by_depth, not_in_prompt, skipped)

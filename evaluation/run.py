@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -388,13 +389,13 @@ def evaluate(config: EvalConfig, console: Console | None = None) -> EvalResult |
             say(f"passkey: lengths {config.passkey_lengths}, depths {config.passkey_depths}, "
                 f"{config.passkey_trials} trials each")
             passkey = evaluate_passkey(model, inputs.tokenizer, config.passkey_lengths, config.passkey_depths,
-                                       config.passkey_trials, group, config.seed)
+                                       config.passkey_trials, group, config.seed, answered(say, "passkey", started))
         qa = None
         if conversations and config.qa_samples:
             say(f"question answering: the last answer of up to {config.qa_samples} validation conversations of at "
                 f"most {config.seq_len:,} tokens")
             qa = evaluate_qa(model, inputs.store.split("val"), inputs.tokenizer, config.seq_len, config.qa_samples,
-                             group)
+                             group, answered(say, "question answering", started))
     result = EvalResult(checkpoint=config.checkpoint, format=inputs.checkpoint.format, data=inputs.store.directory,
                         cp=config.cp, precision=config.precision, perplexity=perplexity, passkey=passkey,
                         warnings=inputs.warnings, seconds=time.perf_counter() - started, qa=qa)
@@ -408,6 +409,15 @@ def evaluate(config: EvalConfig, console: Console | None = None) -> EvalResult |
             say(f"wrote {config.json_path}" + (f" and {plot}" if plot else ""))
     return result
 
+
+
+def answered(say, probe: str, started: float) -> Callable[[int, int], None]:
+    """A probe's progress line (on stderr, where `say` prints) after its first, every tenth and its last sample,
+    as RULER's, so that minutes of long samples show they are under way."""
+    def progress(done: int, total: int) -> None:
+        if done == 1 or done % 10 == 0 or done == total:
+            say(f"{probe}: {done}/{total} samples answered ({time.perf_counter() - started:.0f} s)")
+    return progress
 
 
 def ruler(config: EvalConfig, group: dist.ProcessGroup | None, device: torch.device, say,

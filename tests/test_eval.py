@@ -391,6 +391,16 @@ def test_without_matplotlib_the_plot_is_skipped_and_the_json_says_how_to_get_it(
     assert len(warning) > 80 and warning.endswith("(pip install 'burst-attention[plot]')")
 
 
+def test_passkey_retrieval_says_how_far_it_is_on_stderr(store, checkpoint, capsys):
+    """A progress line after the first, every tenth and the last sample, on stderr: stdout holds only the results."""
+    evaluate(EvalConfig(checkpoint=checkpoint, data=store.directory, seq_len=SEQ_LEN, batches=1,
+                        passkey_lengths=[SEQ_LEN], passkey_depths=[0.0, 0.25, 0.5, 0.75, 1.0], passkey_trials=2))
+    out, err = capsys.readouterr()
+    said = [line.split(" (")[0] for line in err.splitlines() if "samples answered" in line]
+    assert said == ["passkey: 1/10 samples answered", "passkey: 10/10 samples answered"], err
+    assert "samples answered" not in out and "passkey retrieval" in out
+
+
 def test_a_run_is_scored_on_the_store_it_trained_on_without_data(store, tmp_path):
     """A run on the user's own data (its own tokenizer): the embedded corpus would be refused by the tokenizer
     check; without --data, eval takes the run's recorded store and scores what --data STORE scores."""

@@ -92,6 +92,14 @@ def test_two_context_parallel_ranks_give_the_single_process_figures(chat_store, 
     run_on_ranks(_evaluate_on_ranks, world_size=2, args=(checkpoint, chat_store, expected))
 
 
+def test_question_answering_says_how_far_it_is_on_stderr(chat_store, checkpoint, capsys):  # noqa: F811
+    evaluate(eval_config(checkpoint, chat_store, qa_samples=3))
+    out, err = capsys.readouterr()
+    said = [line.split(" (")[0] for line in err.splitlines() if "samples answered" in line]
+    assert said == ["question answering: 1/3 samples answered", "question answering: 3/3 samples answered"], err
+    assert "samples answered" not in out and "question answering by depth" in out
+
+
 def test_the_cli_writes_the_answers_loss_and_question_answering(chat_store, checkpoint, tmp_path):  # noqa: F811
     runner = CliRunner()
     common = ["eval", "--checkpoint", str(checkpoint), "--data", str(chat_store), "--seq-len", str(SEQ_LEN),
