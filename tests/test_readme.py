@@ -293,3 +293,49 @@ def test_commands_start_from_a_run_with_init_from_and_eval_a_preference_store_wi
              if re.search(r"burst train .*--model runs/", line)
              or re.search(r"burst eval .*stores/prefs.*--passkey-", line)]
     assert not wrong, f"{page.relative_to(REPO)} shows commands burst refuses: {wrong}"
+
+
+DURATION = re.compile(r"\b\d[\d,.]*\s?(?:s|min|minutes|seconds|hours?)\b")
+TIMES = "docs/development.md#how-long-it-takes"  # the one place that says how long README's commands take
+
+
+def clauses(path: Path, leaving_out: str | None = None) -> list[str]:
+    """The page's prose cut into clauses (at '.' or ';' before a space, and at blank lines), indented transcripts
+    and the section titled `leaving_out` left out."""
+    kept, skipping = [], False
+    for line in prose(path):
+        if m := HEADER.match(line):
+            skipping = m[2] == leaving_out
+        if not skipping and not line.startswith("    "):
+            kept.append(line)
+    return [clause for paragraph in "\n".join(kept).split("\n\n") for clause in re.split(r"[.;]\s", paragraph)]
+
+
+def test_how_long_the_readme_commands_take_is_said_in_one_place():
+    """README.md's prose names no duration and links to the one table of measured times; no other page times
+    README's commands or the test suite (figures that disagreed: 38 s, 49 s and 1 min 42 s for command 1), but
+    the measurement pages the table cites as its sources."""
+    assert f"({TIMES})" in README.read_text(), f"README.md links to {TIMES}"
+    table_page = REPO / TIMES.partition("#")[0]
+    assert TIMES.partition("#")[2] in anchors(table_page)
+    said = [clause.strip() for clause in clauses(README) if DURATION.search(clause)]
+    assert not said, f"README.md times things itself; say it in {TIMES} and link there: {said}"
+    lines = prose(table_page)
+    start = next(i for i, _, title in headers(table_page) if title == "How long it takes")
+    end = next((i for i, _, _ in headers(table_page) if i > start), len(lines))
+    sources = {(table_page.parent / target).resolve() for target in LINK.findall("\n".join(lines[start:end]))}
+    for page in PAGES:
+        if page.resolve() in sources:
+            continue
+        said = [clause.strip() for clause in clauses(page, leaving_out="How long it takes")
+                if re.search(r"README|test suite|pytest -q", clause) and DURATION.search(clause)]
+        assert not said, f"{page.relative_to(REPO)} times README's commands itself; say it in {TIMES}: {said}"
+
+
+def test_the_readme_explains_doc_mask_where_it_first_shows_it():
+    """A reader meets `--doc-mask` in a command; the same section's prose (or an earlier one) says what it does."""
+    lines = README.read_text().splitlines()
+    first_use = next(i for i, line in enumerate(lines) if "--doc-mask" in line)
+    section_end = next((i for i, _, _ in headers(README) if i > first_use), len(lines))
+    explained = [line for line in prose(README)[:section_end] if re.search(r"`--doc-mask` (lets|makes|keeps)", line)]
+    assert explained, "README.md shows --doc-mask before saying what it does"
