@@ -65,11 +65,37 @@ def test_a_config_files_preference_setting_with_nll_is_refused_naming_the_file(s
     ({"prefix_sharing": False}, "prefix_sharing", "the next-token loss has no pairs"),
     ({"val_tokens": 0, "val_every": 5}, "val_every", "--val-tokens 0 turns validation off"),
     ({"long_conversations": "truncate"}, "long_conversations", "no --data store holds conversations"),
+    ({"lora_alpha": 32.0}, "lora_alpha", "shapes a LoRA adapter, which only --lora-rank N trains"),
+    ({"lora_dropout": 0.1}, "lora_dropout", "without it the run trains every weight"),
+    ({"lora_rank": 0, "lora_targets": "q,v"}, "lora_targets", "which only --lora-rank N trains"),
+    ({"train_embeddings_and_norms": False}, "train_embeddings_and_norms", "which only --lora-rank N trains"),
 ])
 def test_train_settings_given_that_the_run_never_reads_are_refused(store, flags, setting, why):
     config = load_config(None, {"model": "debug", "data": [str(store)], **flags})
     assert why in ignored_settings(config, set(flags))[setting]
     refused(invoke("train", *TINY_RUN, "--data", store, *_flags(flags)), why)
+
+
+def test_lora_settings_are_read_with_a_rank_and_refused_beside_an_adapter_that_brings_its_own(store, tmp_path):
+    """With --lora-rank they shape the adapter; with --init-adapter the adapter's adapter_config.json replaces them
+    (its rank may be repeated); in a config file without a rank they are refused naming the file."""
+    with_rank = load_config(None, {"model": "debug", "lora_rank": 4, "lora_alpha": 8.0, "lora_targets": "q,v"})
+    assert not {"lora_alpha", "lora_targets"} & set(ignored_settings(with_rank, {"lora_alpha", "lora_targets"}))
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 4, "lora_alpha": 8, '
+                                                 '"target_modules": ["q_proj", "v_proj"]}')
+    both = load_config(None, {"model": "debug", "init_adapter": str(adapter), "lora_rank": 4, "lora_alpha": 32.0})
+    ignored = ignored_settings(both, {"init_adapter", "lora_rank", "lora_alpha"})
+    assert "lora_rank" not in ignored and "init_adapter" not in ignored
+    assert ignored["lora_alpha"].startswith("is the adapter's own with --init-adapter (its lora_alpha is 8.0")
+    refused(invoke("train", *TINY_RUN, "--data", store, "--init-adapter", adapter, "--lora-alpha", 32),
+            "--lora-alpha is the adapter's own with --init-adapter", "drop it")
+    settings = tmp_path / "run.toml"
+    settings.write_text("lora_dropout = 0.1\n")
+    refused(invoke("train", "--config", settings, *TINY_RUN, "--data", store, "--out", tmp_path / "run"),
+            f"lora_dropout in {settings} shapes a LoRA adapter, which only --lora-rank N trains", "drop it")
+    assert not (tmp_path / "run").exists()
 
 
 def _flags(settings: dict) -> list:

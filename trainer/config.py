@@ -111,6 +111,11 @@ class TrainConfig(Run, Checkpointing, Memory, Lora, Objective, Optimizer, Parall
         return self.seq_len * self.batch_size * self.dp * self.grad_accum
 
 
+# What shapes a LoRA adapter besides its rank: read only with --lora-rank, and taken from the adapter with
+# --init-adapter.
+LORA_SHAPE = ("lora_alpha", "lora_dropout", "lora_targets", "train_embeddings_and_norms")
+
+
 def ignored_settings(config: TrainConfig, given: set[str]) -> dict[str, str]:
     """The settings of `given` (flags, and a --config file's keys) that this run would never read, each with why;
     runtime/given.py refuses them."""
@@ -130,6 +135,12 @@ def ignored_settings(config: TrainConfig, given: set[str]) -> dict[str, str]:
             ignored["orpo_lambda"] = f"is ORPO's odds-ratio weight; --objective {config.objective} does not use it"
     if config.val_tokens == 0 and "val_every" not in ignored:
         ignored["val_every"] = "sets the steps between validation losses, and --val-tokens 0 turns validation off"
+    if config.lora_rank == 0:
+        ignored.update({name: "shapes a LoRA adapter, which only --lora-rank N trains (8 to 64 are usual; add it for "
+                              "one): without it the run trains every weight" for name in LORA_SHAPE})
+    elif config.init_adapter is not None:  # Lora.check replaced them with the adapter's own
+        ignored.update({name: f"is the adapter's own with --init-adapter (its {name} is "
+                              f"{getattr(config, name)!r}, from its adapter_config.json)" for name in LORA_SHAPE})
     if "long_conversations" in given and not _holds_conversations(config):
         ignored["long_conversations"] = ("is for instruction and preference stores (`burst prepare --chat`, "
                                          "--preference), whose conversations may outgrow a sequence; no --data store "
