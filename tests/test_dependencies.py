@@ -8,6 +8,7 @@ anywhere in the installed packages fails here before it fails a user's fresh `pi
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.metadata
 import re
 import sys
@@ -55,8 +56,15 @@ def third_party_imports(source: str, file: str, project: set[str]) -> list[Third
     return found
 
 
+@functools.cache
+def installed_distributions() -> dict[str, list[str]]:
+    """import name -> distributions, read once: reading every installed package's metadata takes about a
+    tenth of a second, and the scan asks for each of its hundreds of imports."""
+    return importlib.metadata.packages_distributions()
+
+
 def distribution_of(module: str) -> str:
-    names = importlib.metadata.packages_distributions().get(module) or [KNOWN_DISTRIBUTIONS.get(module, module)]
+    names = installed_distributions().get(module) or [KNOWN_DISTRIBUTIONS.get(module, module)]
     return normalize(names[0])
 
 
