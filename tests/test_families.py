@@ -317,12 +317,26 @@ def test_documents_laid_out_for_other_windows_are_refused():
         documents_of(documents, None, LAYOUT_SEQ, 2, "balanced", 1, None)
 
 
+def transformers_loss(reference: transformers.PreTrainedModel, train, seq_len: int, seed: int = 0) -> float:
+    """transformers' mean loss on the first --doc-mask training batch of `train` (one row), each document alone."""
+    from data import SequenceLoader
+    from data.loader import IGNORE_INDEX
+
+    batch, total = next(SequenceLoader(train, seq_len, 1, seed=seed, reset_positions=True)), 0.0
+    offsets = batch.documents.offsets[0]
+    with torch.no_grad():
+        for start, end in zip(offsets[:-1], offsets[1:], strict=True):
+            logits = reference(batch.tokens[:, start:end]).logits[0]
+            total += torch.nn.functional.cross_entropy(logits, batch.labels[0, start:end], ignore_index=IGNORE_INDEX,
+                                                       reduction="sum").item()
+    return total / batch.num_tokens
+
+
 def test_a_windowed_model_with_balanced_documents_trains_alike_at_cp1_and_cp2(documents_store, tmp_path):
     """A Mistral whose every layer slides a 128-token window, trained with --doc-mask on 4,096 tokens: step 1's
     loss at cp 1 is transformers' on each document alone; at cp 2 the balanced layout weighs the windows (the loader's
     documents must be laid out for the model's windows, or the attention refuses them), with cp 1's losses."""
     from data import SequenceLoader, TokenStore
-    from data.loader import IGNORE_INDEX
 
     reference = hf_model("mistral", tmp_path / "hf", vocab_size=320, bos_token_id=1, eos_token_id=2,
                          sliding_window=LAYOUT_WINDOW, max_position_embeddings=LAYOUT_SEQ)
@@ -336,20 +350,29 @@ def test_a_windowed_model_with_balanced_documents_trains_alike_at_cp1_and_cp2(do
     losses = {cp: [row["loss"] for row in metrics(tmp_path / f"cp{cp}")] for cp in (1, 2)}
     assert len(losses[1]) == 2 and relative_gap(losses[2], losses[1]) <= 1e-5, losses
 
-    # cp 1's first loss: transformers on each document of the first batch alone
     train = TokenStore(documents_store).split("train")
-    batch = next(SequenceLoader(train, LAYOUT_SEQ, 1, seed=3, reset_positions=True))
-    total = 0.0
-    with torch.no_grad():
-        for row, offsets in enumerate(batch.documents.offsets):
-            for start, end in zip(offsets[:-1], offsets[1:], strict=True):
-                logits = reference(batch.tokens[row:row + 1, start:end]).logits[0]
-                total += torch.nn.functional.cross_entropy(logits, batch.labels[row, start:end],
-                                                           ignore_index=IGNORE_INDEX, reduction="sum").item()
-    assert losses[1][0] == pytest.approx(total / batch.num_tokens, rel=1e-5)
+    assert losses[1][0] == pytest.approx(transformers_loss(reference, train, LAYOUT_SEQ, seed=3), rel=1e-5)
 
     # the batch the cp 2 ranks cut: laid out for the windows, it is not what causal layers' work would choose
     cut = {windows: SequenceLoader(train, LAYOUT_SEQ, 1, cp_size=2, seed=3, reset_positions=True,
                                    cp_layout="balanced", layout_windows=windows) for windows in (windows, None)}
     layouts = {key: next(loader).documents.layouts for key, loader in cut.items()}
     assert layouts[windows] != layouts[None]
+
+
+def test_a_windowed_model_compiles_to_eagers_losses(store, tmp_path):
+    """`burst train --compile` of a Gemma 3 (local layers sliding 16 tokens) over 256-token sequences, the second
+    of which packs two documents: the compiled blocks pass each layer's window to the attention operator, so the
+    losses are eager's, whose first is transformers'."""
+    from data import TokenStore
+
+    reference = hf_model("gemma3", tmp_path / "hf", vocab_size=320, bos_token_id=1, eos_token_id=2)
+    common = ["--model", tmp_path / "hf", "--data", store, "--seq-len", 256, "--steps", 3, "--lr", 1e-3,
+              "--precision", "fp32", "--val-tokens", 0, "--doc-mask"]
+    runs = burst_train_together([*common, "--out", tmp_path / "eager"],
+                                [*common, "--compile", "--out", tmp_path / "compiled"], timeout=400)
+    assert all(done.returncode == 0 for done in runs), runs[0].stderr[-2000:] + runs[1].stderr[-2000:]
+    losses = {run: [row["loss"] for row in metrics(tmp_path / run)] for run in ("eager", "compiled")}
+    assert len(losses["eager"]) == 3 and relative_gap(losses["compiled"], losses["eager"]) <= 1e-4, losses
+    expected = transformers_loss(reference, TokenStore(store).split("train"), 256)
+    assert losses["eager"][0] == pytest.approx(expected, rel=1e-5)
