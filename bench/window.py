@@ -4,11 +4,16 @@ For every rank of a zigzag layout (no documents) the windowed plan (burst/plan.p
 are counted without running a kernel: the kernel calls of the rank's queries, the (query, key) pairs those
 calls compute (a causal square by half, a band block in full: what a kernel that masks it computes), and
 the bytes the rank sends in forward and in backward (burst/cost.py's count of the plan, which the ring's
-own byte counter matches, tests/test_window.py). Each is set against the band's own: the pairs the window
+own byte counter matches, tests/test_window.py), and the kernel work in tiles of TILE x TILE (a causal square's
+diagonal tiles on, a band block's every tile). Each is set against the band's own: the pairs the window
 lets the rank's queries see, and the rows that must cross between ranks for them, worked out from the
 positions each rank holds, not from the plan: in forward, each key row that some query of another rank
 sees, once per such rank; in backward, the rows the backward mode sends (the query side in "burst", the
-key side in "ring") once per rank that works on them, and their gradients back.
+key side in "ring") once per rank that works on them, and their gradients back. The band's own kernel calls
+are the fewest any plan of the layout can make: one per pair of stretches of consecutive positions (one of the
+rank's queries, one of any rank's keys) holding a visible pair, what a kernel taking the window natively
+(flash-attn's window_size) computes in one call; its own tiles are the TILE x TILE tiles of the global
+(query, key) square, aligned to the positions, that hold a visible pair.
 """
 
 from __future__ import annotations
@@ -20,9 +25,12 @@ import numpy as np
 
 from bench.attention import AttentionBenchConfig
 from bench.documents import MIB, _meta
+from burst.balance import DEFAULT_OPTIONS, tile_count
 from burst.cost import choose_backward, packet_bytes, plan_bytes
 from burst.layout import zigzag_layout
 from burst.plan import AttentionPlan
+
+TILE = DEFAULT_OPTIONS.tile  # the kernels' tile (128: the GPU flash kernels' block) the work is counted in
 
 
 @dataclass
@@ -33,6 +41,7 @@ class RankCount:
     window: int | None
     steps: int  # key/value shards (the rank's own included) its queries make a kernel call on: its ring steps with work
     calls: int
+    tiles: int  # TILE x TILE tiles the rank's kernel calls compute, over the batch rows and one head
     computed_pairs: int  # (query, key) pairs the rank's kernel calls compute, over the batch rows and one head
     sent_forward_mib: float
     sent_backward_mib: float
@@ -44,6 +53,8 @@ class BandOwn:
 
     rank: int
     steps: int  # key/value shards (its own included) holding a key that one of the rank's queries sees
+    calls: int  # the fewest kernel calls (module docstring); a call takes every batch row
+    tiles: int  # TILE x TILE tiles holding a visible pair, over the batch rows
     visible_pairs: int
     sent_forward_mib: float
     sent_backward_mib: float
@@ -55,14 +66,15 @@ def count_plan(plan: AttentionPlan, config: AttentionBenchConfig, mode: str) -> 
     counts = []
     for rank in range(plan.world_size):
         segments = [s for owner in range(plan.world_size) for s in plan(rank, owner)]
-        pairs = 0
+        pairs = tiles = 0
         for s in segments:
             rows, cols = (len(range(plan.shard_len)[x]) for x in (s.q_rows, s.kv_rows))
             pairs += rows * (rows + 1) // 2 if s.causal else rows * cols
+            tiles += tile_count(rows, cols, s.causal, TILE)
         forward, _, backward, _ = plan_bytes(plan, "flat", q, k, mode, plan.world_size, rank)
         steps = sum(bool(plan(rank, owner)) for owner in range(plan.world_size))
-        counts.append(RankCount(rank, plan.window, steps, len(segments), pairs * config.batch, forward / MIB,
-                                backward / MIB))
+        counts.append(RankCount(rank, plan.window, steps, len(segments), tiles * config.batch, pairs * config.batch,
+                                forward / MIB, backward / MIB))
     return counts
 
 
@@ -101,9 +113,26 @@ def band_own(config: AttentionBenchConfig, window: int, mode: str) -> list[BandO
             steps += seeing > 0
         rows_backward = queries_seeing if mode == "burst" else keys_seen
         visible = int(np.minimum(mine + 1, window).sum())
-        counts.append(BandOwn(rank, steps, visible * config.batch, keys_seen * kv_row * config.batch / MIB,
+        calls = sum(sees(queries, keys, window) for queries in layout.runs(rank)
+                    for other in range(config.nproc) for keys in layout.runs(other))
+        tiles = sum(sees(range(i, min(i + TILE, config.seq_len)), range(j, min(j + TILE, config.seq_len)), window)
+                    for i in mine[::TILE].tolist() for j in range(0, config.seq_len, TILE))
+        counts.append(BandOwn(rank, steps, calls, tiles * config.batch, visible * config.batch,
+                              keys_seen * kv_row * config.batch / MIB,
                               rows_backward * (visitor + gradient) * config.batch / MIB))
     return counts
+
+
+def sees(queries, keys, window: int) -> bool:
+    """Whether a query of the stretch `queries` sees a key of the stretch `keys` (i - window < j <= i); each a
+    range, or a layout's Run."""
+    (q0, q1), (k0, k1) = (_bounds(x) for x in (queries, keys))  # first and last position
+    return k0 <= q1 and k1 > q0 - window
+
+
+def _bounds(stretch) -> tuple[int, int]:
+    return (stretch.start, stretch.stop - 1) if isinstance(stretch, range) else \
+        (stretch.start, stretch.start + stretch.length - 1)
 
 
 def window_counts(config: AttentionBenchConfig, window: int) -> dict[str, list]:
@@ -133,7 +162,8 @@ def print_window_counts(config: AttentionBenchConfig, window: int, counts: dict[
     for win, causal, band in zip(counts["window"], counts["causal"], counts["band"], strict=True):
         for what, got, own, full, shown in (
                 ("steps with work", win.steps, band.steps, causal.steps, str),
-                ("kernel calls", win.calls, None, causal.calls, str),
+                ("kernel calls", win.calls, band.calls, causal.calls, str),
+                (f"tiles {TILE}x{TILE}", win.tiles, band.tiles, causal.tiles, str),
                 ("pairs computed (M)", win.computed_pairs, band.visible_pairs, causal.computed_pairs,
                  lambda x: f"{x / 1e6:.2f}"),
                 ("sent forward (MiB)", win.sent_forward_mib, band.sent_forward_mib, causal.sent_forward_mib,
@@ -147,8 +177,10 @@ def print_window_counts(config: AttentionBenchConfig, window: int, counts: dict[
     Console().print("band: what the window itself asks of the rank: the shards holding keys its queries see, the "
                     "(query, key) pairs it lets them see (per head), and the rows that must cross between ranks for "
                     "them; steps with work: the ring steps, the shards the rank's kernel calls use (the others cost "
-                    "no call and no bytes); pairs computed: by its kernel calls (a causal square by half, a band "
-                    "block in full)", style="dim")
+                    "no call and no bytes); band kernel calls: the fewest any plan can make (one per stretch of the "
+                    "rank's queries and stretch of keys that meet, a kernel taking the window natively); tiles: "
+                    f"the {TILE}x{TILE} tiles computed, or holding a visible pair; pairs computed: by its kernel "
+                    "calls (a causal square by half, a band block in full)", style="dim")
 
 
 def write_window_json(path: str, config: AttentionBenchConfig, window: int, counts: dict[str, list]) -> None:

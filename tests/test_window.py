@@ -281,14 +281,27 @@ def test_ranks_match_the_reference(world_size):
 
 def test_bench_counts_each_rank_against_the_band(tmp_path):
     """`burst bench attention --window --plan-only`: every rank's computed pairs and bytes within 1.25x of what the
-    window itself asks of it (worked out from the positions the ranks hold), far below full causal's."""
+    window itself asks of it (worked out from the positions the ranks hold), far below full causal's; its tiles of
+    128 x 128 the band's own, counted on the dense mask (a window of 512: strips of a quarter window are whole
+    tiles); its kernel calls against the fewest any plan can make."""
     out = tmp_path / "window.json"
-    result = CliRunner().invoke(app, ["bench", "attention", "--window", "256", "--seq-len", "4096", "--nproc", "4",
+    result = CliRunner().invoke(app, ["bench", "attention", "--window", "512", "--seq-len", "8192", "--nproc", "4",
                                       "--plan-only", "--modes", "burst", "--dtype", "bf16", "--json", str(out)],
                                 env={"COLUMNS": "80"})
     assert result.exit_code == 0, result.output
     legible_at_80_columns(result.output, "per rank", "causal / window")
-    ranks = json.loads(out.read_text())["ranks"]
+    written = json.loads(out.read_text())
+    ranks, batch = written["ranks"], written["config"]["batch"]
+    # the band's own tiles, from the dense mask: a rank's queries 128 at a time against the 128-key tiles
+    visible, layout = visible_mask(8192, 512), zigzag_layout(8192, 4)
+    for rank, (window, band) in enumerate(zip(ranks["window"], ranks["band"], strict=True)):
+        rows = visible[layout.positions(rank)].view(-1, 128, 64, 128)  # [query tile, row, key tile, column]
+        assert band["tiles"] == batch * int(rows.any(3).any(1).sum())
+        assert window["tiles"] == band["tiles"]  # the plan computes the band's tiles, no more
+    # the fewest calls: a chunk of 1,024 positions against its own stretch and the one before it (rank 3 holds
+    # chunks 3 and 4 as one stretch, rank 0 chunk 0 with nothing before it); the plan makes 13-25x more (strips
+    # of a quarter window, three calls each: docs/benchmarks-window.md says so)
+    assert [band["calls"] for band in ranks["band"]] == [3, 4, 4, 2]
     for window, causal, band in zip(ranks["window"], ranks["causal"], ranks["band"], strict=True):
         assert window["steps"] == band["steps"] < causal["steps"]
         assert band["visible_pairs"] <= window["computed_pairs"] <= 1.25 * band["visible_pairs"]
