@@ -1,5 +1,12 @@
 """benchmarks/smollm2_extension.py at its quick scale: every variant scored, both training stages run over two
-invocations, everything cached."""
+invocations, everything cached.
+
+At --cp 1: what this test checks is the benchmark's own work (its variants, stages, resume, cache, table and plot),
+which --cp only passes on to `burst train` and `burst eval`; at cp 2 each of its 11 commands started three
+processes instead of one (the suite's costliest test, 226 CPU s). What cp 2 adds is checked where it is the point:
+eval's figures at cp 2 equal cp 1's (tests/test_eval.py), a cp 2 run stopped and resumed, also at another cp,
+gives the uninterrupted losses (tests/test_checkpoint.py, tests/test_stages.py), and a scaled RoPE rotates a
+shard by the whole sequence's positions (tests/test_rope.py)."""
 
 from __future__ import annotations
 
@@ -8,13 +15,15 @@ import math
 
 from benchmarks.smollm2_extension import QUICK, main
 
+QUICK_CP1 = ["--scale", "quick", "--cp", "1"]
+
 
 def test_the_extension_benchmark_scores_every_variant_resumes_its_stages_and_reruns_cached(smollm2_2_layers, tmp_path):
     out = tmp_path / "extension"
-    partial = main(["--scale", "quick", "--out", str(out), "--stop-after", "1"])  # the stages stop at step 1 of 2
+    partial = main([*QUICK_CP1, "--out", str(out), "--stop-after", "1"])  # the stages stop at step 1 of 2
     assert list(partial["variants"]) == ["original", "linear", "dynamic", "yarn", "theta"]
     assert (out / "runs" / "yarn+training" / "checkpoints" / "step-000001").is_dir()
-    summary = main(["--scale", "quick", "--out", str(out)])  # the stages continue (--resume) to their last step
+    summary = main([*QUICK_CP1, "--out", str(out)])  # the stages continue (--resume) to their last step
     variants = summary["variants"]
     assert list(variants) == ["original", "linear", "dynamic", "yarn", "theta", "yarn+training", "theta+training"]
     for name, figures in variants.items():
@@ -35,5 +44,5 @@ def test_the_extension_benchmark_scores_every_variant_resumes_its_stages_and_rer
 
     evaluations = {path: path.stat().st_mtime_ns for path in out.glob("*-eval.json")}
     assert len(evaluations) == 7
-    assert main(["--scale", "quick", "--out", str(out)]) == summary  # nothing run again: every part is cached
+    assert main([*QUICK_CP1, "--out", str(out)]) == summary  # nothing run again: every part is cached
     assert {path: path.stat().st_mtime_ns for path in out.glob("*-eval.json")} == evaluations
