@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from scripts.smollm2 import INSTALL, WHEEL, smollm2_dir, truncated_dir
-from tests.fixtures import store as store  # noqa: F401  (registered here: every test file may ask for it)
+from tests.fixtures import store as store  # noqa: F401  (registered here: every test file may ask for them)
+from tests.fixtures import uninterrupted as uninterrupted  # noqa: F401
 
 
 def _or_skip(make) -> Path:

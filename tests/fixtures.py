@@ -3,6 +3,7 @@ several at once), and readers of a run's metrics.jsonl. tests/conftest.py regist
 asks for `store` by name; the helpers are imported (`from tests.fixtures import burst_train`).
 """
 
+import hashlib
 import json
 import random
 import subprocess
@@ -13,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+import sentencepiece
 
 from data import prepare
 
@@ -34,6 +36,47 @@ def store(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("store")  # unique: test_checkpoint builds this fixture again
     prepare([root], out, vocab_size=320, val_fraction=0.05, progress=False)
     return out
+
+
+def store_identity(store: Path) -> str:
+    """A digest of what a run's losses depend on in a store: its token ids, documents, split, settings and
+    vocabulary. Not the corpus's path (metadata.json's "inputs"), nor the tokenizer file's bytes (and the digests of
+    them), which hold the path sentencepiece trained from: these differ for each module's `store`."""
+    digest = hashlib.sha256()
+    for path in sorted(path for path in store.iterdir() if path.is_file() and path.name != "tokenizer.model"):
+        if path.name == "metadata.json":
+            content = json.loads(path.read_text())
+            content.pop("inputs", None)
+            for key in ("files", "digest", "fingerprint"):
+                content["tokenizer"].pop(key, None)
+            data = json.dumps(content, sort_keys=True).encode()
+        else:
+            data = path.read_bytes()
+        digest.update(f"{path.name}:{len(data)}:".encode() + data)
+    vocabulary = sentencepiece.SentencePieceProcessor(model_file=str(store / "tokenizer.model"))
+    digest.update(json.dumps([(vocabulary.id_to_piece(i), vocabulary.get_score(i))
+                              for i in range(vocabulary.get_piece_size())]).encode())
+    return digest.hexdigest()
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(tmp_path_factory):
+    """`uninterrupted(store, *args)`: the run directory of `burst train ARGS --data STORE`, trained once per session
+    for each store content and ARGS. The run that tests/test_checkpoint.py, test_elastic.py and test_saving.py each
+    compare a stopped, killed or resumed run with is one run (each module builds `store` alike, byte for byte), so
+    it is trained once, not three times."""
+    runs: dict[tuple, Path] = {}
+
+    def run(store: Path, *args: object) -> Path:
+        key = (store_identity(store), tuple(map(str, args)))
+        if key not in runs:
+            out = tmp_path_factory.mktemp("uninterrupted") / "run"
+            done = burst_train(*args, "--data", store, "--out", out)
+            assert done.returncode == 0, done.stderr[-2000:]
+            runs[key] = out
+        return runs[key]
+
+    return run
 
 
 def burst_train(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:

@@ -23,6 +23,9 @@ from models import ModelConfig, Transformer, load_model
 from tests.fixtures import burst_train, burst_train_together, metrics, relative_gap
 
 COMMON = ["--model", "debug", "--seq-len", 256, "--lr", 0.01, "--warmup", 2, "--precision", "fp32"]
+# The uninterrupted run a stopped (here, tests/test_saving.py), killed or restarted (tests/test_elastic.py) run must
+# reproduce: the `uninterrupted` fixture trains it once for the three files
+UNINTERRUPTED = [*COMMON, "--steps", 12, "--cp", 2]
 REPO = Path(__file__).parents[1]
 
 
@@ -40,12 +43,12 @@ def steps_of(out: Path) -> list[int]:
     return [int(p.name.removeprefix("step-")) for p in complete_checkpoints(out)]
 
 
-def test_stop_after_and_resume_reproduce_the_uninterrupted_run_also_on_another_layout(store, tmp_path):
-    common = [*COMMON, "--data", store, "--steps", 12]
-    whole, stopped = burst_train_together([*common, "--cp", 2, "--out", tmp_path / "whole"],
-                                          [*common, "--cp", 2, "--stop-after", 6, "--checkpoint-every", 2, "--out",
-                                           tmp_path / "run"])
-    assert whole.returncode == 0 and stopped.returncode == 0, whole.stderr[-2000:] + stopped.stderr[-2000:]
+def test_stop_after_and_resume_reproduce_the_uninterrupted_run_also_on_another_layout(store, uninterrupted,
+                                                                                      tmp_path):
+    whole = uninterrupted(store, *UNINTERRUPTED)
+    stopped = burst_train(*UNINTERRUPTED, "--data", store, "--stop-after", 6, "--checkpoint-every", 2, "--out",
+                          tmp_path / "run")
+    assert stopped.returncode == 0, stopped.stderr[-2000:]
     assert steps_of(tmp_path / "run") == [4, 6]  # --keep 2
     assert sorted(losses(tmp_path / "run")) == list(range(1, 7))
     shutil.copytree(tmp_path / "run", tmp_path / "resharded")
@@ -53,7 +56,7 @@ def test_stop_after_and_resume_reproduce_the_uninterrupted_run_also_on_another_l
     same, other = burst_train_together(["--resume", "--out", tmp_path / "run"],
                                        ["--resume", "--cp", 1, "--out", tmp_path / "resharded"])
     assert same.returncode == 0 and other.returncode == 0, same.stderr[-2000:] + other.stderr[-2000:]
-    reference = losses(tmp_path / "whole")
+    reference = losses(whole)
     resumed = losses(tmp_path / "run")
     assert [resumed[s] for s in range(7, 13)] == [reference[s] for s in range(7, 13)]  # bit for bit
     assert relative_gap([losses(tmp_path / "resharded")[s] for s in range(7, 13)],

@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 
 from tests.distributed import free_port
 from tests.fixtures import events, metrics
-from tests.test_checkpoint import COMMON, REPO, losses, train_command
+from tests.test_checkpoint import COMMON, REPO, UNINTERRUPTED, losses, train_command
 from trainer.config import load_config
 from trainer.distributed import Distributed, is_collective_timeout, unresponsive_ranks
 from trainer.train import train
@@ -48,17 +48,16 @@ def kill_a_worker_after(command: list[str], out: Path, step: int) -> subprocess.
     return subprocess.CompletedProcess(command, process.returncode, out.with_suffix(".log").read_text())
 
 
-def test_a_killed_worker_is_restarted_and_the_run_ends_with_the_losses_of_an_uninterrupted_one(store, tmp_path):
-    common = [*COMMON, "--data", store, "--steps", 12, "--checkpoint-every", 4, "--cp", 2]
-    whole = subprocess.run(train_command(*common, "--out", tmp_path / "whole"), capture_output=True, text=True,
-                           timeout=240, cwd=REPO)
-    assert whole.returncode == 0, whole.stderr[-2000:]
-    killed = kill_a_worker_after(train_command(*common, "--max-restarts", 1, "--out", tmp_path / "run"),
-                                 tmp_path / "run", step=6)
+def test_a_killed_worker_is_restarted_and_the_run_ends_with_the_losses_of_an_uninterrupted_one(store, uninterrupted,
+                                                                                              tmp_path):
+    whole = uninterrupted(store, *UNINTERRUPTED)
+    command = train_command(*UNINTERRUPTED, "--data", store, "--checkpoint-every", 4, "--max-restarts", 1, "--out",
+                            tmp_path / "run")
+    killed = kill_a_worker_after(command, tmp_path / "run", step=6)
     assert killed.returncode == 0, killed.stdout[-3000:]
     restarts = events(tmp_path / "run", "restart")
     assert [(r["attempt"], r["from_step"]) for r in restarts] in ([(1, 4)], [(1, 8)]), restarts
-    assert losses(tmp_path / "run") == losses(tmp_path / "whole")  # all 12 steps, bit for bit
+    assert losses(tmp_path / "run") == losses(whole)  # all 12 steps, bit for bit
     assert len(events(tmp_path / "run", "model_ready")) == 2  # the first start and the restart
 
 
