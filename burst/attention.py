@@ -76,7 +76,10 @@ def burst_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
     _, world_size = group_rank_and_size(group)
     node_size = default_node_size(group) if node_size is None else node_size
     traffic = Traffic()
-    given, problem = documents, None
+    # what the call was given as a Documents value (the model's BurstAttention passes one as doc_boundaries), which
+    # the ranks compare even when it does not fit the call
+    given = documents if documents is not None else doc_boundaries if isinstance(doc_boundaries, Documents) else None
+    problem = None
     if documents is not None and (doc_boundaries is not None or doc_sees is not None):
         problem = ValueError("pass either documents (a burst.Documents) or doc_boundaries and doc_sees, not both")
     else:

@@ -159,12 +159,12 @@ def check_documents(documents: Documents, seq_len: int, world_size: int, layout:
                          f"rows of {seq_len} tokens over {world_size} ranks with layout {layout!r}; make them with "
                          f"Documents.of(offsets, {seq_len}, {world_size}, {layout!r})")
     if layout == "balanced" and documents.windows != check_layout_windows(layout_windows):
-        raise ValueError(f"the documents' balanced layout weighs the work of layers with windows "
-                         f"{_windows(documents.windows)}, but the attention's model has {_windows(layout_windows)}: "
+        raise ValueError(f"the documents' balanced layout weighs {_windows(documents.windows)}, but the attention's "
+                         f"layers have {_windows(layout_windows)}: "
                          f"make them with Documents.of(..., layout_windows=the model's windows), as the data loader "
                          f"does with its layout_windows (models.ModelConfig.windows)")
 
 
 def _windows(windows) -> str:
     windows = check_layout_windows(windows)
-    return "no sliding window (causal work)" if windows is None else f"windows {list(windows)}"
+    return "no sliding window" if windows is None else f"the sliding windows {list(windows)}"

@@ -313,7 +313,8 @@ def test_documents_laid_out_for_other_windows_are_refused():
     offsets = [[0, 1000, 1500, LAYOUT_SEQ]]
     documents = burst.Documents.of(offsets, LAYOUT_SEQ, 2, "balanced", layout_windows=(LAYOUT_WINDOW, None))
     assert documents_of(documents, None, LAYOUT_SEQ, 2, "balanced", 1, (LAYOUT_WINDOW, None)) is documents
-    with pytest.raises(ValueError, match=r"windows \[128, None\], but the attention's model has no sliding window"):
+    with pytest.raises(ValueError, match=r"weighs the sliding windows \[128, None\], but the attention's layers "
+                                         r"have no sliding window"):
         documents_of(documents, None, LAYOUT_SEQ, 2, "balanced", 1, None)
 
 

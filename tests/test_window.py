@@ -264,6 +264,12 @@ def _cases(rank, world_size):
         q = burst.shard_sequence(torch.randn(1, 96, 2, 8))
         with pytest.raises(ValueError, match="window: rank 0 5, rank 1 6"):
             burst.burst_attn(q, q, q, window=5 + rank)
+        # documents balanced for causal layers, given to the attention of a windowed model as the model gives them
+        causal = burst.Documents.of([boundaries[1]], seq, world_size, "balanced")
+        module = burst.BurstAttention(layout="balanced", layout_windows=(30, None))
+        with pytest.raises(ValueError, match=r"weighs no sliding window, but the attention's layers have the sliding "
+                                             r"windows \[30, None\]"):
+            module(q, q, q, causal, window=30)
     if world_size == 4:  # the other topologies, on 2 simulated nodes of 2
         check_ranks(4, 30, boundaries, sees, "ring", "zigzag", "two-level", 2)
         check_ranks(4, 30, boundaries, sees, "burst", "balanced", "ulysses", 2, layout_windows=(30,))
