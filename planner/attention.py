@@ -16,15 +16,17 @@ from burst.plan import AttentionPlan
 
 def sequence_plan(seq_len: int, world: int, boundaries: Sequence[int] | None = None,
                   sees: Sequence[int] | None = None, layout: str = "zigzag", rows: int = 1,
-                  causal: bool = True, window: int | None = None) -> AttentionPlan:
+                  causal: bool = True, window: int | None = None, layout_windows=None) -> AttentionPlan:
     """The plan of `rows` batch rows of one sequence cut over `world` ranks: documents at `boundaries` (offsets
     [0, ..., seq_len]; None: one stream, cut zigzag), each seeing the earlier document `sees` names (-1: none; None:
-    none at all), the shards laid out by `layout` (zigzag or balanced), under a sliding `window` (None: none)."""
+    none at all), the shards laid out by `layout` (zigzag or balanced: weighing the work of a model whose layers have
+    the sliding windows `layout_windows`, as training chooses it), under a sliding `window` (None: none)."""
     if boundaries is None:
         layouts = row_layouts("zigzag", None, seq_len, world, rows, None)
         return AttentionPlan(layouts, causal, None, None, window)
     boundaries, sees = list(boundaries), None if sees is None else list(sees)
-    (chosen,) = row_layouts(layout, [boundaries], seq_len, world, 1, None if sees is None else [sees])
+    (chosen,) = row_layouts(layout, [boundaries], seq_len, world, 1, None if sees is None else [sees],
+                            layout_windows)
     return AttentionPlan([chosen] * rows, causal, [boundaries] * rows, None if sees is None else [sees] * rows, window)
 
 

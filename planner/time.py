@@ -20,17 +20,20 @@ from planner.memory import compute_width, host_bytes, trainable_parameters
 from planner.shape import RunShape
 
 
-def shape_plan(shape: RunShape, window: int | None = None) -> AttentionPlan:
-    """The plan of one of the shape's sequences as BurstAttention cuts it (cp ranks, the shape's layout) for a
-    layer with a sliding `window` (None: causal)."""
+def shape_plan(shape: RunShape, window: int | None = None, layout_windows=None) -> AttentionPlan:
+    """The plan of one of the shape's sequences as BurstAttention cuts it (cp ranks, the shape's layout, balanced
+    for a model whose layers have the sliding windows `layout_windows`, as training lays it out) for a layer with a
+    sliding `window` (None: causal)."""
     boundaries = document_boundaries(shape.seq_len, shape.doc_len)
     sees = prefix_sees(boundaries) if shape.prefix_sharing else None
-    return sequence_plan(shape.seq_len, shape.cp, boundaries, sees, shape.layout, window=window)
+    return sequence_plan(shape.seq_len, shape.cp, boundaries, sees, shape.layout, window=window,
+                         layout_windows=layout_windows)
 
 
 def over_layers(shape: RunShape, model: Footprint, count) -> float:
     """count(plan) summed over the model's layers, each layer's plan under its own window."""
-    return sum(layers * count(shape_plan(shape, window)) for window, layers in model.layer_windows().items())
+    return sum(layers * count(shape_plan(shape, window, model.windows or None))
+               for window, layers in model.layer_windows().items())
 
 
 def ring_bytes(shape: RunShape, model: Footprint, hardware: Hardware, plan: AttentionPlan) -> tuple[int, int]:
