@@ -27,6 +27,7 @@ from models.hf_config import FAMILIES, config_from_hf, config_to_hf, generation_
 from models.hf_tokenizer import check_tokenizer, copy_tokenizer_files, tokenizer_beside, write_hf_tokenizer
 from models.lora import (
     PEFT_CONFIG,
+    PEFT_TIED_HEAD,
     PEFT_WEIGHTS,
     TARGETS,
     Adapter,
@@ -162,7 +163,8 @@ def read_peft(src: Path, config: ModelConfig) -> Adapter:
     if not (src / PEFT_WEIGHTS).is_file():
         raise ValueError(f"{src} holds no {PEFT_WEIGHTS}; pass a PEFT adapter directory (save_pretrained writes one)")
     tensors = {native_name(name, lambda hf: rename(hf, HF_TO_NATIVE)): tensor
-               for name, tensor in load_file(str(src / PEFT_WEIGHTS)).items()}
+               for name, tensor in load_file(str(src / PEFT_WEIGHTS)).items()
+               if not (config.tie_embeddings and name == PEFT_TIED_HEAD)}  # the embeddings' copy (write_peft)
     expected = expected_adapter_shapes(config, lora)
     trained = {name: shape for name, shape in expected_shapes(config).items()
                if lora.train_embeddings_and_norms and is_trainable(name, lora)}
@@ -192,7 +194,10 @@ def write_peft(checkpoint: Checkpoint, dst: Path, max_shard_bytes: int) -> None:
     adapter = checkpoint.adapter()
     tensors = [(peft_name(name, lambda native: rename(native, NATIVE_TO_HF)), tensor.contiguous())
                for name, tensor in adapter.tensors.items()]
-    write_json(peft_config(adapter.lora, None), dst / PEFT_CONFIG)
+    tied = checkpoint.config.tie_embeddings
+    if tied and adapter.lora.train_embeddings_and_norms:  # PEFT ties its lm_head to a saved copy it reads here
+        tensors.append((PEFT_TIED_HEAD, adapter.tensors["tok_embeddings.weight"].clone()))
+    write_json(peft_config(adapter.lora, None, tied), dst / PEFT_CONFIG)
     save_file(dict(tensors), str(dst / PEFT_WEIGHTS), metadata={"format": "pt"})
 
 

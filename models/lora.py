@@ -36,6 +36,7 @@ TARGETS = {"q": ("attention.wq", "q_proj"), "k": ("attention.wk", "k_proj"), "v"
 ADAPTER_SUFFIXES = (".lora_a", ".lora_b")
 PEFT_PREFIX = "base_model.model."
 PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+PEFT_TIED_HEAD = PEFT_PREFIX + "lm_head.weight"  # a tied model's trained embeddings, as PEFT's lm_head reads them
 # The modules --train-embeddings-and-norms trains, as PEFT's modules_to_save names them.
 PEFT_MODULES_TO_SAVE = ["embed_tokens", "input_layernorm", "post_attention_layernorm", "norm"]
 
@@ -210,14 +211,17 @@ def merged(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, lor
     return (weight.float() + (lora_b.float() @ lora_a.float()) * lora.scaling).to(weight.dtype)
 
 
-def peft_config(lora: LoRAConfig, base_model: str | None) -> dict:
-    """PEFT's adapter_config.json for `lora`."""
+def peft_config(lora: LoRAConfig, base_model: str | None, tied_embeddings: bool = False) -> dict:
+    """PEFT's adapter_config.json for `lora` on a base model whose output matrix is (`tied_embeddings`) or is not its
+    embedding matrix. A tied model's trained embeddings project back too: PEFT ties its lm_head to the copy it saves
+    only with ensure_weight_tying (else the lm_head keeps the base's matrix and the logits are not the run's)."""
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
             "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout,
             "target_modules": [TARGETS[target][1] for target in lora.targets], "bias": "none",
             "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
             "inference_mode": True,
-            "modules_to_save": PEFT_MODULES_TO_SAVE if lora.train_embeddings_and_norms else None}
+            "modules_to_save": PEFT_MODULES_TO_SAVE if lora.train_embeddings_and_norms else None,
+            "ensure_weight_tying": lora.train_embeddings_and_norms and tied_embeddings}
 
 
 def config_from_peft(saved: dict, where: str) -> LoRAConfig:

@@ -160,6 +160,37 @@ def test_a_trained_adapter_exports_to_peft_and_merged_and_starts_a_run(smollm2_2
     assert metrics(started)[0]["loss"] == pytest.approx(want, rel=1e-5)
 
 
+def test_trained_embeddings_and_norms_export_as_peft_modules_to_save_and_start_a_run(smollm2_2_layers, tmp_path,
+                                                                                     store):  # noqa: F811
+    out = tmp_path / "run"
+    common = ("--model", smollm2_2_layers, "--data", store.directory, "--seq-len", SEQ_LEN, "--val-tokens", 0,
+              "--precision", "fp32")
+    done = burst_train(*common, "--steps", 2, "--lr", 1e-2, "--warmup", 1, "--lora-rank", 4, "--lora-alpha", 8,
+                       "--lora-targets", "q,v,down", "--train-embeddings-and-norms", "--out", out)
+    assert done.returncode == 0, done.stderr[-3000:]
+    converted = CliRunner().invoke(app, ["convert-checkpoint", str(out), str(tmp_path / "peft"), "--to", "peft"])
+    assert converted.exit_code == 0, converted.output
+
+    batch = next(SequenceLoader(store.split("train"), SEQ_LEN, batch_size=1, seed=0))
+    base = hf_model(smollm2_2_layers)
+    with torch.no_grad():
+        trained = peft.PeftModel.from_pretrained(hf_model(smollm2_2_layers), tmp_path / "peft")
+        peft_logits = trained(input_ids=batch.tokens).logits
+        saved = {name for name, _ in trained.named_parameters() if ".modules_to_save." in name}
+        assert any("embed_tokens" in name for name in saved) and any("layernorm" in name for name in saved)
+        embeddings = trained.get_input_embeddings().weight  # PEFT's trained copy of the tied matrix
+        assert (embeddings - base.get_input_embeddings().weight).abs().max() > 1e-4
+        base_logits = base(input_ids=batch.tokens).logits
+    assert (peft_logits - base_logits).abs().max() > 1e-3
+    torch.testing.assert_close(burst_lora_logits(smollm2_2_layers, out, batch.tokens), peft_logits, rtol=0, atol=1e-4)
+
+    started = tmp_path / "started"  # read back as --init-adapter, embeddings and norms included: PEFT's loss
+    done = burst_train(*common, "--steps", 1, "--init-adapter", tmp_path / "peft", "--out", started)
+    assert done.returncode == 0, done.stderr[-3000:]
+    want = F.cross_entropy(peft_logits[0], batch.labels[0], ignore_index=IGNORE_INDEX).item()
+    assert metrics(started)[0]["loss"] == pytest.approx(want, rel=1e-5)
+
+
 def test_a_lora_dpo_runs_reference_is_the_base_models(tmp_path):
     store_dir = make_pair_store(tmp_path)
     pairs = TokenStore(store_dir).split("train")
