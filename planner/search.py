@@ -44,20 +44,31 @@ def longest_sequence(shape: RunShape, model_config: ModelConfig, hardware: Hardw
     return best
 
 
-MLP_TILE = 8192  # the tile the longest-sequence search tries (an [8K, ffn] intermediate: ALST's size of tile)
+MLP_TILE = 8192  # the tile the searches try (an [8K, ffn] intermediate: ALST's size of tile)
+
+
+def memory_settings(shape: RunShape, hardware: Hardware) -> list[RunShape]:
+    """`shape` as it is, then with a tiled MLP (MLP_TILE, unless it has a tile), then on GPUs with its recomputed
+    blocks' inputs offloaded, then both: what a search tries, the least changed first, when `shape` does not fit
+    (on a CPU the host is the device, and offloading holds nothing less)."""
+    offload = dict.fromkeys((shape.offload_activations, shape.offload_activations or (
+        hardware.device == "cuda" and shape.activation_checkpointing != "none")))
+    tiles = dict.fromkeys((shape.mlp_tile, shape.mlp_tile or MLP_TILE))
+    return [dataclasses.replace(shape, offload_activations=offloaded, mlp_tile=tile)
+            for offloaded in offload for tile in tiles]
 
 
 def longest_settings(shape: RunShape, model_config: ModelConfig, hardware: Hardware, gpus: int, *,
                      local_ranks: int | None = None) -> tuple[int, RunShape] | None:
     """The longest sequence (`longest_sequence`'s powers of two) any setting of `gpus` ranks fits, and that setting:
-    cp x dp, selective or full recomputation, with the shape's own --offload-activations and --mlp-tile, and beside
-    them, on GPUs, offloaded activations and a tiled MLP; of equal lengths the first of that order (least
-    recomputation, fewest cp ranks, nothing offloaded or tiled). None: not even 1,024 tokens fit."""
-    offload = (shape.offload_activations, True) if hardware.device == "cuda" else (shape.offload_activations,)
-    tiles = (shape.mlp_tile, shape.mlp_tile or MLP_TILE)
+    cp x dp, selective or full recomputation, each with `memory_settings` (the shape's own --offload-activations and
+    --mlp-tile, and beside them a tiled MLP and, on GPUs, offloaded activations); of equal lengths the first of that
+    order (nothing offloaded or tiled, least recomputation, fewest cp ranks). None: not even 1,024 tokens fit."""
+    variants = [(setting.offload_activations, setting.mlp_tile)
+                for setting in memory_settings(dataclasses.replace(shape, activation_checkpointing="full"), hardware)]
     candidates = [dataclasses.replace(shape, cp=cp, dp=gpus // cp, activation_checkpointing=mode,
                                       offload_activations=offloaded, mlp_tile=tile)
-                  for offloaded in dict.fromkeys(offload) for tile in dict.fromkeys(tiles)
+                  for offloaded, tile in variants
                   for mode in ("selective", "full") for cp in range(1, gpus + 1) if gpus % cp == 0]
     best = None
     for candidate in candidates:

@@ -79,9 +79,10 @@ def test_the_8b_search_at_128k_on_8_h100s_returns_settings_that_fit(tmp_path):
 def test_nothing_fits_says_the_longest_sequence_that_does():
     request = PlanRequest(TrainConfig(model="llama3.1-8b", seq_len=2**24), gpu="a100", gpus_per_node=8)
     found, longest, _ = search(request)
-    assert found == [] and longest is not None and longest < 2**24
-    config = RunShape(seq_len=longest, cp=8, activation_checkpointing="full", precision="bf16")
-    assert estimate(config, ModelConfig.from_name("llama3.1-8b"), gpu("a100")).fits
+    assert found == [] and longest is not None and longest.seq_len < 2**24
+    assert estimate(longest, ModelConfig.from_name("llama3.1-8b"), gpu("a100")).fits
+    twice = dataclasses.replace(longest, seq_len=2 * longest.seq_len)
+    assert not estimate(twice, ModelConfig.from_name("llama3.1-8b"), gpu("a100")).fits
 
 
 def test_the_preflight_and_the_plan_are_the_same_estimate(monkeypatch):
@@ -323,7 +324,7 @@ def test_the_search_names_the_processors_it_lays_out_and_the_longest_fitting_len
     assert none.exit_code == 0, none.output
     document = json.loads(out.read_text())
     assert document["search"] == [] and document["longest_seq_len"] == search(PlanRequest(
-        TrainConfig(model="llama3.1-8b", seq_len=2**24), gpu="a100", gpus_per_node=8))[1]
+        TrainConfig(model="llama3.1-8b", seq_len=2**24), gpu="a100", gpus_per_node=8))[1].seq_len
     assert f"{document['longest_seq_len']:,}" in none.output
 
 

@@ -13,8 +13,10 @@ from cli import app
 from models import ModelConfig, Transformer
 from models.footprint import footprint
 from models.lora import LoRAConfig, apply_lora
+from planner.estimate import fits
 from planner.hardware import gpu
 from planner.memory import activation_bytes, host_bytes, memory_parts, trainable_parameters
+from planner.search import memory_settings
 from planner.shape import RunShape
 
 EIGHT_B = ModelConfig.from_name("llama3.1-8b")
@@ -82,3 +84,22 @@ def test_seq_len_max_on_one_h100_with_lora_and_on_eight_fine_tuning_whole(tmp_pa
     assert eight["peak_memory_bytes"] <= gpu("h100").memory_bytes
     refused = CliRunner().invoke(app, ["plan", "--seq-len", "many"])
     assert refused.exit_code == 2 and "--seq-len 'many'" in refused.output
+
+
+def test_the_search_offloads_and_tiles_where_a_layout_needs_it_and_names_the_longest_setting(tmp_path):
+    lora = ("--gpu", "h100", "--gpus-per-node", 1, "--model", "llama3.1-8b", "--lora-rank", 16, "--search")
+    found = plan_json(tmp_path, *lora, "--seq-len", 262144, "--force")["search"]
+    assert [(row["activation_checkpointing"], row["offload_activations"], row["mlp_tile"]) for row in found] == \
+        [("full", True, 8192)]
+    plain = RunShape(seq_len=262144, precision="bf16", activation_checkpointing="full", lora_rank=16)
+    h100, model = gpu("h100", 1), EIGHT_B
+    assert not any(fits(dataclasses.replace(plain, offload_activations=offloaded, mlp_tile=tile), model, h100)
+                   for offloaded, tile in ((False, 0), (False, 8192), (True, 0)))  # only both fit
+    assert fits(dataclasses.replace(plain, offload_activations=True, mlp_tile=8192), model, h100)
+
+    nothing = plan_json(tmp_path, *lora, "--seq-len", 2**23, "--force")  # 8M: the longest is named with its setting
+    longest = plan_json(tmp_path, *lora[:-1], "--seq-len", "max", "--force")
+    assert nothing["search"] == [] and nothing["longest_seq_len"] == longest["seq_len"] >= 256 * 1024
+    assert "--offload-activations" in nothing["longest_settings"]
+    cpu = memory_settings(dataclasses.replace(plain, seq_len=4096), dataclasses.replace(h100, device="cpu"))
+    assert [(s.offload_activations, s.mlp_tile) for s in cpu] == [(False, 0), (False, 8192)]  # no offload on a CPU

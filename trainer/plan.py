@@ -18,7 +18,7 @@ from models import PRESETS, ModelConfig
 from planner import Estimate, RunShape, estimate
 from planner.attention import effective_doc_len
 from planner.hardware import Hardware, foreign_constants, gpu, local_hardware, planned_machine
-from planner.search import layouts, longest_sequence, longest_settings
+from planner.search import layouts, longest_settings, memory_settings
 from trainer.config import TrainConfig
 from trainer.preflight import resolve_model, run_shape
 
@@ -202,23 +202,27 @@ class Candidate:
     estimate: Estimate
 
 
-def search(request: PlanRequest, top: int = 8) -> tuple[list[Candidate], int | None, Hardware]:
+def search(request: PlanRequest, top: int = 8) -> tuple[list[Candidate], RunShape | None, Hardware]:
     """The settings of every GPU (cp x dp = gpus_per_node x nodes, each recomputation mode) that fit, fastest first
-    (tokens/s per GPU), at most `top`; and when none fits, the longest sequence that fits with cp over every GPU
-    and full recomputation (None: not even 1,024 tokens)."""
+    (tokens/s per GPU), at most `top`, each layout as it is or else with the first of planner/search.py's
+    `memory_settings` that fits (a tiled MLP, on GPUs offloaded activations); and when none fits, the longest
+    sequence that fits and its setting (`longest_settings`; None: not even 1,024 tokens)."""
     request = with_data_settings(request)
     hardware = hardware_of(request)
     config = resolved(request.config, hardware)
     model = model_config_of(request)
     gpus = processors(hardware, config)
     shape = run_shape(config, documents_length(request))
-    found = [Candidate(c, e) for c in layouts(shape, gpus) if (e := estimate(c, model, hardware)).fits]
+    found = []
+    for layout in layouts(shape, gpus):
+        fitting = (Candidate(setting, result) for setting in memory_settings(layout, hardware)
+                   if (result := estimate(setting, model, hardware)).fits)
+        if (first := next(fitting, None)) is not None:
+            found.append(first)
     found.sort(key=lambda candidate: -candidate.estimate.tokens_per_s)
     longest = None
     if not found:
-        most = max(c for c in range(1, gpus + 1) if gpus % c == 0)
-        longest = longest_sequence(dataclasses.replace(shape, cp=most, dp=gpus // most,
-                                                       activation_checkpointing="full"), model, hardware)
+        longest = (longest_settings(shape, model, hardware, gpus) or (None, None))[1]
     return found[:top], longest, hardware
 
 
@@ -296,25 +300,33 @@ def native_cpu_bf16() -> bool:
     return resolve_precision("auto", torch.device("cpu")).name == "bf16"
 
 
-def format_search(config: TrainConfig, found: list[Candidate], longest: int | None, hardware: Hardware) -> str:
+def format_search(config: TrainConfig, found: list[Candidate], longest: RunShape | None, hardware: Hardware) -> str:
     ranks = processors(hardware, config)
     where = f"{ranks} x {hardware.name}" if hardware.device == "cuda" else \
         f"{ranks} process{'es' if ranks > 1 else ''} on {hardware.name}"
     head = f"settings that fit {model_name(config)} at --seq-len {config.seq_len:,} on {where}"
     if not found:
         return (f"nothing fits {model_name(config)} at --seq-len {config.seq_len:,} on {where}; "
-                + (f"the longest sequence that fits (--cp over every rank, full recomputation) is {longest:,}"
+                + (f"the longest sequence that fits is {longest.seq_len:,}, with {longest.describe()}"
                    if longest else "not even 1,024 tokens fit"))
     rows = [head + ", fastest first:",
-            f"  {'cp':>3} {'dp':>3} {'recompute':<10} {'peak GiB':>9} {'step s':>8} {'tok/s/GPU':>10} {'MFU':>6}"]
+            f"  {'cp':>3} {'dp':>3} {'recompute':<10} {'peak GiB':>9} {'step s':>8} {'tok/s/GPU':>10} {'MFU':>6}  "
+            f"memory"]
     rows += [f"  {c.shape.cp:>3} {c.shape.dp:>3} {c.shape.activation_checkpointing:<10} "
              f"{c.estimate.peak_memory_bytes / GIB:9.1f} {c.estimate.step_time_s:8.2f} "
-             f"{c.estimate.tokens_per_s:10,.0f} {c.estimate.mfu:6.1%}" for c in found]
+             f"{c.estimate.tokens_per_s:10,.0f} {c.estimate.mfu:6.1%}  {memory_flags(c.shape)}" for c in found]
     return "\n".join(rows)
 
 
+def memory_flags(shape: RunShape) -> str:
+    """The flags of `shape` that hold less memory per token (--offload-activations, --mlp-tile), or "-"."""
+    flags = (["--offload-activations"] if shape.offload_activations else []) + (
+        [f"--mlp-tile {shape.mlp_tile}"] if shape.mlp_tile else [])
+    return " ".join(flags) or "-"
+
+
 def to_json(config: TrainConfig, shape: RunShape, result: Estimate, hardware: Hardware,
-            found: list[Candidate] | None = None, longest: int | None = None) -> dict:
+            found: list[Candidate] | None = None, longest: RunShape | None = None) -> dict:
     """The plan as one JSON object (see docs/plan.md for the keys); with --search, the ranked settings, and where
     none fits, the longest sequence that does (`longest_seq_len`, null: not even 1,024 tokens)."""
     document = {**result.to_json(), "seq_len": shape.seq_len,
@@ -327,10 +339,13 @@ def to_json(config: TrainConfig, shape: RunShape, result: Estimate, hardware: Ha
                 "hardware": hardware_json(hardware)}
     if found is not None:
         document["search"] = [{"cp": c.shape.cp, "dp": c.shape.dp,
-                               "activation_checkpointing": c.shape.activation_checkpointing, **c.estimate.to_json()}
+                               "activation_checkpointing": c.shape.activation_checkpointing,
+                               "offload_activations": c.shape.offload_activations, "mlp_tile": c.shape.mlp_tile,
+                               **c.estimate.to_json()}
                               for c in found]
         if not found:
-            document["longest_seq_len"] = longest
+            document["longest_seq_len"] = None if longest is None else longest.seq_len
+            document["longest_settings"] = None if longest is None else longest.describe()
     return document
 
 
