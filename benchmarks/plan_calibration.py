@@ -75,11 +75,31 @@ BF16_GRID = [
     ("tiny", 2048, 1, 2, "none", "one"), ("tiny", 4096, 1, 1, "none", (3072, 512)),
 ]
 
+# Memory only, never fitted (the settings that hold less per token, issue 44): LoRA (every target, the frozen weights
+# without gradients or optimizer state), the tiled MLP and loss, and offloaded activations, which on a CPU change
+# nothing (the host is the device); each beside the same shape without it, measured with them (tiny at 4K tokens, full
+# recomputation, 2 steps: the second holds the optimizer's moments). `--memory-rows` measures them alone.
+LORA = {"lora_rank": 16, "lora_targets": ["q", "k", "v", "o", "gate", "up", "down"]}
+MEMORY_GRID = [
+    ("tiny", 4096, 1, 1, "full", {}), ("tiny", 4096, 1, 1, "full", LORA),
+    ("tiny", 4096, 1, 1, "full", {"mlp_tile": 1024, "loss_tile": 256}),
+    ("tiny", 4096, 1, 1, "full", {"offload_activations": True}),
+]
+
+
+def memory_flags(settings: dict) -> list[str]:
+    """`burst train`'s flags for a memory row's settings."""
+    flags = []
+    for name, value in settings.items():
+        flag = "--" + name.replace("_", "-")
+        flags += [flag] if value is True else [flag, ",".join(value) if isinstance(value, list) else str(value)]
+    return flags
+
 
 def run_one(model: str, seq_len: int, cp: int, dp: int, mode: str, documents, workdir: Path,
-            precision: str = "fp32") -> dict:
-    """Train a few steps; the largest rank's peak memory (MiB) and the step seconds."""
-    steps = 3 if seq_len >= 32768 else 4
+            precision: str = "fp32", flags: tuple[str, ...] = (), steps: int | None = None) -> dict:
+    """Train a few steps (3 from 32K tokens on, else 4); the largest rank's peak memory (MiB) and the step seconds."""
+    steps = steps or (3 if seq_len >= 32768 else 4)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run"
         data = ["--val-tokens", "0"]
@@ -93,7 +113,7 @@ def run_one(model: str, seq_len: int, cp: int, dp: int, mode: str, documents, wo
             data = ["--data", str(store), "--objective", "simpo", "--doc-mask", "--prefix-sharing"]
         command = [sys.executable, "-m", "cli", "train", "--model", model, "--seq-len", str(seq_len), "--cp", str(cp),
                    "--dp", str(dp), "--activation-checkpointing", mode, "--steps", str(steps), "--precision", precision,
-                   "--out", str(out), *data]
+                   "--out", str(out), *data, *flags]
         subprocess.run(command, cwd=workdir, check=True, capture_output=True,
                        env={**os.environ, "PYTHONPATH": str(workdir)})
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -153,6 +173,26 @@ def run_grid(grid: list[tuple], precision: str) -> list[dict]:
     return rows
 
 
+def run_memory_grid() -> list[dict]:
+    rows = []
+    for model, seq_len, cp, dp, mode, settings in MEMORY_GRID:
+        result = run_one(model, seq_len, cp, dp, mode, "one", ROOT, "fp32", tuple(memory_flags(settings)), steps=2)
+        rows.append({"model": model, "seq_len": seq_len, "cp": cp, "dp": dp, "mode": mode, "precision": "fp32",
+                     "documents": "one", "doc_pattern": None, "memory": settings, "peak_mib": result["peak_mib"],
+                     "peaks_mib": result["peaks_mib"]})
+        print(rows[-1], flush=True)
+    return rows
+
+
+def memory_report(table: dict) -> list[dict]:
+    """The memory rows' estimated peak against the measured one, with the code's constants (none fitted on them)."""
+    lines = []
+    for row in table.get("memory_rows", []):
+        memory, _ = predict(row, table)
+        lines.append({**row, "est_mib": memory, "memory_error": memory / row["peak_mib"] - 1})
+    return lines
+
+
 def markdown(lines: list[dict]) -> str:
     """The report as a Markdown table (docs/plan.md)."""
     out = ["| dtype | model | seq | cp | dp | recompute | documents | MiB measured | MiB estimated | error | step s | "
@@ -186,16 +226,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--report", action="store_true", help="fit and report from the stored table only")
     parser.add_argument("--markdown", action="store_true", help="print the report as docs/plan.md's table")
+    parser.add_argument("--memory-rows", action="store_true", help="measure the memory rows only, into the table")
     args = parser.parse_args()
-    if not args.report:
+    if args.memory_rows:
+        table = json.loads(TABLE.read_text())
+        TABLE.write_text(json.dumps({**table, "memory_rows": run_memory_grid()}, indent=1) + "\n")
+    elif not args.report:
         with tempfile.TemporaryDirectory() as tmp:  # measured now, on the quiet machine: not a cached rate
             tflops = {dtype: cpu_matmul_tflops(Path(tmp) / "rate.json", dtype) for dtype in (torch.float32,
                                                                                              torch.bfloat16)}
         rows = run_grid(GRID, "fp32") + run_grid(BF16_GRID, "bf16")
         TABLE.write_text(json.dumps({"cpu_matmul_tflops": tflops[torch.float32],
                                      "cpu_bf16_matmul_tflops": tflops[torch.bfloat16], "cores": available_cores(),
-                                     "cpu_capability": torch.backends.cpu.get_cpu_capability(), "rows": rows},
-                                    indent=1) + "\n")
+                                     "cpu_capability": torch.backends.cpu.get_cpu_capability(), "rows": rows,
+                                     "memory_rows": run_memory_grid()}, indent=1) + "\n")
     table = json.loads(TABLE.read_text())
     if args.markdown:
         print(markdown(report(table)))
@@ -211,6 +255,10 @@ def main() -> None:
               f"{line['documents']:<6} {line['peak_mib']:7.0f} {line['est_mib']:7.0f} "
               f"{line['memory_error']:+6.1%}  {line['step_s']:6.2f} {line['est_s']:6.2f} {line['time_error']:+6.1%}  "
               f"{'yes' if line['held_out'] else 'no'}")
+    for line in memory_report(table):
+        print(f"fp32  {line['model']:<6} {line['seq_len']:>6} {line['cp']:>2} {line['dp']:>2} {line['mode']:<9} "
+              f"{' '.join(memory_flags(line['memory'])) or '-':<40} {line['peak_mib']:7.0f} {line['est_mib']:7.0f} "
+              f"{line['memory_error']:+6.1%}  (memory row, not fitted)")
     for case in gpu_fixtures():
         print(case)
 

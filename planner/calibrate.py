@@ -27,10 +27,12 @@ MIB = 2**20
 
 
 def shape_of(row: dict) -> tuple[RunShape, ModelConfig]:
+    """A row's shape; `memory` (the memory rows): its LoRA, tiling and offloading, as RunShape names them."""
     documents = row["documents"] != "one"
     shape = RunShape(seq_len=row["seq_len"], cp=row["cp"], dp=row["dp"], activation_checkpointing=row["mode"],
                      precision=row.get("precision", "fp32"), doc_len=row["doc_pattern"] if documents else None,
-                     prefix_sharing=row["documents"] == "pairs", layout="balanced" if documents else "zigzag")
+                     prefix_sharing=row["documents"] == "pairs", layout="balanced" if documents else "zigzag",
+                     **row.get("memory", {}))
     return shape, ModelConfig.from_name(row["model"])
 
 

@@ -18,6 +18,7 @@ from planner.hardware import gpu
 from planner.memory import activation_bytes, host_bytes, memory_parts, trainable_parameters
 from planner.search import memory_settings
 from planner.shape import RunShape
+from trainer.config import TrainConfig
 
 EIGHT_B = ModelConfig.from_name("llama3.1-8b")
 
@@ -103,3 +104,20 @@ def test_the_search_offloads_and_tiles_where_a_layout_needs_it_and_names_the_lon
     assert "--offload-activations" in nothing["longest_settings"]
     cpu = memory_settings(dataclasses.replace(plain, seq_len=4096), dataclasses.replace(h100, device="cpu"))
     assert [(s.offload_activations, s.mlp_tile) for s in cpu] == [(False, 0), (False, 8192)]  # no offload on a CPU
+
+
+def test_the_calibration_memory_rows_plan_the_settings_they_ran_with():
+    from benchmarks.plan_calibration import LORA, MEMORY_GRID, memory_flags
+    from planner.calibrate import shape_of
+
+    settings = {**LORA, "mlp_tile": 1024, "loss_tile": 256, "offload_activations": True}
+    row = {"model": "tiny", "seq_len": 4096, "cp": 1, "dp": 1, "mode": "full", "documents": "one",
+           "doc_pattern": None, "memory": settings}
+    shape, _ = shape_of(row)
+    assert (shape.lora_rank, shape.lora_targets, shape.mlp_tile, shape.loss_tile, shape.offload_activations) == \
+        (16, tuple(LORA["lora_targets"]), 1024, 256, True)
+    assert memory_flags(settings) == ["--lora-rank", "16", "--lora-targets", "q,k,v,o,gate,up,down", "--mlp-tile",
+                                      "1024", "--loss-tile", "256", "--offload-activations"]
+    config = TrainConfig(model="tiny", seq_len=4096, **{**settings, "lora_targets": "q,k,v,o,gate,up,down"})
+    assert (config.lora.targets, config.mlp_tile, config.offload_activations) == (shape.lora_targets, 1024, True)
+    assert {} in [settings for *_, settings in MEMORY_GRID]  # each measured beside the shape without them
