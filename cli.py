@@ -221,6 +221,8 @@ def eval_command(
     ruler_lengths: str | None = typer.Option(None, "--ruler-lengths", help="Prompt lengths in tokens, new tokens "
                                                                            "included (4096,8192,16384,32768)."),
     ruler_samples: int | None = typer.Option(None, "--ruler-samples", help="Samples per task and length (10)."),
+    ruler_batch: int | None = typer.Option(None, "--ruler-batch", help="Samples generated together (0: as many as "
+                                                                       "32,768 tokens per rank hold)."),
     ruler_threshold: float | None = typer.Option(None, "--ruler-threshold", help="The average an effective length "
                                                                                  "reaches (85.6, RULER's)."),
     ruler_qa: Path | None = typer.Option(None, "--ruler-qa", help="A .jsonl file of {\"question\", \"answers\", "
@@ -247,21 +249,21 @@ def eval_command(
                  cp=cp, precision=precision, json_path=json_path, reference=reference, beta=beta, **placement)
     with _exits(failed=(EvaluationFailed,)):
         given = {name: v for name, v in flags.items() if v is not None}
-        ruler_settings = _ruler_settings(ruler, ruler_tasks, ruler_lengths, ruler_samples, ruler_threshold, ruler_qa,
-                                         samples_out, seed, force)
+        ruler_settings = _ruler_settings(ruler, ruler_tasks, ruler_lengths, ruler_samples, ruler_batch,
+                                         ruler_threshold, ruler_qa, samples_out, seed, force)
         eval_config = EvalConfig(checkpoint=checkpoint, force=force, given=frozenset(given), ruler=ruler_settings,
                                  **given, **({"seed": seed} if seed is not None else {}))
         evaluate(eval_config)
 
 
-def _ruler_settings(ruler: bool, tasks: str | None, lengths: str | None, samples: int | None,
+def _ruler_settings(ruler: bool, tasks: str | None, lengths: str | None, samples: int | None, batch: int | None,
                     threshold: float | None, qa: Path | None, samples_out: Path | None, seed: int | None, force: bool):
     """--ruler's settings, or None without --ruler (refusing a --ruler-* flag given without it)."""
     from evaluation.ruler.run import RulerSettings
 
     given = {"tasks": tasks and tuple(_name_list(tasks)),
              "lengths": tuple(_number_list(lengths, int, "--ruler-lengths") or ()) or None,
-             "samples": samples, "threshold": threshold, "qa": qa, "samples_out": samples_out}
+             "samples": samples, "batch": batch, "threshold": threshold, "qa": qa, "samples_out": samples_out}
     given = {name: value for name, value in given.items() if value is not None}
     if not ruler:
         if given:

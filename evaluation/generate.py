@@ -7,7 +7,8 @@ The prompts of a batch are padded on the left to a common length that the layout
 2 x cp): the padding is a document of its own (`doc_boundaries`), so no prompt token sees it, and its keys
 are kept but never visible to a later token. Each prompt's positions start at 0, as if it were alone. The
 last prompt token's hidden state comes from the rank that holds it (one all-reduce); from then on every
-rank computes the same logits and draws the same token. Every batch has its own cache, freed after it.
+rank computes the same logits and draws the same token. A row that ends leaves the batch (its cache rows
+dropped), so a batch decodes only the rows still going. Every batch has its own cache, freed after it.
 """
 
 from __future__ import annotations
@@ -89,7 +90,8 @@ def generate(model: Transformer, prompts: list[list[int]], tokenizer: Tokenizer,
     device = model.output_weight.device
     rank, world_size = group_rank_and_size(group)
     lengths = torch.tensor([len(p) for p in prompts], device=device)
-    seq_len = padded_length(int(lengths.max()), world_size)
+    longest = int(lengths.max())
+    seq_len = padded_length(longest, world_size)
     pad = seq_len - lengths  # [batch]
     tokens = torch.zeros(len(prompts), seq_len, dtype=torch.int64, device=device)
     for row, prompt in enumerate(prompts):
@@ -112,24 +114,29 @@ def generate(model: Transformer, prompts: list[list[int]], tokenizer: Tokenizer,
     speed.kv_cache_bytes = max(speed.kv_cache_bytes, cache.nbytes)
 
     started = time.perf_counter()
-    cache.reserve(index >= pad[:, None])
-    hidden = model.hidden_states(local_tokens,
-                                 (index - pad[:, None]).clamp(min=0), boundaries,
-                                 rope_length=int(lengths.max()), cache=cache)
+    positions = (index - pad[:, None]).clamp(min=0)  # [batch, local]: each prompt's own, from 0
+    cache.reserve(index >= pad[:, None], positions)
+    hidden = model.hidden_states(local_tokens, positions, boundaries, rope_length=longest, cache=cache)
     last = all_reduce((hidden * (index == seq_len - 1)[..., None]).sum(1), group)  # [batch, dim], from its holder
     logits = F.linear(last, model.output_weight).float()
     speed.prefill_tokens += int(lengths.sum())
     speed.prefill_seconds += time.perf_counter() - started
 
     started, generator = time.perf_counter(), sampling.generator(device)
+    going = outputs  # the rows still generating, in the cache's order
     for step in range(max_new_tokens):
         chosen = next_tokens(logits, sampling, generator)
-        if not record(outputs, chosen.tolist(), tokenizer, stops) or step == max_new_tokens - 1:
+        goes_on = record(going, chosen.tolist(), tokenizer, stops)
+        if not any(goes_on) or step == max_new_tokens - 1:
             break
+        if not all(goes_on):  # a finished row leaves the batch (every rank drops the same rows)
+            rows = torch.tensor([row for row, on in enumerate(goes_on) if on], device=device)
+            cache.keep(rows)
+            going, chosen, lengths = [going[row] for row in rows.tolist()], chosen[rows], lengths[rows]
         kept = token_owner(step, world_size) == rank
-        cache.reserve(torch.ones(len(prompts), int(kept), dtype=torch.bool, device=device))
-        hidden = model.hidden_states(chosen[:, None], (lengths + step)[:, None],
-                                     rope_length=int(lengths.max()) + step + 1, cache=cache)
+        cache.reserve(torch.ones(len(going), int(kept), dtype=torch.bool, device=device), (lengths + step)[:, None])
+        hidden = model.hidden_states(chosen[:, None], (lengths + step)[:, None], rope_length=longest + step + 1,
+                                     cache=cache)
         logits = F.linear(hidden[:, -1], model.output_weight).float()
     speed.decode_tokens += sum(len(out.token_ids) for out in outputs)
     speed.decode_seconds += time.perf_counter() - started
@@ -139,11 +146,9 @@ def generate(model: Transformer, prompts: list[list[int]], tokenizer: Tokenizer,
     return outputs
 
 
-def record(outputs: list[Generated], chosen: list[int], tokenizer: Tokenizer, stops: Stops) -> bool:
-    """Add each unfinished row's new token and end the rows it ends; whether any row goes on."""
+def record(outputs: list[Generated], chosen: list[int], tokenizer: Tokenizer, stops: Stops) -> list[bool]:
+    """Add each row's new token and end the rows it ends; whether each row goes on."""
     for out, token in zip(outputs, chosen, strict=True):
-        if out.finish_reason == "stop":
-            continue
         out.token_ids.append(token)
         if token in stops.token_ids:
             out.finish_reason, out.text = "stop", tokenizer.decode(out.token_ids[:-1])
@@ -152,4 +157,4 @@ def record(outputs: list[Generated], chosen: list[int], tokenizer: Tokenizer, st
             found = [text.find(s) for s in stops.strings if s in text]
             if found:
                 out.finish_reason, out.text = "stop", text[:min(found)]
-    return any(out.finish_reason != "stop" for out in outputs)
+    return [out.finish_reason != "stop" for out in outputs]

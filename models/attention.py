@@ -44,14 +44,11 @@ class LocalAttention(nn.Module):
         cache: when generating, this layer's keys and values (burst/decode.py): the prompt's pass keeps its keys
         there; a later pass's tokens attend to every key kept (one token at a time).
         """
-        if cache is not None and window is not None:
-            raise ValueError("generation does not yet keep a cache for sliding-window layers; generate from a model "
-                             "without windows")
         if cache is not None and cache.length > 0:
             if q.shape[1] != 1:
                 raise ValueError(f"after the prompt, generation passes one token at a time, got {q.shape[1]}")
             cache.write(k, v)
-            return attend_cached(q, cache)[0].to(q.dtype)
+            return attend_cached(q, cache, window=window)[0].to(q.dtype)
         if cache is not None:
             cache.write(k, v)
         return local_attn(q, k, v, causal=True, kernel=self.kernel, doc_boundaries=doc_boundaries,

@@ -21,8 +21,13 @@ import transformers
 from typer.testing import CliRunner
 
 from cli import app
+from evaluation.generate import Stops, generate, use_decode_attention
 from evaluation.generate_run import GenerateConfig, Prompt, run_generate
+from evaluation.sampling import Sampling
+from models import convert_checkpoint, load_model
 from tests.distributed import run_on_ranks
+from tests.test_families import WINDOW
+from tests.test_families import hf_model as random_family_model
 
 NEW_TOKENS = 64
 CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
@@ -94,13 +99,18 @@ def test_greedy_tokens_equal_transformers(smollm2_2_layers, generated, cp):
         assert result["token_ids"] == transformers_ids(smollm2_2_layers, result["prompt_token_ids"])
 
 
-def test_the_whole_model_answers_a_chat_as_transformers_does(smollm2):
-    (result,), _ = run_generate(GenerateConfig(model=smollm2, prompts=[Prompt(messages=CHAT)],
-                                               max_new_tokens=NEW_TOKENS))
-    result = asdict(result)
-    expected = transformers_ids(smollm2, result["prompt_token_ids"])
-    assert result["token_ids"] == expected
-    assert "Paris" in result["text"]
+def test_the_whole_model_answers_a_batch_as_transformers_answers_each_prompt_alone(smollm2):
+    """Three prompts of different lengths generated together: the chat ends early (its row leaves the batch), the
+    others go on; each gets transformers' greedy ids for it alone (float32: a row's logits differ from its batch-1
+    ones by rounding only, far below the margins between the tokens chosen)."""
+    prompts = [Prompt(messages=CHAT), Prompt(text="def fibonacci(n):"), Prompt(text=long_text(smollm2, 400))]
+    results, _ = run_generate(GenerateConfig(model=smollm2, prompts=prompts, max_new_tokens=NEW_TOKENS,
+                                             batch_size=3))
+    for result in results:
+        assert result.token_ids == transformers_ids(smollm2, result.prompt_token_ids)
+    assert results[0].finish_reason == "stop" and len(results[0].token_ids) < NEW_TOKENS  # it left the batch
+    assert results[1].finish_reason == "length"
+    assert "Paris" in results[0].text
 
 
 def test_sampling_with_a_seed_gives_the_same_tokens_at_every_cp(generated):
@@ -109,13 +119,53 @@ def test_sampling_with_a_seed_gives_the_same_tokens_at_every_cp(generated):
     assert runs[0] != generated[1]["greedy"][1]["token_ids"]  # it did sample
 
 
-def test_a_batch_of_prompts_gives_each_prompt_its_own_tokens(smollm2_2_layers):
-    prompts = [Prompt(text="The capital of France is"), Prompt(messages=CHAT), Prompt(text="def fibonacci(n):")]
-    alone = [run_generate(GenerateConfig(model=smollm2_2_layers, prompts=[p], max_new_tokens=12))[0][0]
-             for p in prompts]
-    together, _ = run_generate(GenerateConfig(model=smollm2_2_layers, prompts=prompts, max_new_tokens=12,
-                                              batch_size=3))
-    assert [g.token_ids for g in together] == [g.token_ids for g in alone]
+WINDOW_NEW_TOKENS = 24
+WINDOW_PROMPTS = (41, 30)  # longer than the window, of different lengths: one row is padded
+
+
+class IdsAsText:
+    """The tokenizer `generate` wants, for a model without one: its text is the ids."""
+
+    @staticmethod
+    def decode(ids: list[int]) -> str:
+        return " ".join(map(str, ids))
+
+
+@pytest.fixture(scope="module")
+def windowed(tmp_path_factory) -> list[tuple[Path, list[list[int]], list[list[int]]]]:
+    """Small random Mistral and Gemma 3 models built by transformers (window 16 on every layer, on every other
+    layer with its own RoPE base), converted to burst, with two prompts each and transformers' greedy ids for
+    each prompt alone."""
+    root, cases = tmp_path_factory.mktemp("windowed"), []
+    for name in ("mistral", "gemma3"):
+        reference = random_family_model(name, root / name)
+        reference.generation_config.eos_token_id = None  # random weights: generate every token asked for
+        convert_checkpoint(root / name, root / f"{name}-burst", to="burst")
+        generator = torch.Generator().manual_seed(1)
+        prompts = [torch.randint(0, 300, (n,), generator=generator).tolist() for n in WINDOW_PROMPTS]
+        with torch.no_grad():
+            expected = [reference.generate(torch.tensor([p]), max_new_tokens=WINDOW_NEW_TOKENS, do_sample=False,
+                                           pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+        cases.append((root / f"{name}-burst", prompts, expected))
+    assert max(WINDOW_PROMPTS) + WINDOW_NEW_TOKENS > 3 * WINDOW > min(WINDOW_PROMPTS)
+    return cases
+
+
+def _generate_windowed(rank: int, world_size: int, cases: list) -> None:
+    for path, prompts, expected in cases:
+        model = load_model(path)
+        use_decode_attention(model, None)
+        got = generate(model, prompts, IdsAsText(), Stops(), WINDOW_NEW_TOKENS, Sampling())
+        assert [g.token_ids for g in got] == expected, (path.name, world_size)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_windowed_models_generate_as_transformers_does(windowed, cp):
+    """Sliding windows in the prompt's ring and in each new token's view of the rank-split cache."""
+    if cp == 1:
+        _generate_windowed(0, 1, windowed)
+    else:
+        run_on_ranks(_generate_windowed, cp, (windowed,))
 
 
 def test_kv_cache_per_rank_at_cp_4_is_a_quarter_of_cp_1s_measured_and_planned(smollm2_2_layers, generated,

@@ -9,16 +9,15 @@ cache for the answer): two tasks it partly solves there, so that the scores comp
 from __future__ import annotations
 
 import json
-import re
 
 import pytest
-import torch
 import transformers
 from typer.testing import CliRunner
 
 from cli import app
 from evaluation import EvalConfig, evaluate
 from evaluation.ruler.run import RulerResult, RulerSettings
+from scripts.ruler_rescore import rescore, string_match
 from tests.distributed import run_on_ranks
 
 TASKS = ("niah_single_1", "vt")
@@ -26,7 +25,7 @@ LENGTH = 1024
 
 
 def _ruler_on_ranks(rank: int, world_size: int, model, out) -> None:
-    settings = RulerSettings(tasks=TASKS, lengths=(LENGTH,), samples=2, samples_out=out / "samples.jsonl")
+    settings = RulerSettings(tasks=TASKS, lengths=(LENGTH,), samples=3, samples_out=out / "samples.jsonl")
     evaluate(EvalConfig(checkpoint=model, cp=world_size, json_path=out / "ruler.json", ruler=settings))
 
 
@@ -38,30 +37,20 @@ def ruler_run(smollm2, tmp_path_factory):
     return json.loads((out / "ruler.json").read_text())["ruler"], samples, out
 
 
-def string_match_all(output: str, answers: list[str]) -> float:
-    """RULER's scripts/eval/synthetic/constants.py: the share of answers found in the output, case-insensitively,
-    after its postprocess_pred (control characters become newlines, the ends stripped)."""
-    output = re.sub(r"[\x00-\x1f]", "\n", output.strip()).strip()
-    return 100 * sum(answer.lower() in output.lower() for answer in answers) / len(answers)
-
-
 def test_transformers_greedy_reproduces_every_task_score(smollm2, ruler_run):
     report, samples, _ = ruler_run
-    model = transformers.AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2)
-    scores = {task: [] for task in TASKS}
-    for sample in samples:
-        with torch.no_grad():
-            ids = model.generate(torch.tensor([sample["prompt_token_ids"]]), max_new_tokens=sample["max_new_tokens"],
-                                 do_sample=False)[0, len(sample["prompt_token_ids"]):].tolist()
-        if tokenizer.eos_token_id in ids:
-            ids = ids[:ids.index(tokenizer.eos_token_id)]
-        output = tokenizer.decode(ids)
-        assert output == sample["output"]
-        scores[sample["task"]].append(string_match_all(output, sample["answers"]))
-    for task in TASKS:
-        assert report["scores"][task][str(LENGTH)] == round(sum(scores[task]) / len(scores[task]), 2)
+    results = rescore(samples, smollm2)
+    assert set(results) == {(task, LENGTH) for task in TASKS}
+    for (task, length), scores in results.items():
+        assert scores.differing_outputs == 0
+        assert report["scores"][task][str(length)] == scores.average(scores.transformers)
     assert any(report["scores"][task][str(LENGTH)] > 0 for task in TASKS)  # scores that could differ
+
+
+def test_rulers_string_match_as_its_source_has_it():
+    assert string_match("  The value is 42 and 7.\x01", ["42", "7", "9"], part=False) == 100 * 2 / 3
+    assert string_match("value: ABC", ["abc", "zzz"], part=True) == 100.0
+    assert string_match("nothing", ["abc"], part=True) == 0.0
 
 
 def test_samples_fit_their_length_as_the_models_tokenizer_counts(smollm2, ruler_run):

@@ -170,18 +170,40 @@ def make_samples(names: list[str], lengths: list[int], count: int, seed: int, to
     return samples
 
 
-def answer_samples(model, samples: list[RulerSample], tokenizer: Tokenizer, stops: Stops, group, say) -> None:
-    """Greedy answers to every sample, in place, scored as RULER scores them."""
-    metrics = {}
-    for done, sample in enumerate(samples, 1):
-        metric = metrics.setdefault((sample.task, sample.length), tasks_at(sample.length, [sample.task], None)
-                                    [0].metric if sample.task != "qa" else "part")
-        (out,) = generate(model, [sample.prompt_token_ids], tokenizer, stops, sample.max_new_tokens, Sampling(),
-                          group)
-        sample.output = out.text
-        sample.score = score(out.text, tuple(sample.answers), metric)
-        if done % 10 == 0 or done == len(samples):
+BATCH_TOKENS = 32768  # --ruler-batch 0: the samples one batch holds, in tokens per rank
+
+
+def batch_size(length: int, world_size: int, asked: int) -> int:
+    """--ruler-batch: `asked`, or 0: as many samples of `length` tokens as BATCH_TOKENS per rank hold (the cache is
+    ~46 KiB a token for SmolLM2 in float32: 1.5 GiB per rank, and as much again of activations at the prefill)."""
+    return asked or max(1, BATCH_TOKENS * world_size // length)
+
+
+def answer_samples(model, samples: list[RulerSample], tokenizer: Tokenizer, stops: Stops, group, say,
+                   batch: int = 0) -> None:
+    """Greedy answers to every sample, in place, scored as RULER scores them. The samples of one length and one
+    number of new tokens are generated together, `batch_size` at a time (a row that ends leaves its batch)."""
+    world_size = 1 if group is None else group.size()
+    groups: dict[tuple[int, int], list[RulerSample]] = {}
+    for sample in samples:
+        groups.setdefault((sample.length, sample.max_new_tokens), []).append(sample)
+    done = 0
+    for (length, new_tokens), members in groups.items():
+        size = batch_size(length, world_size, batch)
+        for start in range(0, len(members), size):
+            chunk = members[start:start + size]
+            outputs = generate(model, [s.prompt_token_ids for s in chunk], tokenizer, stops, new_tokens, Sampling(),
+                               group)
+            for sample, out in zip(chunk, outputs, strict=True):
+                sample.output = out.text
+                sample.score = score(out.text, tuple(sample.answers), metric_of(sample))
+            done += len(chunk)
             say(f"ruler: {done}/{len(samples)} samples answered")
+
+
+def metric_of(sample: RulerSample) -> str:
+    """The string match that scores `sample`'s task (qa: any answer; the others: every answer)."""
+    return "part" if sample.task == "qa" else tasks_at(sample.length, [sample.task], None)[0].metric
 
 
 def summarize(samples: list[RulerSample], names: list[str], lengths: list[int], threshold: float) -> RulerResult:
@@ -237,12 +259,13 @@ def heatmap(result: RulerResult, path: Path) -> bool:
 
 @dataclass(frozen=True)
 class RulerSettings:
-    """`burst eval --ruler`'s settings (the flags --ruler-tasks, --ruler-lengths, --ruler-samples, --ruler-threshold,
-    --ruler-qa, --samples-out; the seed is --seed)."""
+    """`burst eval --ruler`'s settings (the flags --ruler-tasks, --ruler-lengths, --ruler-samples, --ruler-batch,
+    --ruler-threshold, --ruler-qa, --samples-out; the seed is --seed)."""
 
     tasks: tuple[str, ...] = DEFAULT_TASKS
     lengths: tuple[int, ...] = (4096, 8192, 16384, 32768)
     samples: int = 10
+    batch: int = 0  # samples generated together; 0: `batch_size` chooses by length
     seed: int = 0
     threshold: float = DEFAULT_THRESHOLD
     qa: Path | None = None
@@ -263,6 +286,8 @@ class RulerSettings:
                              f"least 256 tokens, e.g. 4096,8192")
         if self.samples < 1:
             raise ValueError(f"--ruler-samples {self.samples} must be at least 1")
+        if self.batch < 0:
+            raise ValueError(f"--ruler-batch {self.batch} must be at least 1, or 0 (by length)")
         if not 0 <= self.threshold <= 100:
             raise ValueError(f"--ruler-threshold {self.threshold} must be a score between 0 and 100")
         if self.samples_out is not None:
@@ -284,7 +309,7 @@ def evaluate_ruler(model, tokenizer: Tokenizer, end_ids: frozenset[int], setting
         f"{'the chat template' if chat else 'plain prompts (no chat template)'}")
     samples = make_samples(list(settings.tasks), list(settings.lengths), settings.samples, settings.seed, tokenizer,
                            chat, qa)
-    answer_samples(model, samples, tokenizer, Stops(end_ids), group, say)
+    answer_samples(model, samples, tokenizer, Stops(end_ids), group, say, settings.batch)
     result = summarize(samples, list(settings.tasks), list(settings.lengths), settings.threshold)
     if console is None:
         return result
