@@ -38,7 +38,8 @@ def use_decode_attention(model: Transformer, group: dist.ProcessGroup | None, la
         if group_rank_and_size(group)[1] == 1:
             block.attention.core_attention.kernel = kernel
         else:
-            block.attention.core_attention = DecodeAttention(group, kernel=kernel, layout=layout)
+            block.attention.core_attention = DecodeAttention(group, kernel=kernel, layout=layout,
+                                                             layout_windows=model.config.windows)
 
 
 @dataclass(frozen=True)
@@ -103,8 +104,11 @@ def generate(model: Transformer, prompts: list[list[int]], tokenizer: Tokenizer,
     if world_size == 1:  # one process reads the whole batch, of any length
         index, local_tokens = torch.arange(seq_len, device=device), tokens
     else:
-        index = sequence_positions(seq_len, group, device, layout=layout, doc_boundaries=boundaries)
-        local_tokens = shard_sequence(tokens, 1, group, layout=layout, doc_boundaries=boundaries)
+        windows = model.config.windows  # the balanced layout weighs each layer's window, as the attention does
+        index = sequence_positions(seq_len, group, device, layout=layout, doc_boundaries=boundaries,
+                                   layout_windows=windows)
+        local_tokens = shard_sequence(tokens, 1, group, layout=layout, doc_boundaries=boundaries,
+                                      layout_windows=windows)
     index = index.expand(len(prompts), -1)  # [batch, local]: the global index of each token this rank holds
     config = model.config
     cache = KVCache(config.n_layers, len(prompts), cache_capacity(seq_len, max_new_tokens, world_size),

@@ -153,15 +153,17 @@ def windowed(tmp_path_factory) -> list[tuple[Path, list[list[int]], list[list[in
 
 def _generate_windowed(rank: int, world_size: int, cases: list) -> None:
     for path, prompts, expected in cases:
-        model = load_model(path)
-        use_decode_attention(model, None)
-        got = generate(model, prompts, IdsAsText(), Stops(), WINDOW_NEW_TOKENS, Sampling())
-        assert [g.token_ids for g in got] == expected, (path.name, world_size)
+        for layout in ("zigzag", "balanced") if world_size > 1 else ("zigzag",):
+            model = load_model(path)
+            use_decode_attention(model, None, layout)
+            got = generate(model, prompts, IdsAsText(), Stops(), WINDOW_NEW_TOKENS, Sampling(), layout=layout)
+            assert [g.token_ids for g in got] == expected, (path.name, world_size, layout)
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4])
 def test_windowed_models_generate_as_transformers_does(windowed, cp):
-    """Sliding windows in the prompt's ring and in each new token's view of the rank-split cache."""
+    """Sliding windows in the prompt's ring (zigzag and balanced) and in each new token's view of the rank-split
+    cache."""
     if cp == 1:
         _generate_windowed(0, 1, windowed)
     else:
