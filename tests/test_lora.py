@@ -127,11 +127,24 @@ def burst_lora_logits(base: Path, run: Path, tokens: torch.Tensor) -> torch.Tens
         return model(tokens)
 
 
+def run_flags(model: Path, token_store) -> tuple:
+    """The flags the adapter tests' runs share: the model, the store, fp32, no validation."""
+    return ("--model", model, "--data", token_store.directory, "--seq-len", SEQ_LEN, "--val-tokens", 0,
+            "--precision", "fp32")
+
+
+def check_first_loss_is_peft(common: tuple, adapter: Path, out: Path, peft_logits: torch.Tensor, batch) -> None:
+    """A run started from the PEFT directory `adapter` has PEFT's loss on `batch` as its first."""
+    done = burst_train(*common, "--steps", 1, "--init-adapter", adapter, "--out", out)
+    assert done.returncode == 0, done.stderr[-3000:]
+    want = F.cross_entropy(peft_logits[0], batch.labels[0], ignore_index=IGNORE_INDEX).item()
+    assert metrics(out)[0]["loss"] == pytest.approx(want, rel=1e-5)
+
+
 def test_a_trained_adapter_exports_to_peft_and_merged_and_starts_a_run(smollm2_2_layers, tmp_path,
                                                                         store):  # noqa: F811
     out = tmp_path / "run"
-    common = ("--model", smollm2_2_layers, "--data", store.directory, "--seq-len", SEQ_LEN, "--val-tokens", 0,
-              "--precision", "fp32")
+    common = run_flags(smollm2_2_layers, store)
     done = burst_train(*common, "--steps", 2, "--lr", 1e-2, "--warmup", 1, "--lora-rank", 4, "--lora-alpha", 8,
                        "--lora-targets", ALL, "--out", out)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -152,19 +165,14 @@ def test_a_trained_adapter_exports_to_peft_and_merged_and_starts_a_run(smollm2_2
     torch.testing.assert_close(burst_lora_logits(smollm2_2_layers, out, batch.tokens), peft_logits, rtol=0, atol=1e-4)
     torch.testing.assert_close(merged_logits, peft_logits, rtol=0, atol=1e-4)
 
-    started = tmp_path / "started"  # the exported adapter starts a run: its first loss is PEFT's
-    done = burst_train(*common, "--steps", 1, "--init-adapter", tmp_path / "peft", "--out", started)
-    assert done.returncode == 0, done.stderr[-3000:]
-    logits = peft_logits[0]
-    want = F.cross_entropy(logits, batch.labels[0], ignore_index=IGNORE_INDEX).item()
-    assert metrics(started)[0]["loss"] == pytest.approx(want, rel=1e-5)
+    # the exported adapter starts a run: its first loss is PEFT's
+    check_first_loss_is_peft(common, tmp_path / "peft", tmp_path / "started", peft_logits, batch)
 
 
 def test_trained_embeddings_and_norms_export_as_peft_modules_to_save_and_start_a_run(smollm2_2_layers, tmp_path,
                                                                                      store):  # noqa: F811
     out = tmp_path / "run"
-    common = ("--model", smollm2_2_layers, "--data", store.directory, "--seq-len", SEQ_LEN, "--val-tokens", 0,
-              "--precision", "fp32")
+    common = run_flags(smollm2_2_layers, store)
     done = burst_train(*common, "--steps", 2, "--lr", 1e-2, "--warmup", 1, "--lora-rank", 4, "--lora-alpha", 8,
                        "--lora-targets", "q,v,down", "--train-embeddings-and-norms", "--out", out)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -184,11 +192,8 @@ def test_trained_embeddings_and_norms_export_as_peft_modules_to_save_and_start_a
     assert (peft_logits - base_logits).abs().max() > 1e-3
     torch.testing.assert_close(burst_lora_logits(smollm2_2_layers, out, batch.tokens), peft_logits, rtol=0, atol=1e-4)
 
-    started = tmp_path / "started"  # read back as --init-adapter, embeddings and norms included: PEFT's loss
-    done = burst_train(*common, "--steps", 1, "--init-adapter", tmp_path / "peft", "--out", started)
-    assert done.returncode == 0, done.stderr[-3000:]
-    want = F.cross_entropy(peft_logits[0], batch.labels[0], ignore_index=IGNORE_INDEX).item()
-    assert metrics(started)[0]["loss"] == pytest.approx(want, rel=1e-5)
+    # read back as --init-adapter, embeddings and norms included: PEFT's loss
+    check_first_loss_is_peft(common, tmp_path / "peft", tmp_path / "started", peft_logits, batch)
 
 
 def test_a_lora_dpo_runs_reference_is_the_base_models(tmp_path):
