@@ -16,20 +16,17 @@ import torch.distributed as dist
 
 from burst.groups import group_rank_and_size
 from runtime.launch import local_world_size, threads_per_process
-from runtime.memory import return_freed_memory
 
 
 def worker_device(kind: str) -> torch.device:
     """This rank's device of `kind` (runtime/device.py's resolve_device): GPU LOCAL_RANK (made current) on cuda;
     else the CPU, with intra-op threads limited to this process's share of the cores (LOCAL_WORLD_SIZE ranks
-    share them) and freed tensors' memory returned to the system (runtime/memory.py), and CUDA left untouched even
-    where it is there."""
+    share them), and CUDA left untouched even where it is there."""
     if kind == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
         return device
     torch.set_num_threads(threads_per_process(local_world_size(1)))
-    return_freed_memory()
     return torch.device("cpu")
 
 
