@@ -29,7 +29,6 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from runtime.memory import measuring_environment  # noqa: E402
 from scripts.smollm2 import smollm2_dir  # noqa: E402
 
 LORA = ["--lora-rank", "16", "--lora-alpha", "32", "--lora-targets", "q,k,v,o,gate,up,down"]
@@ -39,7 +38,7 @@ VARIANTS = {"full fine-tuning": [], "LoRA r16": LORA,
 
 def burst(*args: str) -> None:
     subprocess.run([sys.executable, "-m", "cli", *args], cwd=ROOT, check=True, capture_output=True,
-                   env=measuring_environment({**os.environ, "PYTHONPATH": str(ROOT)}))
+                   env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
 def peak_mib(model: Path, store: Path, seq_len: int, steps: int, flags: list[str], out: Path) -> tuple[float, float]:

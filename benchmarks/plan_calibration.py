@@ -32,7 +32,6 @@ from planner import RunShape  # noqa: E402
 from planner.calibrate import PINNED, SAME_IN_BF16, fit_rows, predict  # noqa: E402
 from planner.hardware import cpu_matmul_tflops, gpu  # noqa: E402
 from runtime.launch import available_cores  # noqa: E402
-from runtime.memory import measuring_environment  # noqa: E402
 from trainer.plan import store_doc_len  # noqa: E402
 
 TABLE = ROOT / "benchmarks" / "plan_calibration.json"
@@ -116,7 +115,7 @@ def run_one(model: str, seq_len: int, cp: int, dp: int, mode: str, documents, wo
                    "--dp", str(dp), "--activation-checkpointing", mode, "--steps", str(steps), "--precision", precision,
                    "--out", str(out), *data, *flags]
         subprocess.run(command, cwd=workdir, check=True, capture_output=True,
-                       env=measuring_environment({**os.environ, "PYTHONPATH": str(workdir)}))
+                       env={**os.environ, "PYTHONPATH": str(workdir)})
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [row for row in rows if "step" in row and "peak_mem_mib" in row]
     # the fastest step after the first (which warms the kernels up): 2 cores shared with other work slow steps

@@ -4,18 +4,18 @@ CUDA: the most memory PyTorch's allocator has held on the device. CPU: the proce
 set size (Linux's VmHWM), which counts everything resident (libraries, data), not only tensors.
 Both are "since the last `reset_peak_memory`", or since the process started when there was none.
 
-Resident memory on the CPU counts what glibc's heap keeps of freed tensors too. A run that measures memory
-as the planner models it (tensors resident, nothing kept) fixes glibc's mmap threshold in the processes it starts:
-`measuring_environment()`. Ordinary runs leave glibc as it is: fixing the threshold maps and faults in every
-tensor over 1 MiB afresh, which cost an evaluation 2.8x the system time (RULER at 4,096 tokens: 54 vs 15 CPU s of
-sys, 79 vs 55 s wall) and the `tiny` training run 30%.
+`return_freed_memory` makes a CPU process's resident memory follow its tensors (glibc's heap otherwise keeps
+what they freed): training ranks call it, so that their peak is what the planner models and what its CPU
+calibration measured (the holes glibc keeps are unpredictable: tiny at 4,096 tokens with LoRA peaked at 1,849 MiB
+left to glibc, above full fine-tuning's 1,579, against 1,022 and 761 MiB with the threshold fixed). Evaluation and
+generation leave glibc as it is: fixing the threshold maps and faults in every tensor over 1 MiB afresh, which cost
+RULER at 4,096 tokens 3.6x the system time (54 vs 15 CPU s, 79 vs 55 s wall).
 """
 
 from __future__ import annotations
 
-import os
+import ctypes
 import resource
-from collections.abc import Mapping
 
 import torch
 
@@ -24,13 +24,15 @@ import torch
 # it keeps: SmolLM2-135M at 2,048 tokens with full recomputation peaked at 3,549 MiB resident against 2,776 MiB with
 # the threshold fixed. Fixed at 1 MiB, every larger tensor has its own mapping, returned to the system when freed.
 MMAP_THRESHOLD_BYTES = 2**20
+M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
 
 
-def measuring_environment(base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """`base` (os.environ by default) with glibc's mmap threshold fixed at MMAP_THRESHOLD_BYTES
-    (MALLOC_MMAP_THRESHOLD_, read by glibc when a process starts and inherited by the ranks it spawns): the
-    environment of a process whose peak resident memory is measured against the planner's model."""
-    return {**(os.environ if base is None else base), "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD_BYTES)}
+def return_freed_memory() -> None:
+    """Fix glibc's mmap threshold at MMAP_THRESHOLD_BYTES for this process (a no-op without glibc)."""
+    try:
+        ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+    except (OSError, AttributeError):
+        pass  # not glibc (musl, macOS): its allocator is left as it is
 
 
 def reset_peak_memory(device: torch.device) -> None:

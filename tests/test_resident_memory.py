@@ -1,22 +1,25 @@
-"""runtime/memory.py's measuring_environment: a process started with it gives freed tensors back to the system, so
-its peak resident memory counts tensors (what the planner models); glibc's default, which ordinary runs keep for
-speed, holds them in its heap."""
+"""runtime/memory.py's return_freed_memory: a process that calls it (every CPU training rank) gives freed tensors back
+to the system, so that its peak resident memory counts tensors, as the planner models them; glibc's default, which
+evaluation keeps for speed, holds them in its heap. And which processes call it."""
 
 from __future__ import annotations
 
 import platform
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-
-from runtime.memory import measuring_environment
 
 # Raise glibc's dynamic threshold past 4 MiB (free one such block), then hold 40 blocks of 4 MiB, each followed by a
 # small tensor that stays (so the heap cannot shrink from its top), free the large ones and print how many MiB of
 # resident memory that gave back.
 PROBE = """
+import sys
 import torch
+from runtime.memory import return_freed_memory
+if sys.argv[1] == 'fixed':
+    return_freed_memory()
 def rss():
     return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS:")) / 1024
 del_me = torch.ones(2**20); del del_me
@@ -30,15 +33,28 @@ print(held - rss())
 """
 
 
-def returned_mib(env: dict[str, str]) -> float:
-    done = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, check=True)
+def returned_mib(allocator: str) -> float:
+    done = subprocess.run([sys.executable, "-c", PROBE, allocator], capture_output=True, text=True, check=True,
+                          cwd=Path(__file__).resolve().parent.parent)
     return float(done.stdout)
 
 
 @pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's allocator")
-def test_measuring_environment_gives_freed_tensors_back():
-    import os
+def test_return_freed_memory_gives_freed_tensors_back():
+    assert returned_mib("fixed") > 140  # 160 MiB freed
+    assert returned_mib("default") < 20  # why training ranks call it: glibc's heap keeps them
 
-    assert returned_mib(measuring_environment()) > 140  # 160 MiB freed
-    default = {key: value for key, value in os.environ.items() if key != "MALLOC_MMAP_THRESHOLD_"}
-    assert returned_mib(default) < 20  # why the measuring runs need it: the heap keeps them
+
+def test_training_ranks_return_freed_memory_and_evaluation_ranks_do_not(monkeypatch):
+    import runtime.memory
+    import runtime.process
+    import trainer.distributed
+    from trainer.config import TrainConfig
+
+    calls = []
+    monkeypatch.setattr(trainer.distributed, "return_freed_memory", lambda: calls.append("train"))
+    monkeypatch.setattr(runtime.memory, "return_freed_memory", lambda: calls.append("runtime"))
+    trainer.distributed.init_distributed(TrainConfig(device="cpu"))
+    assert calls == ["train"]
+    runtime.process.worker_device("cpu")  # evaluation's ranks: glibc left as it is
+    assert calls == ["train"]

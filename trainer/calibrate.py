@@ -21,7 +21,6 @@ from planner import calibration
 from planner.calibrate import fit_rows
 from planner.calibration import Calibration, Constants
 from planner.hardware import cpu_matmul_tflops, machine_id
-from runtime.memory import measuring_environment
 
 REPO = Path(__file__).resolve().parent.parent
 # (model, seq_len, cp, recomputation): pairs that differ only in length (their slope is what a long run is made
@@ -45,7 +44,7 @@ def measure_run(flags: list[str], steps: int = 4) -> dict:
         command = [sys.executable, "-m", "cli", "train", *flags, "--steps", str(steps), "--val-tokens", "0",
                    "--out", str(out)]
         done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, check=False,
-                              env=measuring_environment({**os.environ, "PYTHONPATH": str(REPO)}))
+                              env={**os.environ, "PYTHONPATH": str(REPO)})
         if done.returncode != 0:
             last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
             raise ValueError(f"calibration run `burst train {' '.join(flags)}` failed: {last}")

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from runtime.memory import return_freed_memory
 from runtime.process import init_worker_process_group, worker_device
 from runtime.settings import flag
 from trainer.config import TrainConfig
@@ -55,7 +56,10 @@ def environment_world_size() -> int:
 
 def init_distributed(config: TrainConfig) -> Distributed:
     """Join the process group the environment describes (none for a single process) and build the mesh, on
-    config.device: the kind trainer/preflight.py resolved ("cpu" ranks use gloo even where CUDA is there)."""
+    config.device: the kind trainer/preflight.py resolved ("cpu" ranks use gloo even where CUDA is there). A CPU
+    rank's freed tensors go back to the system, so that its peak memory is its tensors' (runtime/memory.py)."""
+    if config.device == "cpu":
+        return_freed_memory()
     world_size = environment_world_size()
     if world_size == 1:
         return Distributed(0, 1, worker_device(config.device), None)
