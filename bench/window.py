@@ -1,11 +1,14 @@
 """`burst bench attention --window W`: what a sliding window saves each rank, counted from the plans.
 
-For every rank of a zigzag layout (no documents) the windowed plan (burst/plan.py) and the full causal one
-are counted without running a kernel: the kernel calls of the rank's queries, the (query, key) pairs those
-calls compute (a causal square by half, a band block in full: what a kernel that masks it computes), and
-the bytes the rank sends in forward and in backward (burst/cost.py's count of the plan, which the ring's
-own byte counter matches, tests/test_window.py), and the kernel work in tiles of TILE x TILE (a causal square's
-diagonal tiles on, a band block's every tile). Each is set against the band's own: the pairs the window
+For every rank of a zigzag layout (no documents) the windowed plan (burst/plan.py, for a kernel taking the
+window natively, as the CPU kernel and flash-attn's do) and the full causal one are counted without running a
+kernel: the kernel calls of the rank's queries (one per segment: the calls the ring makes of a kernel without
+a varlen path, tests/test_window.py counts them), the (query, key) pairs those calls compute (a causal square by
+half, a band block as the CPU kernel computes it: each strip of its query rows against every key the strip
+sees, burst/kernels/cpu.py's `band_strips`), and the bytes the rank sends in forward and in backward
+(burst/cost.py's count of the plan, which the ring's own byte counter matches, tests/test_window.py), and the
+kernel work in tiles of TILE x TILE (a causal square's diagonal tiles on, a band block's tiles holding a pair it
+sees, as flash-attn's window skips the others). Each is set against the band's own: the pairs the window
 lets the rank's queries see, and the rows that must cross between ranks for them, worked out from the
 positions each rank holds, not from the plan: in forward, each key row that some query of another rank
 sees, once per such rank; in backward, the rows the backward mode sends (the query side in "burst", the
@@ -27,6 +30,7 @@ from bench.attention import AttentionBenchConfig
 from bench.documents import MIB, _meta
 from burst.balance import DEFAULT_OPTIONS, tile_count
 from burst.cost import choose_backward, packet_bytes, plan_bytes
+from burst.kernels.cpu import band_strips
 from burst.layout import zigzag_layout
 from burst.plan import AttentionPlan
 
@@ -69,13 +73,21 @@ def count_plan(plan: AttentionPlan, config: AttentionBenchConfig, mode: str) -> 
         pairs = tiles = 0
         for s in segments:
             rows, cols = (len(range(plan.shard_len)[x]) for x in (s.q_rows, s.kv_rows))
-            pairs += rows * (rows + 1) // 2 if s.causal else rows * cols
-            tiles += tile_count(rows, cols, s.causal, TILE)
+            pairs += computed_pairs(rows, cols, s.causal, s.band)
+            tiles += tile_count(rows, cols, s.causal, TILE, s.band)
         forward, _, backward, _ = plan_bytes(plan, "flat", q, k, mode, plan.world_size, rank)
         steps = sum(bool(plan(rank, owner)) for owner in range(plan.world_size))
         counts.append(RankCount(rank, plan.window, steps, len(segments), tiles * config.batch, pairs * config.batch,
                                 forward / MIB, backward / MIB))
     return counts
+
+
+def computed_pairs(rows: int, cols: int, causal: bool, band: tuple[int, int] | None) -> int:
+    """The (query, key) pairs the CPU kernel computes in one call on a rows x cols block: a causal square by half,
+    a band strip by strip (`band_strips`), each strip's rows against all the keys it sees."""
+    if band is not None:
+        return sum(len(range(rows)[r]) * len(range(cols)[c]) for r, c, _ in band_strips(rows, cols, band))
+    return rows * (rows + 1) // 2 if causal else rows * cols
 
 
 def band_own(config: AttentionBenchConfig, window: int, mode: str) -> list[BandOwn]:
@@ -180,7 +192,7 @@ def print_window_counts(config: AttentionBenchConfig, window: int, counts: dict[
                     "no call and no bytes); band kernel calls: the fewest any plan can make (one per stretch of the "
                     "rank's queries and stretch of keys that meet, a kernel taking the window natively); tiles: "
                     f"the {TILE}x{TILE} tiles computed, or holding a visible pair; pairs computed: by its kernel "
-                    "calls (a causal square by half, a band block in full)", style="dim")
+                    "calls (a causal square by half, a band strip by strip as the CPU kernel computes it)", style="dim")
 
 
 def write_window_json(path: str, config: AttentionBenchConfig, window: int, counts: dict[str, list]) -> None:

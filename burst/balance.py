@@ -29,7 +29,8 @@ balances to about one chunk in K, which is why K goes up to 16.
 With sliding windows (`windows`: the window of each layer of the model, None for a causal one; every layer
 runs on the same layout) a query sees at most W keys back: its work is min(its offset in its document + 1,
 W), nearly flat along a long document where causal work grows. The windowed layers' work is counted per
-position (`windowed_work`: the band's pairs in tiles' area, and a call per key chunk the band reaches) and
+position (`windowed_work`: the band's pairs in tiles' area, and a call per key chunk the band reaches, as a
+kernel taking the window natively is called) and
 added to the causal layers', layer by layer, so the layout balances what the model as a whole runs.
 
 The layout is chosen for causal attention, what a language model runs (attention without a causal
@@ -69,10 +70,19 @@ DEFAULT_OPTIONS = BalanceOptions()
 OPTIONS = DEFAULT_OPTIONS
 
 
-def tile_count(rows: int, cols: int, causal: bool, tile: int) -> int:
-    """Tiles a kernel call computes on a rows x cols rectangle (a causal call: a square, diagonal tiles on)."""
+def tile_count(rows: int, cols: int, causal: bool, tile: int, band: tuple[int, int] | None = None) -> int:
+    """Tiles a kernel call computes on a rows x cols rectangle (a causal call: a square, diagonal tiles on; a band
+    (lo, hi), where row r sees column c iff lo <= r - c <= hi: the tiles holding a pair it sees, what a kernel
+    taking the window natively computes)."""
     r = -(-rows // tile)
-    return r * (r + 1) // 2 if causal else r * -(-cols // tile)
+    if band is None:
+        return r * (r + 1) // 2 if causal else r * -(-cols // tile)
+    lo, hi = band
+    tiles = 0
+    for first in range(0, rows, tile):  # the columns a tile's rows see are one stretch: every tile on it counts
+        start, end = max(0, first - hi), min(cols - 1, min(rows, first + tile) - 1 - lo)
+        tiles += end // tile - start // tile + 1 if start <= end else 0
+    return tiles
 
 
 @dataclass(frozen=True)
@@ -137,7 +147,7 @@ def windowed_work(boundaries: Sequence[int], seq_len: int, chunks: int, tile: in
     """`chunk_work` of a layer with a sliding window: a query at offset o of its document sees min(o + 1,
     window) keys of it (and of a document it sees, those a run of the two alone puts in its window),
     counted per position in units of a tile's area; calls: per piece of a document in a chunk, one per key
-    chunk its band reaches (burst/plan.py cuts a band into more calls; the balance weighs their work)."""
+    chunk its band reaches (burst/plan.py's band segments, for a kernel that takes the window natively)."""
     size, offsets = seq_len // chunks, np.asarray(boundaries)
     position = np.arange(seq_len)
     doc = np.searchsorted(offsets, position, side="right") - 1
@@ -351,7 +361,7 @@ def plan_work(plan, tile: int = 128) -> PlanWork:
             for seg in segments:
                 batch = len(range(rows)[seg.batch])
                 n_q, n_k = len(range(plan.shard_len)[seg.q_rows]), len(range(plan.shard_len)[seg.kv_rows])
-                tiles = batch * tile_count(n_q, n_k, seg.causal, tile)
+                tiles = batch * tile_count(n_q, n_k, seg.causal, tile, seg.band)
                 forward[q] += tiles
                 backward[kv] += tiles
                 calls[q] += 1

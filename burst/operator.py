@@ -25,6 +25,7 @@ from burst.layout import Layout, whole_sequence, zigzag_layout
 from burst.plan import AttentionPlan
 from burst.ring import burst_backward, ring_backward, ring_forward
 from burst.topology import Schedule, make_schedule, node_ring_schedule, one_process_schedule
+from burst.varlen import takes_window
 
 
 def heads_first(x: torch.Tensor) -> torch.Tensor:
@@ -60,10 +61,12 @@ ONE_PROCESS = "one process"
 
 
 def ring_and_plan(q: torch.Tensor, encoded: torch.Tensor | None, causal: bool, group: str, topology: str,
-                  node_size: int, traffic: Traffic, window: int | None = None) -> tuple[Schedule, AttentionPlan]:
+                  node_size: int, traffic: Traffic, window: int | None = None,
+                  whole_bands: bool = True) -> tuple[Schedule, AttentionPlan]:
     """The schedule and plan of one call of the operators: "flat" or "two-level" over the group, or
     "ulysses" for the ring across nodes that ulysses_attn runs on node-sized blocks (the layout
-    grouped by node). The layouts are the documents' own, chosen when they were made; zigzag without them."""
+    grouped by node). The layouts are the documents' own, chosen when they were made; zigzag without them.
+    whole_bands: whether the kernel takes a sliding window natively (`burst.varlen.takes_window`)."""
     documents = None if encoded is None else Documents.decode(encoded)
     if group == ONE_PROCESS:
         schedule, layouts = one_process_schedule(traffic), (whole_sequence(q.shape[1]),) * q.shape[0]
@@ -77,16 +80,17 @@ def ring_and_plan(q: torch.Tensor, encoded: torch.Tensor | None, causal: bool, g
         if topology == "ulysses":
             layouts = tuple(lay.grouped(node_size) for lay in layouts)
     return schedule, shared_plan(tuple(layouts), causal, None if documents is None else documents.offsets,
-                                 None if documents is None else documents.sees, window)
+                                 None if documents is None else documents.sees, window, whole_bands)
 
 
 @functools.lru_cache(maxsize=16)
 def shared_plan(layouts: tuple[Layout, ...], causal: bool, boundaries: tuple[tuple[int, ...], ...] | None,
-                sees: tuple[tuple[int, ...], ...] | None = None, window: int | None = None) -> AttentionPlan:
+                sees: tuple[tuple[int, ...], ...] | None = None, window: int | None = None,
+                whole_bands: bool = True) -> AttentionPlan:
     """One plan for every call on the same sequences: a model's layers, forward and backward, reuse the
     segments and rows it has worked out (they cost milliseconds per call at 128K tokens)."""
     return AttentionPlan(list(layouts), causal, None if boundaries is None else [list(b) for b in boundaries],
-                         None if sees is None else [list(s) for s in sees], window)
+                         None if sees is None else [list(s) for s in sees], window, whole_bands)
 
 
 @torch.library.custom_op("burst::attention", mutates_args=())
@@ -95,9 +99,10 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: t
                  window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of the ring; see `burst_attn`, which checks the arguments (group: a `group_name`; documents:
     `Documents.encoded`, or None)."""
-    schedule, plan = ring_and_plan(q, documents, causal, group, topology, node_size, Traffic(fresh=False), window)
-    q, k, v = kernel_layout(q), kernel_layout(k), kernel_layout(v)
     kernel_ = select_kernel(q.device, q.dtype, kernel, head_dim=q.shape[-1], groups=q.shape[2] // k.shape[2])
+    schedule, plan = ring_and_plan(q, documents, causal, group, topology, node_size, Traffic(fresh=False), window,
+                                   takes_window(kernel_))
+    q, k, v = kernel_layout(q), kernel_layout(k), kernel_layout(v)
     with torch.autocast(q.device.type, enabled=False):  # the kernels choose their own precision
         return ring_forward(schedule, kernel_, plan, q, k, v, scale)
 
@@ -116,10 +121,11 @@ def attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     """(dq, dk, dv) of `torch.ops.burst.attention`."""
     traffic = Traffic(fresh=False)
     traffic.enter_backward(fresh=topology != "ulysses")  # ulysses' exchange back from the node came first
-    schedule, plan = ring_and_plan(q, documents, causal, group, topology, node_size, traffic, window)
+    kernel_ = select_kernel(q.device, q.dtype, kernel, head_dim=q.shape[-1], groups=q.shape[2] // k.shape[2])
+    schedule, plan = ring_and_plan(q, documents, causal, group, topology, node_size, traffic, window,
+                                   takes_window(kernel_))
     # the layout the forward computed in (on CPU a copy: the saved inputs are the caller's)
     q, k, v, dout = kernel_layout(q), kernel_layout(k), kernel_layout(v), kernel_layout(dout)
-    kernel_ = select_kernel(q.device, q.dtype, kernel, head_dim=q.shape[-1], groups=q.shape[2] // k.shape[2])
     run = burst_backward if choose_backward(q, k, backward) == "burst" else ring_backward
     with torch.autocast(q.device.type, enabled=False):
         return run(schedule, kernel_, plan, dout.to(q.dtype), q, k, v, out, lse, scale)

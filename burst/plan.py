@@ -26,10 +26,14 @@ changes: a shard that holds only documents no query of another shard sees still 
 A sliding window W (`window`, always with the causal mask) lets the query at position i see keys j with
 i - W < j <= i, within its document (a seen document counts as lying just before the document that sees
 it, at the positions a run of the two alone would give them). Every visible rectangle above is cut by
-the band (`band_segments`): in strips of query rows, a full rectangle between two partly covered edges,
-the causal one a causal square and the window's a `band` segment that the kernels mask themselves
-(burst/kernels/contract.py). Rectangles wholly outside the band cost no call, and rows no call touches
-do not travel: a shard whose keys lie outside every window of another's queries sends it nothing.
+the band (`band_segments`): for a kernel that takes the window natively (`whole_bands`: flash-attn's and
+FlashAttention-3/4's `window_size`, the CPU kernel's own strips, burst/kernels/contract.py) into one `band`
+segment, the rows and columns of the rectangle that see something, so that each pair of runs holding a
+visible pair costs one call; for any other kernel into strips of query rows, a full rectangle between two
+partly covered edges, the causal one a causal square and the window's a small `band` segment that the math
+kernel masks. Rectangles wholly outside the band cost no call, and rows no call touches do not travel: a
+shard whose keys lie outside every window of another's queries sends it nothing (both cuts touch the same
+rows, so the same rows travel).
 """
 
 from __future__ import annotations
@@ -71,11 +75,13 @@ def band_strip(window: int) -> int:
 
 
 def band_segments(batch: slice, q_rows: slice, kv_rows: slice, distance: int, causal: bool,
-                  window: int | None) -> list[Segment]:
+                  window: int | None, whole: bool = False) -> list[Segment]:
     """The visible part of one rectangle, as segments: the query at row r sees the key at column c of it
     iff d = distance + r - c (its distance back in positions) satisfies 0 <= d (when `causal`) and
     d < window (when `window`). The rows and columns of each segment all see something, so no kernel
-    returns an empty row and the kernels' own alignment of a band holds (burst/kernels/contract.py)."""
+    returns an empty row and the kernels' own alignment of a band holds (burst/kernels/contract.py).
+    `whole`: one segment, for a kernel that takes the window natively; otherwise strips of `band_strip`
+    query rows where the window cuts, up to three segments each."""
     rows, cols = q_rows.stop - q_rows.start, kv_rows.stop - kv_rows.start
     beyond = rows + cols + abs(distance)  # further than any pair of the rectangle
     lo, hi = (0 if causal else -beyond), (window - 1 if window else beyond)
@@ -95,6 +101,9 @@ def band_segments(batch: slice, q_rows: slice, kv_rows: slice, distance: int, ca
                                 slice(kv_rows.start + c0, kv_rows.start + c1), square,
                                 None if full or square else band))
 
+    if whole:
+        add(0, rows, 0, cols)
+        return segments
     strip = band_strip(window) if distance + rows - 1 > hi else rows  # strips only where the window cuts
     for r0 in range(0, rows, strip):
         r1 = min(rows, r0 + strip)
@@ -119,7 +128,7 @@ def run_pairs(q_runs: Sequence[Run], kv_runs: Sequence[Run], causal: bool):
 
 
 def block_segments(layout: Layout, query_owner: int, kv_owner: int, causal: bool,
-                   window: int | None = None) -> list[Segment]:
+                   window: int | None = None, whole_bands: bool = True) -> list[Segment]:
     """The work between two shards of one layout that every batch row shares, with no document mask.
 
     Without a causal mask, one call on the whole block. With one, a call per visible pair of runs:
@@ -127,7 +136,7 @@ def block_segments(layout: Layout, query_owner: int, kv_owner: int, causal: bool
     half-size causal diagonals and one full pair; any other shard: two full pairs), so no rank waits
     for a slower one, and the fused kernels waste less on half-size diagonals than on one causal
     call over the shard (about 10% of that block on PyTorch's CPU kernel). A `window` cuts each pair
-    (`band_segments`).
+    (`band_segments`, whole or in strips as `whole_bands` says).
     """
     if not causal:
         return [Segment(ALL, ALL, ALL, False)]
@@ -136,17 +145,18 @@ def block_segments(layout: Layout, query_owner: int, kv_owner: int, causal: bool
                 for q, k, diagonal in run_pairs(layout.runs(query_owner), layout.runs(kv_owner), causal)]
     return [segment for q, k, _ in run_pairs(layout.runs(query_owner), layout.runs(kv_owner), causal)
             for segment in band_segments(ALL, slice(q.local, q.local + q.length), slice(k.local, k.local + k.length),
-                                         q.start - k.start, True, window)]
+                                         q.start - k.start, True, window, whole_bands)]
 
 
 def document_segments(layout: Layout, query_owner: int, kv_owner: int, causal: bool, offsets: Sequence[int],
-                      row: int, sees: Sequence[int] | None = None, window: int | None = None) -> list[Segment]:
+                      row: int, sees: Sequence[int] | None = None, window: int | None = None,
+                      whole_bands: bool = True) -> list[Segment]:
     """The unmasked rectangles of batch row `row` between two shards when queries see only their own
     document, and the one it sees (if any). offsets: the row's cumulative document offsets over the
     global sequence, [0, ..., seq_len]; sees: per document, the index of the earlier document its queries
     also see whole, or -1 (None: -1 for all). Within a document attention is causal when `causal`, else
-    full; a seen document is seen in full. A `window` cuts each rectangle (`band_segments`), a seen
-    document's as if the document that sees it began where it ends."""
+    full; a seen document is seen in full. A `window` cuts each rectangle (`band_segments`, whole or in
+    strips as `whole_bands` says), a seen document's as if the document that sees it began where it ends."""
     batch = slice(row, row + 1)
     segments = []
 
@@ -156,7 +166,7 @@ def document_segments(layout: Layout, query_owner: int, kv_owner: int, causal: b
         q_rows, kv_rows = slice(q_lo + q_shift, q_hi + q_shift), slice(k_lo + k_shift, k_hi + k_shift)
         if window is None:
             return [Segment(batch, q_rows, kv_rows, causal_)]
-        return band_segments(batch, q_rows, kv_rows, distance, True, window)
+        return band_segments(batch, q_rows, kv_rows, distance, True, window, whole_bands)
 
     for q, k, diagonal in run_pairs(layout.runs(query_owner), layout.runs(kv_owner), causal):
         q_shift, k_shift = q.local - q.start, k.local - k.start
@@ -278,13 +288,14 @@ class AttentionPlan:
     layouts: the layout of each batch row (one shared by all rows without document masking);
     boundaries: each row's document offsets, or None; sees: each row's seen document per document
     (`document_segments`), or None (no document sees another); window: the sliding window (with the
-    causal mask), or None.
+    causal mask), or None; whole_bands: whether the kernel takes the window natively (one band segment per
+    visible rectangle: burst.varlen.takes_window), else each band is cut in strips.
     """
 
     def __init__(self, layouts: list[Layout], causal: bool, boundaries: list[list[int]] | None,
-                 sees: list[list[int]] | None = None, window: int | None = None):
+                 sees: list[list[int]] | None = None, window: int | None = None, whole_bands: bool = True):
         self.layouts, self.causal, self.boundaries = layouts, causal, boundaries
-        self.sees, self.window = sees, window
+        self.sees, self.window, self.whole_bands = sees, window, whole_bands
         self.world_size, self.shard_len = layouts[0].world_size, layouts[0].shard_len
         self._cache: dict[tuple[int, int], list[Segment]] = {}
         self._rows_cache: dict[tuple[int, int, str], Rows | None] = {}
@@ -293,13 +304,15 @@ class AttentionPlan:
         key = (query_owner, kv_owner)
         if key not in self._cache:
             if self.boundaries is None:
-                self._cache[key] = block_segments(self.layouts[0], query_owner, kv_owner, self.causal, self.window)
+                self._cache[key] = block_segments(self.layouts[0], query_owner, kv_owner, self.causal, self.window,
+                                                  self.whole_bands)
             else:
                 sees = self.sees if self.sees is not None else [None] * len(self.layouts)
                 self._cache[key] = [segment for row, (layout, offsets, seen) in
                                     enumerate(zip(self.layouts, self.boundaries, sees, strict=True))
                                     for segment in document_segments(layout, query_owner, kv_owner, self.causal,
-                                                                     offsets, row, seen, self.window)]
+                                                                     offsets, row, seen, self.window,
+                                                                     self.whole_bands)]
         return self._cache[key]
 
     def has_work(self, query_owner: int, kv_owner: int) -> bool:

@@ -10,9 +10,11 @@ rectangle's lengths max_q / max_k; its log-sum-exp comes back [heads, total_q] a
 burst's [b, h, s] per block. Causal and unmasked rectangles go in separate calls (one flag per call;
 causal ones are square, where the kernels' bottom-right alignment is burst's top-left).
 
-A block masked by a band (a sliding window's edge, burst/plan.py) has a tuple (lo, hi) for its causal
-flag; it goes alone to the kernel's `forward_band` / `backward_band` once choice.py has checked them
-(`use_band`), else to the math kernel's (band blocks are small: burst/kernels/contract.py).
+A block masked by a band (a sliding window, burst/plan.py) has a tuple (lo, hi) for its causal flag; it goes
+alone to the kernel's `forward_band` / `backward_band`. A kernel whose band path passed its self-check
+(`use_band`, set by choice.py) takes the window natively (`takes_window`): the plan gives it one band block
+per visible rectangle, of any size. Any other kernel gets the band in strips, and the math kernel computes
+the strips' small band blocks (burst/kernels/contract.py).
 
 Kernels with `forward_varlen` / `backward_varlen` (burst/kernels/cuda.py, flash_attn.py) use it only
 once choice.py has checked their varlen path against the math kernel (`use_varlen`); everything else,
@@ -86,9 +88,17 @@ def _varlen_groups(varlen: bool, causal_flags: list) -> list[list[int]]:
     return [g for g in groups if g] + [[i] for i, c in enumerate(causal_flags) if isinstance(c, tuple)]
 
 
+def takes_window(kernel: AttentionKernel) -> bool:
+    """Whether `kernel` takes a sliding window natively, a band block of any size in one call in memory linear in
+    its rows (the plan's `whole_bands`): where its band path passed its self-check (`use_band`, part of its
+    interface, set once by choice.py), and the math kernel (whose every block is explicit)."""
+    return getattr(kernel, "use_band", False) or isinstance(kernel, MathKernel)
+
+
 def band_kernel(kernel: AttentionKernel) -> AttentionKernel:
-    """The kernel that computes band blocks: `kernel` where its band path passed its self-check, else the math one."""
-    return kernel if getattr(kernel, "use_band", False) or isinstance(kernel, MathKernel) else MathKernel()
+    """The kernel that computes band blocks: `kernel` where it takes the window, else the math one (the plan then
+    cuts the band in strips: small band blocks)."""
+    return kernel if takes_window(kernel) else MathKernel()
 
 
 def forward_block(kernel: AttentionKernel, q, k, v, mask, scale: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,12 +15,14 @@ backward(dout, q, k, v, out, lse, causal, scale) -> (dq, dk, dv), each like its 
 top-left aligned on any block, square or not: query row i sees key rows 0..i. FlashAttention 2/3/4
 align it bottom-right, which agrees only on squares; `BottomRightCausal` adapts them.
 
-A kernel may also take a *band* (burst/plan.py's sliding-window edges): (lo, hi), where query row r of
-the block sees key row c iff lo <= r - c <= hi, and every row and every column sees at least one key
-(so lo <= q_len - kv_len <= hi: the window sizes of a bottom-right aligned kernel, `window_sizes`, are
-never negative). forward_band(q, k, v, band, scale) and backward_band(dout, q, k, v, out, lse, band,
-scale) are optional; a kernel without them, or whose band path fails its self-check, has its band
-blocks computed by the math kernel (small: at most 512 x 1,023 rows each).
+A kernel may also take a sliding window natively, as a *band* (burst/plan.py): (lo, hi), where query row r
+of the block sees key row c iff lo <= r - c <= hi, and every row and every column sees at least one key
+(so lo <= 0 <= hi and lo <= q_len - kv_len <= hi: the window sizes of a bottom-right aligned kernel,
+`window_sizes`, are never negative). forward_band(q, k, v, band, scale) and backward_band(dout, q, k, v,
+out, lse, band, scale) are optional, and take a block of any size in one call, in memory linear in its
+rows (one band segment per pair of stretches the window lets meet). A kernel without them, or whose band
+path fails its self-check, gets the band in strips from the plan, and the math kernel computes the
+strips' small band blocks (at most 512 x 1,023 rows each).
 
 Each kernel class states what it needs of its arguments in a `KernelContract` (`contract`): the
 ring passes row slices of larger tensors, and a CUDA kernel that takes a raw pointer reads a slice

@@ -53,16 +53,58 @@ class TorchCPUKernel:
             scale=scale)
         return tuple(unfold_heads(g, batch) for g in grads)
 
-    # A band (burst/plan.py's window edges) as an additive mask [q_len, kv_len] in q's dtype, the ops' only
-    # form of one: the plan keeps band blocks within 512 x 1,023 rows, so the mask stays small.
+    # A band (burst/kernels/contract.py) natively, in one call of any size: strip by strip of query rows, each
+    # strip one call of the ops on the keys it sees, masked by an additive mask (the ops' only form of one) of
+    # the strip's rows x its keys, so memory stays linear in the block (`band_strips`).
     def forward_band(self, q, k, v, band, scale):
-        return self.forward(q, k, v, False, scale, band_mask(q, k, band))
+        batch, q_len, heads, dim = q.shape
+        out = q.new_empty(batch, heads, q_len, dim).transpose(1, 2)  # heads-first, as `forward` returns it
+        lse = q.new_empty(batch, heads, q_len, dtype=torch.float32)
+        for rows, cols, strip in band_strips(q_len, k.shape[1], band):
+            causal, mask = strip_mask(strip, q[:, rows], k[:, cols])
+            out[:, rows], lse[:, :, rows] = self.forward(q[:, rows], k[:, cols], v[:, cols], causal, scale, mask)
+        return out, lse
 
     def backward_band(self, dout, q, k, v, out, lse, band, scale):
-        return self.backward(dout, q, k, v, out, lse, False, scale, band_mask(q, k, band))
+        dq = torch.empty_like(q)
+        dk, dv = (torch.zeros_like(x, dtype=torch.float32) for x in (k, v))  # strips share keys: summed
+        for rows, cols, strip in band_strips(q.shape[1], k.shape[1], band):
+            causal, mask = strip_mask(strip, q[:, rows], k[:, cols])
+            dq[:, rows], dk_strip, dv_strip = self.backward(dout[:, rows], q[:, rows], k[:, cols], v[:, cols],
+                                                            out[:, rows], lse[:, :, rows].contiguous(), causal,
+                                                            scale, mask)
+            dk[:, cols] += dk_strip
+            dv[:, cols] += dv_strip
+        return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
-def band_mask(q: torch.Tensor, k: torch.Tensor, band: tuple[int, int]) -> torch.Tensor:
-    """0 where the band sees a pair, -inf elsewhere: [q_len, kv_len] in q's dtype."""
-    visible = visible_pairs(q.shape[1], k.shape[1], tuple(band), q.device)
-    return torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf"))
+def strip_rows(width: int) -> int:
+    """Query rows per strip of a band `width` keys wide: an eighth of it (a strip then computes about 1/8 more
+    pairs than it sees), a power of two between 64 and 512 rows."""
+    return min(512, max(64, 1 << max(width // 8, 1).bit_length() - 1))
+
+
+def band_strips(q_len: int, kv_len: int, band: tuple[int, int]) -> list[tuple[slice, slice, tuple[int, int]]]:
+    """(query rows, key rows, the band in them) of each strip of a band (lo, hi) over q_len x kv_len rows: the
+    keys a strip's queries see (row r sees key c iff lo <= r - c <= hi), a strip of `strip_rows` of the band's
+    width (its mask stays within 512 x (width + 511) entries)."""
+    lo, hi = band
+    height = strip_rows(hi - lo + 1)
+    strips = []
+    for r0 in range(0, q_len, height):
+        r1 = min(q_len, r0 + height)
+        c0, c1 = max(0, r0 - hi), min(kv_len, r1 - lo)
+        strips.append((slice(r0, r1), slice(c0, c1), (lo - r0 + c0, hi - r0 + c0)))
+    return strips
+
+
+def strip_mask(band: tuple[int, int], q: torch.Tensor, k: torch.Tensor) -> tuple[bool, torch.Tensor | None]:
+    """(causal, additive mask) of one strip's call: no mask where it sees every pair or a causal square's, else
+    0 where the band sees a pair and -inf elsewhere, [q_len, kv_len] in q's dtype."""
+    (q_len, kv_len), (lo, hi) = (q.shape[1], k.shape[1]), band
+    if hi >= q_len - 1 and lo <= 1 - kv_len:
+        return False, None  # every pair seen
+    if hi >= q_len - 1 and lo == 0 and q_len == kv_len:
+        return True, None  # a causal square
+    visible = visible_pairs(q_len, kv_len, tuple(band), q.device)
+    return False, torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf"))

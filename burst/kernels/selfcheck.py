@@ -153,9 +153,13 @@ def varlen_self_check(kernel: AttentionKernel, device: torch.device, dtype: torc
     return None
 
 
-# (query rows, key rows, band) of the band check: a window's edge (an upper triangle) and a wider band block
+# (query rows, key rows, band) of the band check: a window's edge (an upper triangle), a wider band block, and the
+# whole blocks a kernel taking the window natively gets: a window of 40 along a diagonal (several of the CPU kernel's
+# strips), and twice as many keys as queries under a band cut on both sides
 BAND_BLOCKS = ((slice(0, CHUNK), slice(0, CHUNK), (1 - CHUNK, 0)),
-               (slice(CHUNK, CHUNK + 64), slice(0, 100), (-60, 0)))
+               (slice(CHUNK, CHUNK + 64), slice(0, 100), (-60, 0)),
+               (slice(0, 2 * CHUNK), slice(0, 2 * CHUNK), (0, 39)),
+               (slice(CHUNK, 2 * CHUNK), slice(0, 2 * CHUNK), (-100, 20)))
 
 
 def band_self_check(kernel: AttentionKernel, device: torch.device, dtype: torch.dtype, head_dim: int,
