@@ -60,16 +60,14 @@ class TorchCPUKernel:
         batch, q_len, heads, dim = q.shape
         out = q.new_empty(batch, heads, q_len, dim).transpose(1, 2)  # heads-first, as `forward` returns it
         lse = q.new_empty(batch, heads, q_len, dtype=torch.float32)
-        for rows, cols, strip in band_strips(q_len, k.shape[1], band):
-            causal, mask = strip_mask(strip, q[:, rows], k[:, cols])
+        for rows, cols, causal, mask in masked_strips(q, k, band):
             out[:, rows], lse[:, :, rows] = self.forward(q[:, rows], k[:, cols], v[:, cols], causal, scale, mask)
         return out, lse
 
     def backward_band(self, dout, q, k, v, out, lse, band, scale):
         dq = torch.empty_like(q)
         dk, dv = (torch.zeros_like(x, dtype=torch.float32) for x in (k, v))  # strips share keys: summed
-        for rows, cols, strip in band_strips(q.shape[1], k.shape[1], band):
-            causal, mask = strip_mask(strip, q[:, rows], k[:, cols])
+        for rows, cols, causal, mask in masked_strips(q, k, band):
             dq[:, rows], dk_strip, dv_strip = self.backward(dout[:, rows], q[:, rows], k[:, cols], v[:, cols],
                                                             out[:, rows], lse[:, :, rows].contiguous(), causal,
                                                             scale, mask)
@@ -98,13 +96,21 @@ def band_strips(q_len: int, kv_len: int, band: tuple[int, int]) -> list[tuple[sl
     return strips
 
 
-def strip_mask(band: tuple[int, int], q: torch.Tensor, k: torch.Tensor) -> tuple[bool, torch.Tensor | None]:
-    """(causal, additive mask) of one strip's call: no mask where it sees every pair or a causal square's, else
-    0 where the band sees a pair and -inf elsewhere, [q_len, kv_len] in q's dtype."""
-    (q_len, kv_len), (lo, hi) = (q.shape[1], k.shape[1]), band
-    if hi >= q_len - 1 and lo <= 1 - kv_len:
-        return False, None  # every pair seen
-    if hi >= q_len - 1 and lo == 0 and q_len == kv_len:
-        return True, None  # a causal square
-    visible = visible_pairs(q_len, kv_len, tuple(band), q.device)
-    return False, torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf"))
+def masked_strips(q: torch.Tensor, k: torch.Tensor, band: tuple[int, int]):
+    """(query rows, key rows, causal, additive mask or None) of each of `band_strips`' strips: no mask where a strip
+    sees every pair or a causal square's, else 0 where it sees a pair and -inf elsewhere, [rows, keys] in q's dtype,
+    made once for the strips of one shape and band (all but the first few and the last)."""
+    masks: dict[tuple[int, int, tuple[int, int]], tuple[bool, torch.Tensor | None]] = {}
+    for rows, cols, (lo, hi) in band_strips(q.shape[1], k.shape[1], band):
+        q_len, kv_len = rows.stop - rows.start, cols.stop - cols.start
+        key = (q_len, kv_len, (lo, hi))
+        if key not in masks:
+            if hi >= q_len - 1 and lo <= 1 - kv_len:
+                masks[key] = False, None  # every pair seen
+            elif hi >= q_len - 1 and lo == 0 and q_len == kv_len:
+                masks[key] = True, None  # a causal square
+            else:
+                visible = visible_pairs(q_len, kv_len, (lo, hi), q.device)
+                masks[key] = False, torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(
+                    ~visible, float("-inf"))
+        yield rows, cols, *masks[key]
