@@ -8,7 +8,8 @@ activations are gone and the whole gradient is there; the peak is the larger of 
 Each part is one function of the shape, the model's footprint and the hardware; `memory_parts` names them.
 LoRA keeps the frozen weights in the compute dtype (bf16 on CUDA) without gradients or optimizer state; offloaded
 activations leave two blocks' inputs on the GPU (one going out, one coming back) and the rest in host memory
-(`host_bytes`; on a CPU the host is the device, and offloading changes nothing); the tiled MLP holds its
+(`host_bytes`; on a CPU the host is the device, and the copies add to it: trainer/memory.py's HostCopy clones each
+input there); the tiled MLP holds its
 intermediate for --mlp-tile tokens at a time, the loss its logits for --loss-tile rows.
 """
 
@@ -109,6 +110,8 @@ def activation_bytes(shape: RunShape, model: Footprint, hardware: Hardware, mode
             "full": model.layers * residual * model.dim}[mode]
     if mode != "none" and offloads(shape, hardware):  # two inputs on the device: one going out, one coming back
         kept -= (model.layers - min(2, model.layers)) * residual * model.dim
+    elif mode != "none" and shape.offload_activations and hardware.device == "cpu":
+        kept += model.layers * residual * model.dim  # the CPU's "host copy" is a clone beside the input it copies
     in_flight = constants.backward_bytes_per_value + (
         constants.full_recompute_bytes_per_value if mode == "full" else 0.0)
     working = block + in_flight * block_width * width / 2 + constants.outer_bytes_per_dim * model.dim
