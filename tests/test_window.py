@@ -288,8 +288,7 @@ def test_ranks_match_the_reference(world_size):
 def test_bench_counts_each_rank_against_the_band(tmp_path):
     """`burst bench attention --window --plan-only`: every rank's computed pairs and bytes within 1.25x of what the
     window itself asks of it (worked out from the positions the ranks hold), far below full causal's; its tiles of
-    128 x 128 the band's own, counted on the dense mask (a window of 512: strips of a quarter window are whole
-    tiles); its kernel calls against the fewest any plan can make."""
+    128 x 128 the band's own, counted on the dense mask; its kernel calls the fewest any plan can make."""
     out = tmp_path / "window.json"
     result = CliRunner().invoke(app, ["bench", "attention", "--window", "512", "--seq-len", "8192", "--nproc", "4",
                                       "--plan-only", "--modes", "burst", "--dtype", "bf16", "--json", str(out)],
@@ -305,9 +304,10 @@ def test_bench_counts_each_rank_against_the_band(tmp_path):
         assert band["tiles"] == batch * int(rows.any(3).any(1).sum())
         assert window["tiles"] == band["tiles"]  # the plan computes the band's tiles, no more
     # the fewest calls: a chunk of 1,024 positions against its own stretch and the one before it (rank 3 holds
-    # chunks 3 and 4 as one stretch, rank 0 chunk 0 with nothing before it); the plan makes 13-25x more (strips
-    # of a quarter window, three calls each: docs/benchmarks-window.md says so)
+    # chunks 3 and 4 as one stretch, rank 0 chunk 0 with nothing before it); the plan makes exactly those, one
+    # band call each, for a kernel that takes the window (tests/test_window_kernels.py counts the ranks' calls)
     assert [band["calls"] for band in ranks["band"]] == [3, 4, 4, 2]
+    assert [window["calls"] for window in ranks["window"]] == [3, 4, 4, 2]
     for window, causal, band in zip(ranks["window"], ranks["causal"], ranks["band"], strict=True):
         assert window["steps"] == band["steps"] < causal["steps"]
         assert band["visible_pairs"] <= window["computed_pairs"] <= 1.25 * band["visible_pairs"]
