@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from burst.kernels.contract import FLOAT_DTYPES, KernelContract
@@ -96,7 +98,8 @@ def band_strips(q_len: int, kv_len: int, band: tuple[int, int]) -> list[tuple[sl
     return strips
 
 
-def masked_strips(q: torch.Tensor, k: torch.Tensor, band: tuple[int, int]):
+def masked_strips(q: torch.Tensor, k: torch.Tensor,
+                  band: tuple[int, int]) -> Iterator[tuple[slice, slice, bool, torch.Tensor | None]]:
     """(query rows, key rows, causal, additive mask or None) of each of `band_strips`' strips: no mask where a strip
     sees every pair or a causal square's, else 0 where it sees a pair and -inf elsewhere, [rows, keys] in q's dtype,
     made once for the strips of one shape and band (all but the first few and the last)."""
