@@ -3,9 +3,13 @@ several at once), and readers of a run's metrics.jsonl. tests/conftest.py regist
 asks for `store` by name; the helpers are imported (`from tests.fixtures import burst_train`).
 """
 
+import contextlib
+import fcntl
 import hashlib
 import json
+import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -64,19 +68,40 @@ def uninterrupted(tmp_path_factory):
     """`uninterrupted(store, *args)`: the run directory of `burst train ARGS --data STORE`, trained once per session
     for each store content and ARGS. The run that tests/test_checkpoint.py, test_elastic.py and test_saving.py each
     compare a stopped, killed or resumed run with is one run (each module builds `store` alike, byte for byte), so
-    it is trained once, not three times."""
-    runs: dict[tuple, Path] = {}
+    it is trained once, not three times: also when those modules run on different workers of one session
+    (pytest-xdist), which share the run through the session's temporary root, the first to ask training it under a
+    lock while the others wait."""
 
     def run(store: Path, *args: object) -> Path:
-        key = (store_identity(store), tuple(map(str, args)))
-        if key not in runs:
-            out = tmp_path_factory.mktemp("uninterrupted") / "run"
-            done = burst_train(*args, "--data", store, "--out", out)
-            assert done.returncode == 0, done.stderr[-2000:]
-            runs[key] = out
-        return runs[key]
+        key = hashlib.sha256(json.dumps([store_identity(store), list(map(str, args))]).encode()).hexdigest()[:16]
+        out = session_root(tmp_path_factory) / f"uninterrupted-{key}"
+        with locked(out.with_suffix(".lock")):
+            if not (out / "trained").is_file():
+                shutil.rmtree(out, ignore_errors=True)  # what a worker that failed here left
+                done = burst_train(*args, "--data", store, "--out", out / "run")
+                assert done.returncode == 0, done.stderr[-2000:]
+                (out / "trained").touch()
+        return out / "run"
 
     return run
+
+
+def session_root(tmp_path_factory) -> Path:
+    """The temporary directory every worker of this session shares: the parent of a pytest-xdist worker's own
+    (`.../pytest-N/popen-gw0`), the session's own where it runs in one process."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@contextlib.contextmanager
+def locked(path: Path):
+    """Holds an exclusive lock on `path` (created if missing): one process at a time in the block."""
+    with path.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def burst_train(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:

@@ -61,26 +61,34 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_with_the_losses_of_an_uni
     assert len(events(tmp_path / "run", "model_ready")) == 2  # the first start and the restart
 
 
-def _hang(rank: int, port: int) -> None:
+def _hang(rank: int, port: int, named) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=2))
+    # Joining has a generous limit: on a loaded machine (the suite's other worker, its process groups) the two
+    # spawned ranks may reach this line seconds apart. The collective that hangs has a group of its own with the
+    # 2 s limit, made once both ranks are here.
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120))
+    dist.barrier()
+    hanging = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=2))
     env = Distributed(rank, 2, torch.device("cpu"), None, dist.new_group(backend="gloo"))
     if rank == 1:
-        time.sleep(8)  # stuck past the group's 2 s timeout, as in a deadlock
+        # stuck past the group's 2 s timeout, as in a deadlock: until rank 0 has named it, however long that takes
+        assert named.wait(timeout=300), "rank 0 never named the hung rank"
     else:
         try:
-            dist.all_reduce(torch.ones(1))
+            dist.all_reduce(torch.ones(1), group=hanging)
         except RuntimeError as err:
             assert is_collective_timeout(err), err
             answer = unresponsive_ranks(env, datetime.timedelta(seconds=1))
             assert "Ranks 1 failed to pass monitoredBarrier" in answer, answer
         else:
             raise AssertionError("the collective with a hung rank did not time out")
+        finally:
+            named.set()
     dist.destroy_process_group()  # no barrier: the group's connections broke with the timeout
 
 
 def test_a_collective_with_a_hung_rank_times_out_and_the_hung_rank_is_named():
-    mp.spawn(_hang, args=(free_port(),), nprocs=2, join=True)
+    mp.spawn(_hang, args=(free_port(), mp.get_context("spawn").Event()), nprocs=2, join=True)
 
 
 def test_a_restart_after_the_last_checkpoint_was_saved_has_nothing_left_to_do(store, tmp_path, monkeypatch):
