@@ -41,7 +41,7 @@ def smollm2_2_layers() -> Path:
     return _or_skip(lambda: truncated_dir(2))
 
 
-WORKER_MEMORY_GIB = 8  # a worker's share: a Gemma-3 test trains the 270M model in two runs at once
+WORKER_MEMORY_GIB = 8  # a worker's share: one `burst train` of Gemma-3 cut to 6 layers peaks at 4.9 GiB (cp 1)
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
@@ -89,42 +89,24 @@ def cuda_gpus_needed(item: pytest.Item) -> int | None:
     return None if marker is None else int(marker.kwargs.get("gpus", marker.args[0] if marker.args else 1))
 
 
-# The suite runs on two workers (pytest-xdist; pyproject.toml's addopts: `-n auto --dist loadgroup`), each handed one
-# unit of work at a time: a test module whole (its module-scoped fixtures, `store` and the rank pools, are built
-# once, as in one process), or, in the modules below, whose tests share nothing costly, each test alone.
-TESTS_APART = {"tests/test_gemma3.py"}
-# A unit's cost in seconds on the 2-core development machine with both workers busy (--durations): the costliest
-# start first, so that no long unit is left for the end while the other worker idles. Only the order depends on
-# these figures; a unit not listed starts after them, in the order collected.
+# The suite runs on two workers (pytest-xdist; pyproject.toml's addopts: `-n auto --dist loadfile`), each handed one
+# test module at a time, whole: its module-scoped fixtures (`store`, the rank pools) are built once, as in one
+# process, and the two Gemma-3 tests (several GiB each) never run at once. A module's cost in seconds, measured
+# with both workers busy (--durations): the costliest start first, so that no long module is left for the end while
+# the other worker idles. Only the order depends on these figures; a module not listed starts after them, in the
+# order collected.
 COSTS = {
-    "tests/test_gemma3.py::test_the_first_training_loss_is_transformers_at_cp1_and_cp2": 130,
+    "tests/test_gemma3.py": 220,
     "tests/test_generate.py": 200,
-    "tests/test_gemma3.py::test_gemma3_270m_logits_equal_transformers_and_the_export_reloads": 91,
     "tests/test_smollm2_benchmarks.py": 91,
     "tests/test_golden_losses.py": 70,
 }
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if hasattr(config, "workerinput"):  # a pytest-xdist worker: what it reports is what the scheduler hands out
-        units_costliest_first(items)
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker: the order it reports is the order handed out
+        items.sort(key=lambda item: -COSTS.get(item.nodeid.split("::")[0], 0))  # stable: in a module, as collected
     skip_what_needs_more_gpus(items)
-
-
-def units_costliest_first(items: list[pytest.Item]) -> None:
-    """Marks each test with its unit (xdist_group: its module, or the test alone in TESTS_APART) and orders the
-    units by COSTS, costliest first, each unit's tests in the order collected."""
-    units: dict[str, list[pytest.Item]] = {}
-    for item in items:
-        module = item.nodeid.split("::")[0]
-        if module in TESTS_APART:
-            units.setdefault(item.nodeid, []).append(item)  # no group: each test is a unit of its own
-        else:
-            item.add_marker(pytest.mark.xdist_group(module))
-            units.setdefault(module, []).append(item)
-    order = sorted(units, key=lambda unit: -COSTS.get(unit, 0))  # stable: the rest as collected
-    items[:] = [item for unit in order for item in units[unit]]
 
 
 def skip_what_needs_more_gpus(items: list[pytest.Item]) -> None:
