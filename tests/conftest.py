@@ -44,12 +44,27 @@ def smollm2_2_layers() -> Path:
 WORKER_MEMORY_GIB = 8  # a worker's share: one `burst train` of Gemma-3 cut to 6 layers peaks at 4.9 GiB (cp 1)
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: unknown where it is not installed
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """`-n auto` (pyproject.toml): a worker per core the suite may use, as far as memory allows each its share.
+    """`-n auto`: a worker per core the suite may use, as far as memory allows each its share.
     More workers than cores would only contend: most tests start processes of their own (ranks, `burst train`)."""
     cores = len(os.sched_getaffinity(0))
     memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return max(1, min(cores, int(memory_gib // WORKER_MEMORY_GIB)))
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which starts the workers `-n` asks for
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """`pytest` runs the suite on a worker per core (pytest-xdist, in the dev extra) unless `-n` says otherwise
+    (`-n 0`: in one process), handing out whole modules (see COSTS). Set here rather than in pyproject.toml's
+    addopts, so that pytest without pytest-xdist (`-p no:xdist`, or pytest installed alone) still runs it."""
+    if not config.pluginmanager.hasplugin("xdist") or hasattr(config, "workerinput"):  # a worker runs its tests
+        return
+    if config.option.numprocesses is None:
+        config.option.numprocesses = "auto"
+    if config.option.dist == "no":
+        config.option.dist = "loadfile"
+        config.option.loadscopereorder = False  # COSTS orders the modules
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -89,7 +104,7 @@ def cuda_gpus_needed(item: pytest.Item) -> int | None:
     return None if marker is None else int(marker.kwargs.get("gpus", marker.args[0] if marker.args else 1))
 
 
-# The suite runs on two workers (pytest-xdist; pyproject.toml's addopts: `-n auto --dist loadfile`), each handed one
+# The suite runs on two workers (pytest-xdist, `-n auto --dist loadfile`: pytest_cmdline_main), each handed one
 # test module at a time, whole: its module-scoped fixtures (`store`, the rank pools) are built once, as in one
 # process, and the two Gemma-3 tests (several GiB each) never run at once. A module's cost in seconds, measured
 # with both workers busy (--durations): the costliest start first, so that no long module is left for the end while
