@@ -121,6 +121,13 @@ def cache_capacity(prompt_len: int, new_tokens: int, world_size: int) -> int:
     return prompt_len // world_size + math.ceil(new_tokens / world_size)
 
 
+def cache_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
+    """The dtype the cache holds keys and values in: float32 on a CPU, where `attend_cached` reads them in float32
+    and converting a bf16 cache to float32 for every token took twice as long as the attention itself (the values
+    are the same: a bf16 value is exact in float32); the weights' `dtype` elsewhere, where memory is shorter."""
+    return torch.float32 if torch.device(device).type == "cpu" else dtype
+
+
 def token_owner(step: int, world_size: int) -> int:
     """The rank that keeps the key and value of the `step`-th generated token (0-based): round robin, so that
     every rank holds its prompt shard plus floor or ceil of step / world_size tokens."""

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from burst.decode import DecodeAttention, KVCache, cache_capacity, token_owner
+from burst.decode import DecodeAttention, KVCache, cache_capacity, cache_dtype, token_owner
 from burst.groups import group_rank_and_size
 from burst.layout import check_layout, sequence_positions, shard_sequence
 from data import Tokenizer
@@ -112,7 +112,7 @@ def generate(model: Transformer, prompts: list[list[int]], tokenizer: Tokenizer,
     index = index.expand(len(prompts), -1)  # [batch, local]: the global index of each token this rank holds
     config = model.config
     cache = KVCache(config.n_layers, len(prompts), cache_capacity(seq_len, max_new_tokens, world_size),
-                    config.n_kv_heads, config.head_dim, model.output_weight.dtype, device)
+                    config.n_kv_heads, config.head_dim, cache_dtype(model.output_weight.dtype, device), device)
     outputs = [Generated(prompt_token_ids=list(p)) for p in prompts]
     speed = speed if speed is not None else Speed()
     speed.kv_cache_bytes = max(speed.kv_cache_bytes, cache.nbytes)

@@ -62,9 +62,20 @@ def rotary_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor,
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [batch, seq, heads, head_dim] pairwise (i, i + head_dim/2), in float32."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).type_as(x)
+    """Rotate x [batch, seq, heads, head_dim] pairwise (i, i + head_dim/2), in float32 (cos and sin are: a bf16 x
+    is promoted exactly), rounded back to x's dtype."""
+    if (x.requires_grad and torch.is_grad_enabled()) or x.itemsize > 4:
+        # a gradient is cast back once for both halves' uses; float64 is rotated in float32 as well
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).type_as(x)
+    x1, x2 = x.chunk(2, dim=-1)
+    # Without a gradient (generation, evaluation) each half is written where it goes, in x's dtype, by the last
+    # op: the same values, in two fewer passes over the tensor (no cat, no cast).
+    rotated = torch.empty_like(x)
+    first, second = rotated.chunk(2, dim=-1)
+    torch.sub(x1 * cos, x2 * sin, out=first)
+    torch.add(x2 * cos, x1 * sin, out=second)
+    return rotated
 
 
 class RMSNorm(nn.Module):

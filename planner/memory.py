@@ -17,7 +17,9 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from burst.decode import cache_capacity
+import torch
+
+from burst.decode import cache_capacity, cache_dtype
 from models.footprint import Footprint
 from planner.hardware import Hardware
 from planner.shape import RunShape
@@ -158,13 +160,15 @@ def loss_bytes(shape: RunShape, model: Footprint) -> int:
     return 2 * rows * model.vocab * 4
 
 
-def kv_cache_bytes(shape: RunShape, model: Footprint) -> int:
+def kv_cache_bytes(shape: RunShape, model: Footprint, hardware: Hardware) -> int:
     """Generation's KV cache on one rank (burst/decode.py): every layer's keys and values of the rank's shard of the
-    prompt and of its round-robin share of the new tokens, in the weights' dtype; 0 when not generating."""
+    prompt and of its round-robin share of the new tokens, in `cache_dtype` (float32 on a CPU, else the weights'
+    dtype); 0 when not generating."""
     if not shape.new_tokens:
         return 0
     tokens = cache_capacity(shape.seq_len, shape.new_tokens, shape.cp)
-    return 2 * model.layers * shape.batch_size * tokens * model.kv_heads * model.head_dim * compute_width(shape)
+    width = cache_dtype(torch.bfloat16 if shape.precision == "bf16" else torch.float32, hardware.device).itemsize
+    return 2 * model.layers * shape.batch_size * tokens * model.kv_heads * model.head_dim * width
 
 
 def forward_parts(shape: RunShape, model: Footprint, hardware: Hardware) -> dict[str, int]:
@@ -174,7 +178,7 @@ def forward_parts(shape: RunShape, model: Footprint, hardware: Hardware) -> dict
              "activations": forward_activation_bytes(shape, model, hardware),
              "attention buffers": attention_buffer_bytes(shape, model), "loss chunk": loss_bytes(shape, model)}
     if shape.new_tokens:
-        parts["kv cache"] = kv_cache_bytes(shape, model)
+        parts["kv cache"] = kv_cache_bytes(shape, model, hardware)
     return parts
 
 

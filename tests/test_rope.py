@@ -317,3 +317,24 @@ def test_bad_rope_flags_exit_2_before_any_work(tmp_path, store, flags, message):
     assert result.exit_code == 2 and "Traceback" not in result.output, result.output
     assert message in " ".join(result.output.split())
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("grad", [False, True])
+def test_apply_rotary_rounds_as_transformers_rotation_in_float32(dtype, grad):
+    """burst rotates in float32 and rounds once to the input's dtype, with or without a gradient (generation writes
+    each half in place; training keeps the autograd-friendly form): bit-equal to transformers' rotate-half formula on
+    the float32 input, rounded."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from models.llama import apply_rotary, rotary_cos_sin
+
+    torch.manual_seed(0)
+    x = (torch.randn(2, 40, 3, HEAD_DIM) * 4).to(dtype).requires_grad_(grad)
+    cos, sin = rotary_cos_sin(torch.arange(40), 1.0 / 10000 ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM))
+    full_cos, full_sin = (torch.cat([c, c], -1)[:, 0][None] for c in (cos, sin))  # [1, 40, head_dim]
+    heads_first = x.detach().float().transpose(1, 2)  # transformers' [batch, heads, seq, head_dim]
+    expected, _ = apply_rotary_pos_emb(heads_first, heads_first, full_cos, full_sin, unsqueeze_dim=1)
+    got = apply_rotary(x, cos, sin)
+    assert got.dtype == dtype and got.requires_grad == grad
+    assert torch.equal(got.detach(), expected.transpose(1, 2).to(dtype))
