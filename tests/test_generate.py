@@ -191,6 +191,18 @@ def test_kv_cache_per_rank_at_cp_4_is_a_quarter_of_cp_1s_measured_and_planned(sm
     assert abs(planned[1] - measured[1]) / measured[1] < 0.01 and abs(planned[4] - measured[4]) / measured[4] < 0.01
 
 
+
+def test_a_bf16_models_kv_cache_is_planned_in_float32_on_a_cpu(smollm2_2_layers, tmp_path):
+    """A CPU keeps the cache in float32 whatever the weights (burst/decode.py's cache_dtype), and the plan says so."""
+    config = json.loads((smollm2_2_layers / "config.json").read_text())
+    per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * config["hidden_size"] // \
+        config["num_attention_heads"] * 4
+    plan = tmp_path / "plan.json"
+    result = CliRunner().invoke(app, ["plan", "--model", str(smollm2_2_layers), "--seq-len", "3000", "--generate",
+                                      str(NEW_TOKENS), "--precision", "bf16", "--device", "cpu", "--json", str(plan)])
+    assert result.exit_code == 0, result.output
+    assert json.loads(plan.read_text())["memory_bytes"]["kv cache"] == (3000 + NEW_TOKENS) * per_token
+
 def test_burst_generate_writes_text_and_ids(smollm2_2_layers, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "The capital of France is"}) + "\n" + json.dumps({"messages": CHAT}))
