@@ -41,7 +41,7 @@ def smollm2_2_layers() -> Path:
     return _or_skip(lambda: truncated_dir(2))
 
 
-WORKER_MEMORY_GIB = 8  # a worker's share: one `burst train` of Gemma-3 cut to 6 layers peaks at 4.9 GiB (cp 1)
+WORKER_MEMORY_GIB = 8  # a worker's share: one `burst train` of Gemma-3 cut to 6 layers peaks at 4,929 MiB (cp 1)
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: unknown where it is not installed
