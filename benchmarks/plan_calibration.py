@@ -2,6 +2,7 @@
 
     python benchmarks/plan_calibration.py            # run the grid (a few minutes on 2 cores), write the table
     python benchmarks/plan_calibration.py --report   # fit and report from the stored table, running nothing
+    python benchmarks/plan_calibration.py --peaks    # measure the peaks again, keep the step times (under load)
 
 Each configuration of GRID trains 3-4 steps of `burst train` (fp32) on the embedded corpus, or SimPO on preference
 pairs cut from it, and records the largest rank's peak RSS and the fastest step's time after the first. The
@@ -227,8 +228,26 @@ def main() -> None:
     parser.add_argument("--report", action="store_true", help="fit and report from the stored table only")
     parser.add_argument("--markdown", action="store_true", help="print the report as docs/plan.md's table")
     parser.add_argument("--memory-rows", action="store_true", help="measure the memory rows only, into the table")
+    parser.add_argument("--peaks", action="store_true", help="measure every row's peak again (the memory rows too), "
+                        "keeping the table's step times: peaks do not move with other work on the machine, times do; "
+                        "a stopped run resumes at the first row it had not measured")
     args = parser.parse_args()
-    if args.memory_rows:
+    if args.peaks:
+        table = json.loads(TABLE.read_text())
+        grids = {"fp32": GRID, "bf16": BF16_GRID}
+        for row in table["rows"]:
+            if row.get("peak_threshold_fixed"):  # measured by an earlier --peaks run that was stopped: resume
+                continue
+            documents = next(grid_row[5] for grid_row in grids[row.get("precision", "fp32")]
+                             if grid_row[:5] == (row["model"], row["seq_len"], row["cp"], row["dp"], row["mode"])
+                             and (grid_row[5] if isinstance(grid_row[5], str) else "pairs") == row["documents"])
+            result = run_one(row["model"], row["seq_len"], row["cp"], row["dp"], row["mode"], documents, ROOT,
+                             row.get("precision", "fp32"))
+            row.update(peak_mib=result["peak_mib"], peaks_mib=result["peaks_mib"], peak_threshold_fixed=True)
+            print(row, flush=True)
+            TABLE.write_text(json.dumps(table, indent=1) + "\n")  # row by row: a long run stopped keeps its rows
+        TABLE.write_text(json.dumps({**table, "memory_rows": run_memory_grid()}, indent=1) + "\n")
+    elif args.memory_rows:
         table = json.loads(TABLE.read_text())
         TABLE.write_text(json.dumps({**table, "memory_rows": run_memory_grid()}, indent=1) + "\n")
     elif not args.report:

@@ -116,7 +116,7 @@ def activation_bytes(shape: RunShape, model: Footprint, hardware: Hardware, mode
         kept += model.layers * residual * model.dim  # the CPU's "host copy" is a clone beside the input it copies
     # The tiled MLP drops its intermediates from what a block keeps and from the gradients in flight through it, not
     # from what recomputing the whole block adds (tiny at 4K, full recomputation, --mlp-tile 1024: -90 MiB measured,
-    # these two terms' share of the MLP's width; with the third too the estimate claimed -205)
+    # -95 estimated from these two terms; with the third too the estimate claimed -205; malloc's 10% included)
     in_flight = constants.backward_bytes_per_value * block_width + (
         constants.full_recompute_bytes_per_value * model.block_width if mode == "full" else 0.0)
     working = block + in_flight * width / 2 + constants.outer_bytes_per_dim * model.dim
