@@ -77,11 +77,17 @@ def hf_model(directory: Path) -> transformers.PreTrainedModel:
 
 
 def transformers_ids(directory: Path, prompt_ids: list[int]) -> list[int]:
-    """transformers' greedy continuation of `prompt_ids`, up to its EOS (included) or NEW_TOKENS."""
+    """transformers' greedy continuation of `prompt_ids`, up to its EOS (included) or NEW_TOKENS: generated once per
+    prompt, as every cp reads the same prompt ids (test_prompts_are_the_ids_transformers_reads)."""
+    return list(_transformers_ids(directory, tuple(prompt_ids)))
+
+
+@functools.cache
+def _transformers_ids(directory: Path, prompt_ids: tuple[int, ...]) -> tuple[int, ...]:
     model = hf_model(directory)
     with torch.no_grad():
         ids = model.generate(torch.tensor([prompt_ids]), max_new_tokens=NEW_TOKENS, do_sample=False)[0]
-    return ids[len(prompt_ids):].tolist()
+    return tuple(ids[len(prompt_ids):].tolist())
 
 
 def test_prompts_are_the_ids_transformers_reads(smollm2_2_layers, generated):
