@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -173,12 +174,23 @@ def test_each_objective_is_trl_on_each_pair_unpacked(pair_store, expected, cp, d
                      timeout_s=300)
 
 
-def test_dpo_from_its_own_reference_starts_at_ln2_and_resumes_with_it(pair_store, tmp_path):
-    out = tmp_path / "run"
+@pytest.fixture(scope="module")
+def dpo_step_1(pair_store, tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+    """DPO runs stopped after step 1 (to resume from copies), from the seed's weights ("own") and from another seed's
+    ("other"): the two tests below start from the same run, trained once."""
+    root = tmp_path_factory.mktemp("dpo")
     common = ("--model", "debug", "--data", pair_store, "--seq-len", SEQ_LEN, "--batch-size", 2, "--steps", 3,
-              "--lr", 0.01, "--warmup", 1, "--precision", "fp32", "--doc-mask", "--objective", "dpo", "--out", out)
-    done = burst_train(*common, "--stop-after", 1)
-    assert done.returncode == 0, done.stderr[-3000:]
+              "--lr", 0.01, "--warmup", 1, "--precision", "fp32", "--doc-mask", "--objective", "dpo",
+              "--stop-after", 1)
+    runs = burst_train_together((*common, "--out", root / "own"), (*common, "--seed", 1, "--out", root / "other"))
+    for done in runs:
+        assert done.returncode == 0, done.stderr[-3000:]
+    return {name: (root / name, done) for name, done in zip(("own", "other"), runs, strict=True)}
+
+
+def test_dpo_from_its_own_reference_starts_at_ln2_and_resumes_with_it(pair_store, dpo_step_1, tmp_path):
+    out = Path(shutil.copytree(dpo_step_1["own"][0], tmp_path / "run"))
+    done = dpo_step_1["own"][1]
     [first] = metrics(out)
     assert abs(first["loss"] - math.log(2)) < 1e-6  # with prefix sharing (the default)
     assert first["rewards/margins"] == pytest.approx(0, abs=1e-6) and first["pairs"] > 2
@@ -206,17 +218,12 @@ def test_dpo_from_its_own_reference_starts_at_ln2_and_resumes_with_it(pair_store
     assert "rewards/accuracies" in " ".join(evaluated[0].stdout.split())
 
 
-def test_a_damaged_or_foreign_reference_is_refused_on_resume_in_one_line(pair_store, tmp_path):
+def test_a_damaged_or_foreign_reference_is_refused_on_resume_in_one_line(dpo_step_1, tmp_path):
     """Issue 35, defects 3 and 7: a truncated reference_logps.npz gave a BadZipFile traceback on --resume; one from
     a run that started from other weights (another --seed) was read silently; the pass had no line of its own."""
-    common = ("--model", "debug", "--data", pair_store, "--seq-len", SEQ_LEN, "--batch-size", 2, "--steps", 3,
-              "--lr", 0.01, "--warmup", 1, "--precision", "fp32", "--doc-mask", "--objective", "dpo",
-              "--stop-after", 1)
-    runs = [burst_train_together((*common, "--out", tmp_path / "own"), (*common, "--seed", 1, "--out",
-                                                                        tmp_path / "other"))]
-    for done in runs[0]:
-        assert done.returncode == 0, done.stderr[-3000:]
-    own, other = tmp_path / "own" / "reference_logps.npz", tmp_path / "other" / "reference_logps.npz"
+    shutil.copytree(dpo_step_1["own"][0], tmp_path / "own")
+    runs = [[dpo_step_1["own"][1]]]
+    own, other = tmp_path / "own" / "reference_logps.npz", dpo_step_1["other"][0] / "reference_logps.npz"
     [started] = events(tmp_path / "own", "reference")
     assert started["pairs"] > 0 and started["seconds"] > 0 and len(started["weights"]) == 64
     [ready] = events(tmp_path / "own", "model_ready")
