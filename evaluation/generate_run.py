@@ -32,7 +32,7 @@ from runtime.device import resolve_device
 from runtime.directories import check_writable, write_atomically
 from runtime.failure import writing
 from runtime.launch import first_failure, run_local, under_torchrun
-from runtime.memory import peak_memory_mib
+from runtime.memory import heap_for_large_tensors, peak_memory_mib
 from runtime.precision import resolve_precision
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -214,12 +214,13 @@ def run_generate(config: GenerateConfig, console: Console | None = None) -> tupl
         say(f"weights in {config.precision} ({config.precision_reason}), on {config.device} "
             f"({config.device_reason}), cp {config.cp}")
         results, speed = [], Speed()
-        for start in range(0, len(inputs.prompt_ids), config.batch_size):
-            batch = inputs.prompt_ids[start:start + config.batch_size]
-            results += generate(model, batch, inputs.tokenizer, inputs.stops, config.max_new_tokens,
-                                config.sampling, group, config.layout, speed)
-            say(f"prompts {len(results)}/{len(inputs.prompt_ids)}: {speed.line()}, peak memory "
-                f"{peak_memory_mib(device):,.0f} MiB (rank 0)")
+        with heap_for_large_tensors():
+            for start in range(0, len(inputs.prompt_ids), config.batch_size):
+                batch = inputs.prompt_ids[start:start + config.batch_size]
+                results += generate(model, batch, inputs.tokenizer, inputs.stops, config.max_new_tokens,
+                                    config.sampling, group, config.layout, speed)
+                say(f"prompts {len(results)}/{len(inputs.prompt_ids)}: {speed.line()}, peak memory "
+                    f"{peak_memory_mib(device):,.0f} MiB (rank 0)")
     if is_main:
         for out in results:
             console.print(out.text, markup=False, highlight=False)

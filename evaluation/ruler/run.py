@@ -26,6 +26,7 @@ from evaluation.ruler.tasks import TASK_NAMES, Sample, Task, question_answering,
 from evaluation.sampling import Sampling
 from runtime.directories import check_writable, write_atomically
 from runtime.failure import writing
+from runtime.memory import heap_for_large_tensors
 
 DEFAULT_TASKS = tuple(name for name in TASK_NAMES if name != "qa")
 DEFAULT_THRESHOLD = 85.6  # Llama-2-7B's average at 4K, RULER's bar for an effective length
@@ -182,23 +183,25 @@ def batch_size(length: int, world_size: int, asked: int) -> int:
 def answer_samples(model, samples: list[RulerSample], tokenizer: Tokenizer, stops: Stops, group, say,
                    batch: int = 0) -> None:
     """Greedy answers to every sample, in place, scored as RULER scores them. The samples of one length and one
-    number of new tokens are generated together, `batch_size` at a time (a row that ends leaves its batch)."""
+    number of new tokens are generated together, `batch_size` at a time (a row that ends leaves its batch), with
+    freed tensors kept in the heap for the next (`heap_for_large_tensors`)."""
     world_size = 1 if group is None else group.size()
     groups: dict[tuple[int, int], list[RulerSample]] = {}
     for sample in samples:
         groups.setdefault((sample.length, sample.max_new_tokens), []).append(sample)
     done = 0
-    for (length, new_tokens), members in groups.items():
-        size = batch_size(length, world_size, batch)
-        for start in range(0, len(members), size):
-            chunk = members[start:start + size]
-            outputs = generate(model, [s.prompt_token_ids for s in chunk], tokenizer, stops, new_tokens, Sampling(),
-                               group)
-            for sample, out in zip(chunk, outputs, strict=True):
-                sample.output = out.text
-                sample.score = score(out.text, tuple(sample.answers), metric_of(sample))
-            done += len(chunk)
-            say(f"ruler: {done}/{len(samples)} samples answered")
+    with heap_for_large_tensors():
+        for (length, new_tokens), members in groups.items():
+            size = batch_size(length, world_size, batch)
+            for start in range(0, len(members), size):
+                chunk = members[start:start + size]
+                outputs = generate(model, [s.prompt_token_ids for s in chunk], tokenizer, stops, new_tokens,
+                                   Sampling(), group)
+                for sample, out in zip(chunk, outputs, strict=True):
+                    sample.output = out.text
+                    sample.score = score(out.text, tuple(sample.answers), metric_of(sample))
+                done += len(chunk)
+                say(f"ruler: {done}/{len(samples)} samples answered")
 
 
 def metric_of(sample: RulerSample) -> str:
