@@ -111,16 +111,19 @@ def cuda_gpus_needed(item: pytest.Item) -> int | None:
 # the other worker idles. Only the order depends on these figures; a module not listed starts after them, in the
 # order collected.
 COSTS = {  # the sums of each module's items among the 40 slowest (2026-12-06, 1,206 tests, two workers): test_ruler
-    # (237 s) was not listed and started last, alone on one worker while the other idled (121% of a core overall)
+    # (237 s) was not listed and started last, alone on one worker while the other idled (121% of a core overall).
+    # Less since, by what was taken out: test_generate its greedy[2] and [4] (34 s: transformers' greedy ids are
+    # asked once per prompt), test_smollm2_benchmarks 47% of its CPU (10 commands run in-process, 168.7 -> 89.3 CPU
+    # s), test_preference one of its DPO runs (shared by two tests)
     "tests/test_gemma3.py": 338,
-    "tests/test_generate.py": 322,
+    "tests/test_generate.py": 288,
     "tests/test_ruler.py": 237,
-    "tests/test_smollm2_benchmarks.py": 201,
     "tests/test_train.py": 159,
-    "tests/test_preference.py": 155,
+    "tests/test_preference.py": 142,
     "tests/test_families.py": 139,
     "tests/test_checkpoint.py": 117,
     "tests/test_lora.py": 113,
+    "tests/test_smollm2_benchmarks.py": 107,
     "tests/test_run_directory.py": 91,
     "tests/test_golden_losses.py": 70,
     "tests/test_mixture.py": 51,

@@ -4,6 +4,7 @@ times its 512-token window); the export reloads in transformers as the same mode
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -35,12 +36,18 @@ def gemma3_6_layers(gemma3) -> Path:
     return cut_dir(6)
 
 
-def text_tokens(directory: Path) -> torch.Tensor:
-    """The first SEQ_LEN tokens of this repository's docs, as the model's own tokenizer encodes them (BOS first)."""
+@functools.cache
+def auto_tokenizer(directory: Path):
+    """transformers' reading of the model's tokenizer (262,144 ids: about 4 CPU s to load), once per directory."""
     from transformers import AutoTokenizer
 
+    return AutoTokenizer.from_pretrained(directory)
+
+
+def text_tokens(directory: Path) -> torch.Tensor:
+    """The first SEQ_LEN tokens of this repository's docs, as the model's own tokenizer encodes them (BOS first)."""
     text = "\n\n".join(page.read_text() for page in sorted((Path(__file__).parents[1] / "docs").glob("*.md")))
-    ids = AutoTokenizer.from_pretrained(directory)(text)["input_ids"][:SEQ_LEN]
+    ids = auto_tokenizer(directory)(text)["input_ids"][:SEQ_LEN]
     assert len(ids) == SEQ_LEN
     return torch.tensor([ids])
 
@@ -75,7 +82,7 @@ def test_gemma3_270m_logits_equal_transformers_and_the_export_reloads(gemma3, tm
         assert torch.equal(reloaded(tokens[:, :64]).logits, reference(tokens[:, :64]).logits)
     # the tokenizer round-trips: burst's reading of the converted directory and AutoTokenizer on the export encode
     # as the source does, BOS first
-    source, exported = AutoTokenizer.from_pretrained(gemma3), AutoTokenizer.from_pretrained(tmp_path / "hf")
+    source, exported = auto_tokenizer(gemma3), AutoTokenizer.from_pretrained(tmp_path / "hf")
     text = "Gemma's tokenizer: naïve café, 数据, emoji 🙂\n\tcode()"
     assert exported(text)["input_ids"] == source(text)["input_ids"] == \
         [2] + load_tokenizer(tmp_path / "burst").encode(text)
