@@ -226,7 +226,8 @@ def gpu_fixtures() -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--report", action="store_true", help="fit and report from the stored table only")
-    parser.add_argument("--markdown", action="store_true", help="print the report as docs/plan.md's table")
+    parser.add_argument("--markdown", action="store_true", help="print the report as docs/plan.md's table, from the "
+                        "stored table only (as --report: it runs nothing)")
     parser.add_argument("--memory-rows", action="store_true", help="measure the memory rows only, into the table")
     parser.add_argument("--peaks", action="store_true", help="measure every row's peak again (the memory rows too), "
                         "keeping the table's step times: peaks do not move with other work on the machine, times do; "
@@ -250,7 +251,7 @@ def main() -> None:
     elif args.memory_rows:
         table = json.loads(TABLE.read_text())
         TABLE.write_text(json.dumps({**table, "memory_rows": run_memory_grid()}, indent=1) + "\n")
-    elif not args.report:
+    elif not (args.report or args.markdown):  # --markdown formats the stored table: it must not measure it again
         with tempfile.TemporaryDirectory() as tmp:  # measured now, on the quiet machine: not a cached rate
             tflops = {dtype: cpu_matmul_tflops(Path(tmp) / "rate.json", dtype) for dtype in (torch.float32,
                                                                                              torch.bfloat16)}
