@@ -13,7 +13,9 @@ CPU (fp32, peak resident set size of the largest rank): `python benchmarks/plan_
 preference pairs with the prompt shared; about 12 minutes on 2 idle cores), rewrites benchmarks/plan_calibration.json,
 fits these constants on its even rows (each row, and the slope between rows that differ only in length) and reports
 the odd ones (`--report`: from the stored table, running nothing); tests/test_plan.py checks that the constants here
-are that fit. The allocator's share is fixed at 10% and what lies outside the blocks at 0 (not separable on these
+are that fit. Peaks as measured again with training's mmap threshold fixed (`--peaks`, 2026-12-06): within 10% on
+every row of both precisions and on the LoRA, tiling and offload rows.
+The allocator's share is fixed at 10% and what lies outside the blocks at 0 (not separable on these
 presets); the matmul and attention-product rates are the measured matmul rate (not fitted); docs/plan.md has the
 table. bf16 on CPU: its own 16-row grid on this CPU's native bf16 (AMX), fitted the same way, with
 gloo's hand-off taken from fp32.
@@ -38,10 +40,10 @@ class Constants:
     # gradients in flight through it (CPU; on CUDA folded into block_bytes_per_value by the two-point fit).
     backward_bytes_per_value: float
     # Bytes one token holds per value of `block_width` beyond that when the whole block is recomputed (full): on CPU
-    # the fit finds the recomputed block holding more than its saved tensors and their gradients; no CUDA measurement.
+    # the fit finds almost nothing once freed tensors leave the process (runtime/memory.py); no CUDA measurement.
     full_recompute_bytes_per_value: float
     # Values of the compute dtype per dim each layer keeps beyond its input under selective recomputation: attention's
-    # output on CUDA; on CPU the fit finds about seven (the output and more that the CPU path's recomputation keeps).
+    # output on CUDA; on CPU the fit finds 0.6 (fp32) and 0 (bf16, where autocast keeps the block's input in fp32).
     selective_values_per_dim: float
     # Bytes per token per dim kept outside the blocks (embedding output, final norm, the loss's hidden rows).
     outer_bytes_per_dim: float
@@ -91,14 +93,14 @@ GPU = Calibration("NVIDIA H200", "cuda", _CUDA, _CUDA, "issue 36's H200 measurem
 # A 2-core Intel Xeon with AVX-512, avx512_bf16 and amx_bf16 (docs/plan.md): the fp32 grid and the bf16 grid.
 CPU = Calibration(
     "Intel(R) Xeon(R) Processor, 2 threads, AVX512", "cpu",
-    Constants(block_bytes_per_value=4.108, backward_bytes_per_value=0.712, full_recompute_bytes_per_value=6.056,
-              selective_values_per_dim=6.999, outer_bytes_per_dim=0.0, matmul_efficiency=1.0, attention_fraction=1.0,
+    Constants(block_bytes_per_value=3.217, backward_bytes_per_value=0.0, full_recompute_bytes_per_value=0.123,
+              selective_values_per_dim=0.641, outer_bytes_per_dim=0.0, matmul_efficiency=1.0, attention_fraction=1.0,
               elementwise_s_per_value=2.03e-09, attention_score_s=2.73e-10, ring_step_s=0.00767,
-              process_bytes=386924544, allocator_overhead=0.10, step_overhead_s=0.029),
-    Constants(block_bytes_per_value=3.087, backward_bytes_per_value=1.721, full_recompute_bytes_per_value=3.911,
-              selective_values_per_dim=3.659, outer_bytes_per_dim=0.0, matmul_efficiency=1.0, attention_fraction=1.0,
+              process_bytes=354418688, allocator_overhead=0.10, step_overhead_s=0.029),
+    Constants(block_bytes_per_value=2.095, backward_bytes_per_value=0.0, full_recompute_bytes_per_value=0.0,
+              selective_values_per_dim=0.0, outer_bytes_per_dim=0.0, matmul_efficiency=1.0, attention_fraction=1.0,
               elementwise_s_per_value=8.94e-10, attention_score_s=5.95e-10, ring_step_s=0.00767,
-              process_bytes=407896064, allocator_overhead=0.10, step_overhead_s=0.0717),
+              process_bytes=391118848, allocator_overhead=0.10, step_overhead_s=0.0717),
     "benchmarks/plan_calibration.py's grids (fp32: 34 rows, bf16: 16), fitted on the even rows (docs/plan.md)")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -221,10 +222,10 @@ def test_the_gpu_table_names_its_sources_and_refuses_unknown_gpus():
 
 def test_the_calibration_constants_are_the_fit_of_the_stored_table_and_reproduce_its_measurements():
     """The CPU constants in planner/calibration.py are what benchmarks/plan_calibration.py fits on the stored
-    measurements' calibration half (no run repeated here). As measured on a quiet 2-core machine (docs/plan.md):
-    in fp32, step time within 25% and peak memory within 10% on every held-out row (the issue's targets); on the
-    rows fitted, time within 25% and memory within 25% (tiny at dp 2 with full recomputation: -21%; peak RSS moves
-    5-10% between runs of one configuration as malloc fragments). bf16 has its own constants and bounds below."""
+    measurements' calibration half (no run repeated here). As measured on a 2-core machine (docs/plan.md; peaks
+    measured again with training's mmap threshold fixed, runtime/memory.py, step times from a quiet machine): in fp32,
+    step time within 25% on every row (the issue's target), peak memory within 10% on every row of both precisions.
+    bf16 has its own constants and time bounds below."""
     from benchmarks.plan_calibration import fit, report
 
     table = json.loads(TABLE.read_text())
@@ -236,23 +237,38 @@ def test_the_calibration_constants_are_the_fit_of_the_stored_table_and_reproduce
             assert getattr(calibration.CPU.constants(precision), name) == pytest.approx(value, rel=1e-3, abs=1e-12), (
                 precision, name)
     lines = report(table)
+    assert all(row.get("peak_threshold_fixed") for row in table["rows"])  # every peak measured as training runs now
     fp32 = [line for line in lines if line["precision"] == "fp32"]
     assert all(abs(line["time_error"]) <= 0.25 for line in fp32), [line["time_error"] for line in fp32]
-    assert all(abs(line["memory_error"]) <= 0.25 for line in fp32), [line["memory_error"] for line in fp32]
-    assert all(abs(line["memory_error"]) <= 0.10 for line in fp32 if line["held_out"])
-    # bf16 (its own constants, from a grid half the size): held-out time within 25%, memory within 10% but for one
-    # row (tiny, cp 2, selective: -22%); every row's time within 30%
+    # peak memory within 10% on every row, fitted or held out, in both precisions (measured: -3.5% to +6.1%)
+    assert all(abs(line["memory_error"]) <= 0.10 for line in lines), [line["memory_error"] for line in lines]
+    # bf16 (its own constants, from a grid half the size): held-out time within 25%; every row's time within 30%
     bf16 = [line for line in lines if line["precision"] == "bf16"]
     assert len(bf16) >= 16
     assert all(abs(line["time_error"]) <= 0.30 for line in bf16), [line["time_error"] for line in bf16]
     assert all(abs(line["time_error"]) <= 0.25 for line in bf16 if line["held_out"])
-    assert all(abs(line["memory_error"]) <= 0.25 for line in bf16), [line["memory_error"] for line in bf16]
-    assert sum(abs(line["memory_error"]) > 0.10 for line in bf16 if line["held_out"]) <= 1
+
+
+def test_the_memory_rows_lora_tiling_and_offload_are_estimated_within_10_percent():
+    """Issue 44: the calibration's memory rows (tiny at 4,096 tokens, full recomputation, 2 steps: LoRA r16 on every
+    target, the tiled MLP and loss, offloaded activations, each beside the same shape without them), none of them
+    fitted on, are estimated within 10% with the code's constants, and so are the changes they make (measured:
+    +1.3% to +2.9%)."""
+    from benchmarks.plan_calibration import memory_report
+
+    lines = memory_report(json.loads(TABLE.read_text()))
+    assert len(lines) == 4 and {} in [line["memory"] for line in lines]
+    assert all(abs(line["memory_error"]) <= 0.10 for line in lines), [line["memory_error"] for line in lines]
+    plain = next(line for line in lines if not line["memory"])
+    for line in lines:
+        measured, estimated = line["peak_mib"] - plain["peak_mib"], line["est_mib"] - plain["est_mib"]
+        assert abs(estimated - measured) <= 0.10 * plain["peak_mib"], (line["memory"], measured, estimated)
 
 
 def test_a_cpu_plan_in_bf16_takes_the_bf16_constants_and_says_so_where_the_cpu_has_no_native_bf16(monkeypatch):
     """bf16 on a CPU has its own constants (autocast keeps most saved tensors in float32: tiny at 4,096 tokens held
-    2,252 MiB in bf16 and 2,523 in fp32, where halving every saved tensor would say about 1,770), fitted on the
+    1,768 MiB in bf16 and 2,133 in fp32 with preference pairs: not the half a bf16 copy of every saved tensor
+    would keep), fitted on the
     bf16 grid of a CPU with native bf16; where the CPU has none, the plan says its step time is not that CPU's."""
     import trainer.plan as plan_module
 
@@ -471,3 +487,21 @@ def test_calibrate_fits_this_machines_constants_keeps_them_and_the_plan_says_who
     assert json.loads(again.read_text())["step_time_s"] == pytest.approx(json.loads(after.read_text())["step_time_s"])
     assert json.loads(again.read_text())["step_time_s"] != pytest.approx(json.loads(before.read_text())["step_time_s"])
     assert calibration.cached("AMD EPYC 7B13, 2 threads, AVX512").fp32.process_bytes == fitted["process_bytes"]
+
+
+def test_the_calibrations_markdown_table_is_printed_from_the_stored_table_without_measuring(monkeypatch, capsys):
+    """`plan_calibration.py --markdown` (docs/plan.md's table) ran the whole 30-minute grid again before printing,
+    and would have replaced the stored measurements with those of whatever else the machine was doing."""
+    import benchmarks.plan_calibration as grid
+
+    def measure(*args, **kwargs):
+        raise AssertionError("--markdown measured")
+
+    monkeypatch.setattr(grid, "run_one", measure)
+    monkeypatch.setattr(grid, "cpu_matmul_tflops", measure)
+    monkeypatch.setattr(sys, "argv", ["plan_calibration.py", "--markdown"])
+    before = TABLE.read_bytes()
+    grid.main()
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("| dtype | model |") and len(lines) == 2 + len(json.loads(before)["rows"])
+    assert TABLE.read_bytes() == before
