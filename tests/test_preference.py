@@ -95,6 +95,23 @@ def trl_losses(objective: str, chosen: torch.Tensor, rejected: torch.Tensor, cho
     return -chosen / chosen_tokens.mean() - lam * F.logsigmoid(log_odds)
 
 
+def transformers_pair_logps(hf, store: TokenStore, documents: np.ndarray, shortest: int = 0) -> tuple:
+    """Each pair's (chosen, rejected) summed log-probabilities, [pairs, 2] with the graph kept, and their answers'
+    token counts, [pairs, 2], as the transformers model `hf` computes them on each answer after its prompt, unpacked.
+    `shortest`: every prompt-and-answer sequence must be longer (a test's precondition, e.g. a window it must cross)."""
+    sums, counts = [], []
+    for document in documents.tolist():
+        prompt, chosen, _ = store.pair_lengths_of(document)
+        ids = torch.from_numpy(store.document(document).astype(np.int64))
+        for answer in (ids[prompt:prompt + chosen], ids[prompt + chosen:]):
+            sequence = torch.cat([ids[:prompt], answer])
+            assert len(sequence) > shortest
+            logits = hf(input_ids=sequence[None]).logits[0].float()  # [prompt + answer, vocab]
+            sums.append(logits[prompt - 1:-1].log_softmax(-1).gather(1, answer[:, None]).sum())
+            counts.append(float(len(answer)))
+    return torch.stack(sums).view(-1, 2), torch.tensor(counts).view(-1, 2)
+
+
 def transformers_reference(store_dir: Path, sharing: bool) -> dict:
     """Per objective, step 1's loss and gradient norm as transformers computes them on each pair of the step
     unpacked, and each pair's (chosen, rejected) log-probabilities."""
@@ -108,17 +125,7 @@ def transformers_reference(store_dir: Path, sharing: bool) -> dict:
     expected: dict = {}
     for objective in OBJECTIVES:
         hf.zero_grad()
-        sums, counts = [], []
-        for document in documents.tolist():
-            prompt, chosen, _ = store.pair_lengths_of(document)
-            ids = torch.from_numpy(store.document(document).astype(np.int64))
-            for answer in (ids[prompt:prompt + chosen], ids[prompt + chosen:]):
-                sequence = torch.cat([ids[:prompt], answer])
-                logits = hf(input_ids=sequence[None]).logits[0].float()  # [prompt + answer, vocab]
-                token_logps = logits[prompt - 1:-1].log_softmax(-1).gather(1, answer[:, None]).squeeze(1)
-                sums.append(token_logps.sum())
-                counts.append(float(len(answer)))
-        logps, tokens = torch.stack(sums).view(-1, 2), torch.tensor(counts).view(-1, 2)
+        logps, tokens = transformers_pair_logps(hf, store, documents)
         loss = trl_losses(objective, logps[:, 0], logps[:, 1], tokens[:, 0], tokens[:, 1], reference).mean()
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(hf.parameters(), float("inf"))

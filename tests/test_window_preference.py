@@ -19,7 +19,7 @@ from models.convert import NATIVE_TO_HF, rename
 from models.hf_config import config_to_hf
 from tests.distributed import run_on_ranks
 from tests.test_instruction_training import model_config
-from tests.test_preference import make_pair_store, reference_logps, trl_losses
+from tests.test_preference import make_pair_store, reference_logps, transformers_pair_logps, trl_losses
 from trainer.config import TrainConfig
 from trainer.distributed import Distributed
 from trainer.parallelize import build_model
@@ -55,17 +55,7 @@ def transformers_dpo(store_dir: Path, sharing: bool) -> tuple[float, float]:
     hf.load_state_dict({rename(name, NATIVE_TO_HF): t for name, t in model.state_dict().items()}, strict=False)
     stream = PreferenceStream(store, SEQ_LEN, 3, prefix_sharing=sharing)
     documents = np.concatenate([stream.sequence(k).documents for k in range(SEQUENCES)])
-    sums, counts = [], []
-    for document in documents.tolist():
-        prompt, chosen, _ = store.pair_lengths_of(document)
-        ids = torch.from_numpy(store.document(document).astype(np.int64))
-        for answer in (ids[prompt:prompt + chosen], ids[prompt + chosen:]):
-            sequence = torch.cat([ids[:prompt], answer])
-            assert len(sequence) > 2 * WINDOW  # the window cuts every pair's attention
-            logits = hf(input_ids=sequence[None]).logits[0].float()
-            sums.append(logits[prompt - 1:-1].log_softmax(-1).gather(1, answer[:, None]).sum())
-            counts.append(float(len(answer)))
-    logps, tokens = torch.stack(sums).view(-1, 2), torch.tensor(counts).view(-1, 2)
+    logps, tokens = transformers_pair_logps(hf, store, documents, shortest=2 * WINDOW)  # the window cuts every pair
     reference = torch.from_numpy(reference_logps(store))[documents]
     loss = trl_losses("dpo", logps[:, 0], logps[:, 1], tokens[:, 0], tokens[:, 1], reference).mean()
     loss.backward()
