@@ -207,6 +207,20 @@ def markdown(lines: list[dict]) -> str:
     return "\n".join(out)
 
 
+def memory_markdown(lines: list[dict]) -> str:
+    """The memory rows' report as docs/plan.md's table: each row's peak, and the change its flags make against the
+    row without flags, measured and estimated."""
+    plain = next(line for line in lines if not line["memory"])
+    out = ["| flags (tiny, 4,096 tokens, full recomputation) | MiB measured | MiB estimated | error | "
+           "change measured | change estimated |", "|---|---|---|---|---|---|"]
+    for line in lines:
+        changes = ("-", "-") if line is plain else (f"{line['peak_mib'] - plain['peak_mib']:+,.0f}",
+                                                    f"{line['est_mib'] - plain['est_mib']:+,.0f}")
+        out.append(f"| {' '.join(memory_flags(line['memory'])) or '(none)'} | {line['peak_mib']:,.0f} | "
+                   f"{line['est_mib']:,.0f} | {line['memory_error']:+.1%} | {changes[0]} | {changes[1]} |")
+    return "\n".join(out)
+
+
 def gpu_fixtures() -> list[dict]:
     """Issue 36's H200 measurements against `burst plan --gpu h200`."""
     from planner import estimate
@@ -263,6 +277,8 @@ def main() -> None:
     table = json.loads(TABLE.read_text())
     if args.markdown:
         print(markdown(report(table)))
+        if table.get("memory_rows"):
+            print("\n" + memory_markdown(memory_report(table)))
         return
     print("fitted on the even rows, fp32:", fit(table))
     if any(row.get("precision") == "bf16" for row in table["rows"]):

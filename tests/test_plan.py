@@ -502,6 +502,7 @@ def test_the_calibrations_markdown_table_is_printed_from_the_stored_table_withou
     monkeypatch.setattr(sys, "argv", ["plan_calibration.py", "--markdown"])
     before = TABLE.read_bytes()
     grid.main()
-    lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("| dtype | model |") and len(lines) == 2 + len(json.loads(before)["rows"])
+    grid, memory = capsys.readouterr().out.strip().split("\n\n")
+    assert grid.startswith("| dtype | model |") and len(grid.splitlines()) == 2 + len(json.loads(before)["rows"])
+    assert memory.startswith("| flags") and len(memory.splitlines()) == 2 + len(json.loads(before)["memory_rows"])
     assert TABLE.read_bytes() == before

@@ -60,7 +60,6 @@ def test_training_ranks_return_freed_memory_and_evaluation_ranks_do_not(monkeypa
     assert calls == ["train"]
 
 
-
 # Generate twice from a tiny model, a batch whose activations pass glibc's 32 MiB ceiling (2 x 2,048 tokens x 4,096
 # features), inside heap_for_large_tensors (after return_freed_memory where asked) and after it; print the pages the
 # second batch of each faulted in, whether both gave the same tokens, and the MiB the heap gave back on leaving.
