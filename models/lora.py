@@ -116,10 +116,9 @@ def target_modules(model: nn.Module, targets: tuple[str, ...]) -> Iterator[tuple
             yield block.get_submodule(parent_path), attribute, target
 
 
-def apply_lora(model: nn.Module, lora: LoRAConfig, frozen_dtype: torch.dtype | None = None) -> nn.Module:
+def apply_lora(model: nn.Module, lora: LoRAConfig) -> nn.Module:
     """Give `model`'s targeted linear layers adapters, in place (on any device, meta included), and freeze the
-    rest: only adapters, and with lora.train_embeddings_and_norms the embeddings and norms, require gradients.
-    frozen_dtype: the frozen weights' dtype (the run's compute precision: bf16 on GPUs), None: as they are."""
+    rest: only adapters, and with lora.train_embeddings_and_norms the embeddings and norms, require gradients."""
     for parent, attribute, _ in target_modules(model, lora.targets):
         linear = getattr(parent, attribute)
         with torch.device(linear.weight.device):
@@ -128,8 +127,6 @@ def apply_lora(model: nn.Module, lora: LoRAConfig, frozen_dtype: torch.dtype | N
         setattr(parent, attribute, adapted)
     for name, param in model.named_parameters():
         param.requires_grad_(is_trainable(name, lora))
-        if not param.requires_grad and frozen_dtype is not None and param.dtype != frozen_dtype:
-            param.data = param.data.to(frozen_dtype)
     return model
 
 

@@ -6,11 +6,11 @@ exist (from the second step on), and the gradients are only those of the blocks 
 activations are gone and the whole gradient is there; the peak is the larger of the two.
 
 Each part is one function of the shape, the model's footprint and the hardware; `memory_parts` names them.
-LoRA keeps the frozen weights in the compute dtype (bf16 on CUDA) without gradients or optimizer state; offloaded
-activations leave two blocks' inputs on the GPU (one going out, one coming back) and the rest in host memory
-(`host_bytes`; on a CPU the host is the device, and the copies add to it: trainer/memory.py's HostCopy clones each
-input there); the tiled MLP holds its
-intermediate for --mlp-tile tokens at a time, the loss its logits for --loss-tile rows.
+LoRA keeps the frozen weights in the compute dtype (bf16; on a CPU the blocks' matrices) without gradients or
+optimizer state; offloaded activations leave two blocks' inputs on the GPU (one going out, one coming back) and the
+rest in host memory (`host_bytes`; on a CPU the host is the device, and the copies add to it: trainer/memory.py's
+HostCopy clones each input there); the tiled MLP holds its intermediate for --mlp-tile tokens at a time, the loss its
+logits for --loss-tile rows.
 """
 
 from __future__ import annotations
@@ -52,9 +52,16 @@ def trainable_parameters(shape: RunShape, model: Footprint) -> Trainable:
     return Trainable(model.layers * block + outer, block, outer, model.parameters - base_trained)
 
 
-def frozen_width(shape: RunShape, hardware: Hardware) -> int:
-    """Bytes per frozen weight: LoRA keeps them in bf16 where a bf16 run computes on CUDA, else float32."""
-    return 2 if shape.precision == "bf16" and hardware.device == "cuda" else 4
+def frozen_bytes(shape: RunShape, model: Footprint, hardware: Hardware, frozen: int) -> int:
+    """Bytes of LoRA's `frozen` weights. A bf16 run keeps them in bf16 (trainer/parallelize.py's
+    keep_frozen_in_bf16): all of them on CUDA; on a CPU the blocks' linear layers, which autocast computes in bf16
+    (the embeddings and norms compute in float32 there and stay float32). float32 otherwise."""
+    if shape.precision != "bf16" or not frozen:
+        return 4 * frozen
+    if hardware.device == "cuda":
+        return 2 * frozen
+    block_matrices = model.matmul - model.vocab * model.dim  # frozen whole under LoRA (its adapters are apart)
+    return 2 * block_matrices + 4 * (frozen - block_matrices)
 
 
 def tiled_block_width(shape: RunShape, model: Footprint) -> float:
@@ -192,7 +199,7 @@ def training_parts(shape: RunShape, model: Footprint, hardware: Hardware, mode: 
     early = 4 * (trainable.block + trainable.outer) // world  # gradients held early in backward
     late = 4 * trainable.parameters // world
     early_peak = kept + loss_bytes(shape, model) + early >= late
-    weights = 4 * trainable.parameters + frozen_width(shape, hardware) * trainable.frozen
+    weights = 4 * trainable.parameters + frozen_bytes(shape, model, hardware, trainable.frozen)
     return {"weights": weights // world, "gradients": early if early_peak else late,
             "optimizer state": 8 * trainable.parameters // world,
             "gathered weights": (2 * model.block + model.outer) * compute_width(shape) if world > 1 else 0,

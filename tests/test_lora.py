@@ -4,6 +4,7 @@ adapter starts a run (--init-adapter); a LoRA DPO run's reference is the base mo
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -115,6 +116,33 @@ def test_lora_loss_and_adapter_gradients_equal_peft_at_cp1_cp2_dp2(smollm2_2_lay
     check_against_peft(loss, gradients, expected)
     for cp, dp in ((2, 1), (1, 2)):
         run_on_ranks(_layout, world_size=2, args=(smollm2_2_layers, random_adapter, cp, dp, expected))
+
+
+def test_a_bf16_run_keeps_the_frozen_linear_weights_in_bf16_and_computes_the_same_values(smollm2_2_layers,
+                                                                                        random_adapter):
+    """On a CPU bf16 is autocast over float32 weights, which rounds every linear layer's weight to bf16 before each
+    use: keeping the frozen ones in bf16 (trainer/parallelize.py's keep_frozen_in_bf16) drops their float32 copy
+    and changes no value. The reference keeps them in float32 (built as an fp32 run) and steps under the same
+    autocast."""
+    env = Distributed(0, 1, torch.device("cpu"), None)
+    bf16 = dataclasses.replace(config_for(smollm2_2_layers, random_adapter, 1, 1), precision="bf16")
+    models = [build_model(read_model(smollm2_2_layers).config, None, config, env.device, checkpoint=smollm2_2_layers)
+              for config in (bf16, dataclasses.replace(bf16, precision="fp32"))]
+    frozen_linears = {f"layers.{block}.{linear}.weight" for block in range(2) for linear, _ in TARGETS.values()}
+    dtypes = {model_name(name): param.dtype for name, param in models[0].named_parameters()}
+    assert len(dtypes) > len(frozen_linears) and "tok_embeddings.weight" in dtypes and "norm.weight" in dtypes
+    # adapters, embeddings and norms stay float32: they train, or compute in float32 under CPU autocast
+    assert dtypes == {name: torch.bfloat16 if name in frozen_linears else torch.float32 for name in dtypes}
+    assert all(param.dtype == torch.float32 for param in models[1].parameters())
+    losses, gradients = [], []
+    for model in models:
+        trainable = [param for param in model.parameters() if param.requires_grad]
+        before = [param.detach().clone() for param in trainable]
+        optimizer = torch.optim.SGD(trainable, lr=1.0)  # the step's change is the gradient
+        losses.append(train_step(model, optimizer, rank_batches(0, 1, 0, 1, 1), bf16, env).loss)
+        gradients.append([old - param.detach() for old, param in zip(before, trainable, strict=True)])
+    assert losses[0] == losses[1] and all(change.any() for change in gradients[0])
+    assert all(torch.equal(kept, reference) for kept, reference in zip(*gradients, strict=True))
 
 
 def burst_lora_logits(base: Path, run: Path, tokens: torch.Tensor) -> torch.Tensor:

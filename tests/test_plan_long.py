@@ -19,6 +19,7 @@ from planner.memory import activation_bytes, host_bytes, memory_parts, trainable
 from planner.search import memory_settings
 from planner.shape import RunShape
 from trainer.config import TrainConfig
+from trainer.parallelize import parallelize
 
 EIGHT_B = ModelConfig.from_name("llama3.1-8b")
 
@@ -53,6 +54,21 @@ def test_lora_holds_frozen_bf16_weights_and_the_adapters_state_only():
     parameters = footprint(EIGHT_B).parameters
     assert abs(lora["weights"] - 2 * parameters) < 0.01 * parameters  # bf16, plus the adapters' float32
     assert lora["optimizer state"] < 0.01 * full["optimizer state"] and full["optimizer state"] == 8 * parameters
+
+
+def test_the_planned_lora_weights_are_the_bytes_a_bf16_run_holds_on_a_cpu_and_on_cuda():
+    """The planner's weight bytes against the parallelized model's own: on a CPU a bf16 run keeps the blocks'
+    frozen matrices in bf16 and the embeddings and norms in float32, on CUDA every frozen weight in bf16."""
+    config = ModelConfig.from_name("tiny")
+    train = TrainConfig(model="tiny", precision="bf16", lora_rank=16, lora_targets="q,v,gate")
+    for device in ("cpu", "cuda"):
+        with torch.device("meta"):
+            model = parallelize(Transformer(config), None, train, device)
+        held = sum(param.numel() * param.element_size() for param in model.parameters())
+        hardware = dataclasses.replace(gpu("h100", 1), device=device)
+        shape = RunShape(seq_len=1024, precision="bf16", lora_rank=16, lora_targets=("q", "v", "gate"))
+        assert memory_parts(shape, footprint(config), hardware)["weights"] == held, device
+        assert {param.dtype for param in model.parameters()} == {torch.float32, torch.bfloat16}, device
 
 
 def test_offloading_moves_the_kept_inputs_to_host_memory_on_gpus_and_clones_them_on_a_cpu():
