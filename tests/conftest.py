@@ -9,17 +9,25 @@ unset (auto: the GPUs) where the machine has N GPUs, and is skipped, with the re
 
 from __future__ import annotations
 
-import compileall
 import os
-import sys
-import tempfile
-from pathlib import Path
 
-import pytest
+# Before torch is imported here (the OpenMP runtime reads it once, when torch loads it), and for every process the
+# suite starts: a thread waiting for the others at the end of a parallel region sleeps instead of spinning for
+# them. The suite runs two workers on two cores, each starting processes of two threads, so a region's threads
+# wait for cores another process holds: spinning, a 3-step `burst train` used 13 CPU s where it needs 4, and a
+# kernel's self-check 1.9 s where it needs 0.04. The same threads compute the same sums, so no number moves.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from scripts.smollm2 import INSTALL, WHEEL, smollm2_dir, truncated_dir
-from tests.fixtures import store as store  # noqa: F401  (registered here: every test file may ask for them)
-from tests.fixtures import uninterrupted as uninterrupted  # noqa: F401
+import compileall  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+from scripts.smollm2 import INSTALL, WHEEL, smollm2_dir, truncated_dir  # noqa: E402
+from tests.fixtures import store as store  # noqa: E402, F401  (registered here: every test file may ask for them)
+from tests.fixtures import uninterrupted as uninterrupted  # noqa: E402, F401
 
 
 def _or_skip(make) -> Path:
