@@ -22,16 +22,18 @@ from trainer.train import train
 
 
 def workers_of(launcher: int) -> list[int]:
-    """The worker processes the launcher `launcher` started (spawned children, not the resource tracker)."""
-    found = []
+    """The worker processes the launcher `launcher` started: forked by its forkserver (runtime/launch.py), or
+    spawned by it where there is none; not the server itself, nor the resource tracker."""
+    processes = {}
     for entry in Path("/proc").iterdir():
         try:
             ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            if ppid == launcher and b"spawn_main" in (entry / "cmdline").read_bytes():
-                found.append(int(entry.name))
+            processes[int(entry.name)] = ppid, (entry / "cmdline").read_bytes()
         except (ValueError, OSError):  # not a process, or one that just ended
             continue
-    return sorted(found)
+    servers = {pid for pid, (ppid, command) in processes.items() if ppid == launcher and b"forkserver" in command}
+    return sorted(pid for pid, (ppid, command) in processes.items()
+                  if ppid in servers or (ppid == launcher and b"spawn_main" in command))
 
 
 def kill_a_worker_after(command: list[str], out: Path, step: int) -> subprocess.CompletedProcess:

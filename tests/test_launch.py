@@ -1,5 +1,6 @@
 """runtime.process.leaving_process_group: ranks tear down together after a clean end, at once after an error;
-runtime.launch.die_with_parent: a worker ends with its launcher, however the launcher ends."""
+runtime.launch.die_with_parent: a worker ends with its launcher, however the launcher ends; runtime.launch.run_local:
+workers fork from a server that imported their module, in the launcher's environment as it is when they start."""
 
 import datetime
 import os
@@ -13,6 +14,7 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from runtime.launch import run_local
 from runtime.process import leaving_process_group
 from tests.distributed import free_port
 
@@ -84,6 +86,64 @@ def test_a_worker_dies_with_its_launcher_killed_outright(platform):
                                 cwd=Path(__file__).parents[1])
     try:
         worker = int(launcher.stdout.readline())
+        assert running(worker)
+    finally:
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait()
+    deadline = time.monotonic() + 10
+    while running(worker) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not running(worker)
+
+
+def _as_started(name: str) -> dict:
+    """What a worker of run_local finds as its function begins."""
+    return {"cpu_s": time.process_time(), "parent": os.getppid(), "rank": os.environ["RANK"],
+            "value": os.environ.get(name), "cwd": os.getcwd()}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="workers fork from a server on Linux only")
+def test_workers_fork_from_a_server_in_the_launchers_environment_as_it_is_when_they_start(monkeypatch, tmp_path):
+    monkeypatch.setenv("BURST_TEST_LAUNCH", "first")
+    first = run_local(_as_started, 2, ("BURST_TEST_LAUNCH",))
+    # The server now runs, with the environment and directory it started in; the next workers fork from it.
+    monkeypatch.setenv("BURST_TEST_LAUNCH", "second")
+    monkeypatch.chdir(tmp_path)
+    second = run_local(_as_started, 2, ("BURST_TEST_LAUNCH",))
+    for run, value in ((first, "first"), (second, "second")):
+        assert [run[rank]["rank"] for rank in (0, 1)] == ["0", "1"]
+        assert [run[rank]["value"] for rank in (0, 1)] == [value, value]
+    assert {second[rank]["cwd"] for rank in (0, 1)} == {str(tmp_path)}
+    # Forked, not spawned by this process: a spawned worker imported torch again first (2-3 CPU s)
+    assert all(run[rank]["parent"] != os.getpid() for run in (first, second) for rank in (0, 1))
+    assert all(run[rank]["cpu_s"] < 1.0 for run in (first, second) for rank in (0, 1)), (first, second)
+
+
+def _sleep_after_writing_pid(path: str) -> None:
+    Path(path).write_text(str(os.getpid()))
+    time.sleep(120)
+
+
+RUN_LOCAL_LAUNCHER = """
+import sys
+from runtime.launch import run_local
+from tests.test_launch import _sleep_after_writing_pid
+run_local(_sleep_after_writing_pid, 1, (sys.argv[1],))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux's /proc")
+def test_a_worker_forked_from_the_server_dies_with_its_launcher_killed_outright(tmp_path):
+    pid_file = tmp_path / "worker.pid"
+    repo = Path(__file__).parents[1]
+    launcher = subprocess.Popen([sys.executable, "-c", RUN_LOCAL_LAUNCHER, str(pid_file)], cwd=repo,
+                                env={**os.environ, "PYTHONPATH": str(repo)})
+    try:
+        deadline = time.monotonic() + 120
+        while not (pid_file.is_file() and pid_file.read_text()) and launcher.poll() is None:
+            assert time.monotonic() < deadline, "the worker did not start"
+            time.sleep(0.05)
+        worker = int(pid_file.read_text())
         assert running(worker)
     finally:
         launcher.send_signal(signal.SIGKILL)

@@ -51,7 +51,8 @@ def start_ranks(config: TrainConfig) -> None:
         return
     try:
         # torch's elastic launcher, as `torchrun --standalone --max-restarts N`
-        run_local(train, config.world_size, (config,), max_restarts=config.max_restarts)
+        # torch._dynamo: a rank's optimizer imports it (torch.optim's step is kept out of compilation)
+        run_local(train, config.world_size, (config,), max_restarts=config.max_restarts, preload=("torch._dynamo",))
     except ChildFailedError as err:
         raise worker_failure(err) from None
     except SignalException as err:
