@@ -46,7 +46,8 @@ def peak_mib(model: Path, store: Path, seq_len: int, steps: int, precision: str,
     """(peak MiB, seconds) of one training run in a fresh process."""
     start = time.perf_counter()
     burst("train", "--model", str(model), "--data", str(store), "--seq-len", str(seq_len), "--steps", str(steps),
-          "--activation-checkpointing", "full", "--precision", precision, "--val-tokens", "0", "--out", str(out), *flags)
+          "--activation-checkpointing", "full", "--precision", precision, "--val-tokens", "0", "--out", str(out),
+          *flags)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return max(row["peak_mem_mib"] for row in rows if "peak_mem_mib" in row), time.perf_counter() - start
 
@@ -61,8 +62,8 @@ def main() -> None:
     args = parser.parse_args()
     model = smollm2_dir()
     print(f"torch {torch.__version__}, cpu capability {torch.backends.cpu.get_cpu_capability()}, "
-          f"{torch.get_num_threads()} threads; SmolLM2-135M, {args.seq_len} tokens, full recomputation, {args.precision}, "
-          f"{args.steps} steps", flush=True)
+          f"{torch.get_num_threads()} threads; SmolLM2-135M, {args.seq_len} tokens, full recomputation, "
+          f"{args.precision}, {args.steps} steps", flush=True)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         store = Path(tmp) / "store"
@@ -71,7 +72,8 @@ def main() -> None:
         for name, flags in VARIANTS.items():
             if args.only and name not in args.only:
                 continue
-            results[name] = peak_mib(model, store, args.seq_len, args.steps, args.precision, flags, Path(tmp) / f"run{len(results)}")
+            out = Path(tmp) / f"run{len(results)}"
+            results[name] = peak_mib(model, store, args.seq_len, args.steps, args.precision, flags, out)
             print(f"{name}: {results[name][0]:.0f} MiB peak ({results[name][1]:.0f} s)", flush=True)
     full = results.get("full fine-tuning", (None,))[0]
     print("\n| run | flags | peak MiB | / full fine-tuning |\n|---|---|---|---|")
