@@ -31,8 +31,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from models.checkpoint import CONFIG_NAME, check_tensor_shapes, expected_shapes, read_config
 from models.convert import Checkpoint, expected_adapter_shapes, generation_config_beside
@@ -135,6 +133,8 @@ def missing_files(path: Path, world_size: int | None = None) -> list[str]:
     for name in (DCP_METADATA, CONFIG_NAME, STATE_NAME):
         if not (path / name).is_file():
             return [f"it lacks {name}"]
+    import torch.distributed.checkpoint as dcp  # here: it imports DTensor (about 1 CPU s), which listing runs need not
+
     try:
         metadata = dcp.FileSystemReader(str(path)).read_metadata()
     except Exception as err:  # a truncated pickle raises whatever unpickling hits
@@ -200,6 +200,9 @@ def read_model_checkpoint(path: Path) -> Checkpoint:
     """The model weights of a training checkpoint (or of a run directory's newest), read in this one process
     without the ranks that wrote them; validated from metadata, tensors read one at a time. A LoRA run's weights
     come merged (W + B A alpha / rank), and its adapter alone through `Checkpoint.adapter`."""
+    import torch.distributed.checkpoint as dcp  # see missing_files
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     path = resolve_checkpoint(Path(path))
     config = read_config(path)
     items = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
