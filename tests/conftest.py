@@ -79,6 +79,16 @@ def pytest_configure(config: pytest.Config) -> None:
     # Here, before any test module is imported: a module that reads the device at import sees the CPU too.
     os.environ["BURST_DEVICE"] = "cpu"
     keep_bytecode_outside_the_checkout()
+    if not runs_on_workers(config):  # a process that runs tests: its ranks' server imports what they need
+        from tests.distributed import start_forkserver
+
+        start_forkserver()
+
+
+def runs_on_workers(config: pytest.Config) -> bool:
+    """Whether this process hands the tests to pytest-xdist's workers rather than running them itself."""
+    return (config.pluginmanager.hasplugin("xdist") and not hasattr(config, "workerinput")
+            and config.option.numprocesses not in (None, 0, "0"))
 
 
 REPO = Path(__file__).parents[1]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import multiprocessing.forkserver
 import os
 import queue
 import socket
@@ -50,6 +51,15 @@ PRELOADED = ["torch", "torch.distributed", "torch._dynamo", "transformers", "pyt
 KEPT_POOLS = 3  # pools alive at once (each rank holds torch and the project): the most recently used
 # what this session's calls asked for (a spawn per call would start "ranks asked") and started (conftest prints it)
 counts = {"calls": 0, "ranks asked": 0, "ranks started": 0}
+
+
+def start_forkserver() -> None:
+    """Start the server the pools' ranks fork from, with PRELOADED imported. The workers of runtime.launch.run_local
+    (a command a test runs in its own process: `burst bench attention --nproc 2`) fork from the same server, and ask
+    for their function's module alone: had one started it first, every pool of the session would import
+    transformers and pytest again in each rank."""
+    multiprocessing.set_forkserver_preload(PRELOADED)
+    multiprocessing.forkserver.ensure_running()
 
 
 def free_port() -> int:
