@@ -204,8 +204,10 @@ def native_name(peft: str, hf_to_native) -> str:
 
 
 def merged(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, lora: LoRAConfig) -> torch.Tensor:
-    """W + B A alpha / rank, computed in float32, in W's dtype: the adapted layer as one plain weight."""
-    return (weight.float() + (lora_b.float() @ lora_a.float()) * lora.scaling).to(weight.dtype)
+    """W + B A alpha / rank in float32: the adapted layer as one plain weight. Float32 whatever W's dtype: a bf16
+    run's frozen W is bf16 (trainer/parallelize.py), and rounding the sum to bf16 would take off much of a small
+    update (bf16 keeps 8 bits of a weight; an adapter's change is often below its last)."""
+    return weight.float() + (lora_b.float() @ lora_a.float()) * lora.scaling
 
 
 def peft_config(lora: LoRAConfig, base_model: str | None, tied_embeddings: bool = False) -> dict:

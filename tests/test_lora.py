@@ -22,7 +22,7 @@ from data import SequenceLoader, TokenStore
 from data.loader import IGNORE_INDEX
 from models import Transformer
 from models.convert import read_checkpoint as read_model
-from models.lora import TARGETS, LoRAConfig, apply_lora
+from models.lora import TARGETS, LoRAConfig, apply_lora, merged
 from tests.distributed import run_on_ranks
 from tests.fixtures import burst_train, burst_train_together, metrics
 from tests.test_instruction_training import hf_model as hf_of_burst
@@ -143,6 +143,19 @@ def test_a_bf16_run_keeps_the_frozen_linear_weights_in_bf16_and_computes_the_sam
         gradients.append([old - param.detach() for old, param in zip(before, trainable, strict=True)])
     assert losses[0] == losses[1] and all(change.any() for change in gradients[0])
     assert all(torch.equal(kept, reference) for kept, reference in zip(*gradients, strict=True))
+
+
+def test_a_merged_weight_keeps_a_small_update_to_a_bf16_frozen_weight():
+    """A bf16 run's frozen weights are bf16; the merged export (W + B A alpha / rank) is float32, or bf16's 8 bits
+    of mantissa would round most of a small adapter update away."""
+    lora = LoRAConfig(rank=4, alpha=8)
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(64, 32, generator=generator).to(torch.bfloat16)
+    lora_a, lora_b = torch.randn(4, 32, generator=generator) * 1e-2, torch.randn(64, 4, generator=generator) * 1e-3
+    result = merged(weight, lora_a, lora_b, lora)
+    assert result.dtype == torch.float32
+    # within float32 rounding of W + update (|W| < 5: 3e-7), where bf16 would be 8e-3 off at |W| = 1
+    torch.testing.assert_close(result - weight.float(), (lora_b @ lora_a) * lora.scaling, rtol=0, atol=3e-7)
 
 
 def burst_lora_logits(base: Path, run: Path, tokens: torch.Tensor) -> torch.Tensor:
