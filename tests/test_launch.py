@@ -78,6 +78,13 @@ def running(pid: int) -> bool:
         return False
 
 
+def assert_dies_soon(pid: int, seconds: float = 10) -> None:
+    deadline = time.monotonic() + seconds
+    while running(pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not running(pid)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux's /proc")
 @pytest.mark.parametrize("platform", ["linux", "darwin"])
 def test_a_worker_dies_with_its_launcher_killed_outright(platform):
@@ -90,10 +97,7 @@ def test_a_worker_dies_with_its_launcher_killed_outright(platform):
     finally:
         launcher.send_signal(signal.SIGKILL)
         launcher.wait()
-    deadline = time.monotonic() + 10
-    while running(worker) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert not running(worker)
+    assert_dies_soon(worker)
 
 
 def _as_started(name: str) -> dict:
@@ -148,7 +152,4 @@ def test_a_worker_forked_from_the_server_dies_with_its_launcher_killed_outright(
     finally:
         launcher.send_signal(signal.SIGKILL)
         launcher.wait()
-    deadline = time.monotonic() + 10
-    while running(worker) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert not running(worker)
+    assert_dies_soon(worker)
