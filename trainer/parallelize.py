@@ -51,16 +51,17 @@ from trainer.memory import offloading_checkpoint, tile_feed_forward
 
 
 def parallelize(model: Transformer, mesh: DeviceMesh | None, config: TrainConfig,
-                device_type: str = "cpu") -> Transformer:
+                device_type: str | None = None) -> Transformer:
     """Apply BurstAttention, activation checkpointing and FSDP2 to `model` in place (see the module docstring).
 
     mesh: the ("dp", "cp") DeviceMesh, or None for a single process (checkpointing and compilation apply).
-    device_type: where the model will run ("cpu", "cuda"), which decides the frozen weights' dtype.
+    device_type: where the model will run ("cpu", "cuda"), which decides the frozen weights' dtype; by default the
+    mesh's, or the CPU without one.
     """
     if config.lora.enabled:
         apply_lora(model, config.lora)
         if config.precision == "bf16":
-            keep_frozen_in_bf16(model, device_type)
+            keep_frozen_in_bf16(model, device_type or (mesh.device_type if mesh is not None else "cpu"))
     if mesh is not None and mesh["cp"].size() > 1:
         # At cp = 1 the model's own LocalAttention is burst's attention at a world of one (burst.local_attn):
         # the same plan and kernels, masked blocks skipped, with no process group and no ranks to compare.
