@@ -32,6 +32,15 @@ TOKENIZER_FILES = (HF_FILE, *HF_COMPANIONS, CHAT_TEMPLATE_FILE, SPM_FILE)  # eve
 # store, run, export
 
 
+def files_of(kind: str, main_file: Path) -> dict[str, Path]:
+    """The files a tokenizer of `kind` whose main file is `main_file` reads, by name: a tokenizer.json and the
+    companions and chat template beside it, or a SentencePiece model alone."""
+    if kind != HUGGINGFACE:
+        return {SPM_FILE: main_file}
+    beside = (main_file.parent / name for name in (*HF_COMPANIONS, CHAT_TEMPLATE_FILE))
+    return {HF_FILE: main_file, **{path.name: path for path in beside if path.is_file()}}
+
+
 def fingerprint(kind: str, digest: str, bos_id: int, eos_id: int) -> str:
     """What identifies a tokenizer for training: its kind, the digest of what decides its ids, BOS and EOS."""
     return hashlib.sha256(f"{kind}\n{digest}\nbos {bos_id}\neos {eos_id}\n".encode()).hexdigest()

@@ -27,7 +27,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizerModel
 
-from data.tokenizer import CHAT_TEMPLATE_FILE, HF_COMPANIONS, HF_FILE, HUGGINGFACE, Tokenizer
+from data.tokenizer import CHAT_TEMPLATE_FILE, HF_COMPANIONS, HF_FILE, HUGGINGFACE, Tokenizer, files_of
 
 # The parts of a tokenizer.json that decide encode()'s ids without specials (with tokenizer_config.json's
 # split_special_tokens); the post-processor, decoder, truncation and padding do not, so an export that adds
@@ -54,8 +54,7 @@ class HFTokenizer(Tokenizer):
         self._tok.no_truncation()
         self._tok.no_padding()
         self.path = path
-        self.files = {HF_FILE: path, **{name: path.parent / name for name in (*HF_COMPANIONS, CHAT_TEMPLATE_FILE)
-                                        if (path.parent / name).is_file()}}
+        self.files = files_of(HUGGINGFACE, path)
         self.vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values()) + 1
         configs = {name: _read_json(self.files[name]) for name in HF_COMPANIONS if name in self.files}
         self._check_added_tokens(configs.get(HF_COMPANIONS[0], {}))

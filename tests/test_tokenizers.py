@@ -173,6 +173,45 @@ def test_a_tokenizer_that_adds_no_bos_frames_documents_without_and_its_export_ke
     assert load_tokenizer(tmp_path / "export").fingerprint == tokenizer.fingerprint  # the same ids, BOS and EOS
 
 
+def test_a_models_tokenizer_is_compared_by_its_files_bytes_before_it_is_loaded(tmp_path, corpus, monkeypatch):
+    """check_tokenizer, which the launcher and every rank run: the store's own files, byte for byte, are its
+    tokenizer without loading them (Gemma-3's takes about 3 CPU s each time); other bytes are loaded and compared
+    by fingerprint: the same tokenizer saved otherwise passes, another one or other specials are refused."""
+    byte_level_bpe(tmp_path / "model")
+    prepare([corpus], tmp_path / "store", tokenizer=tmp_path / "model", progress=False)
+    store = TokenStore(tmp_path / "store")
+    loads = []
+    original = HFTokenizer.__init__
+    monkeypatch.setattr(HFTokenizer, "__init__", lambda self, path: loads.append(path) or original(self, path))
+    store.check_tokenizer(tmp_path / "model", tmp_path / "model")
+    assert loads == []
+
+    resaved = tmp_path / "resaved"  # the same encoding, another post-processor: other bytes, the same tokenizer
+    shutil.copytree(tmp_path / "model", resaved)
+    library = Tokenizer.from_file(str(resaved / "tokenizer.json"))
+    library.post_processor = processors.ByteLevel(trim_offsets=True)
+    library.save(str(resaved / "tokenizer.json"))
+    (resaved / "tokenizer_config.json").write_text((tmp_path / "model" / "tokenizer_config.json").read_text())
+    store.check_tokenizer(resaved, resaved)
+    assert loads == [resaved / "tokenizer.json"]
+
+    with_template = tmp_path / "with_template"  # a file the store lacks: not the same files, so loaded (and equal)
+    shutil.copytree(tmp_path / "model", with_template)
+    (with_template / "chat_template.jinja").write_text("{{ messages }}")
+    store.check_tokenizer(with_template, with_template)
+    assert loads[-1] == with_template / "tokenizer.json"
+
+    other_eos = tmp_path / "other_eos"
+    shutil.copytree(tmp_path / "model", other_eos)
+    config = json.loads((other_eos / "tokenizer_config.json").read_text())
+    (other_eos / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "<|begin_of_text|>"}))
+    with pytest.raises(ValueError, match="was prepared with another tokenizer than the model"):
+        store.check_tokenizer(other_eos, other_eos)
+    sentencepiece_converted(tmp_path / "other")
+    with pytest.raises(ValueError, match="was prepared with another tokenizer than the model"):
+        store.check_tokenizer(tmp_path / "other", tmp_path / "other")
+
+
 def test_parallel_batch_encoding_gives_the_ids_of_one_by_one(tmp_path):
     tokenizer = load_tokenizer(byte_level_bpe(tmp_path / "tokenizer"))
     texts = corpus_texts(200)
