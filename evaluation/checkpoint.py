@@ -17,7 +17,7 @@ from checkpoints import detect_format, read_checkpoint
 from data import TokenStore
 from data.mixture import parse_mixture
 from models import ModelConfig, Transformer
-from models.checkpoint import model_from_tensors
+from models.checkpoint import model_from_tensors, non_finite
 from models.convert import Checkpoint
 
 
@@ -34,7 +34,7 @@ class EvalCheckpoint:
         """The Transformer in eval mode, its weights read onto `device` (and cast to `dtype` if given);
         refused when a weight is not finite (a diverged run, or a damaged file)."""
         model = model_from_tensors(self.config, self.checkpoint.tensors(), device, dtype)
-        bad = [name for name, tensor in model.state_dict().items() if not torch.isfinite(tensor).all()]
+        bad = non_finite(model.state_dict().items())
         if bad:
             raise ValueError(f"{self.path} holds non-finite weights ({len(bad)} tensors, e.g. {bad[0]}): the run "
                              f"diverged or the file is damaged; evaluate an earlier checkpoint")

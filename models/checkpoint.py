@@ -102,3 +102,18 @@ def model_from_tensors(config: ModelConfig, tensors: Iterable[tuple[str, torch.T
     state_dict = {name: tensor.to(device=device, dtype=dtype or tensor.dtype) for name, tensor in tensors}
     model.load_state_dict(state_dict, assign=True)
     return model.eval()
+
+
+def non_finite(tensors: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    """The names of the tensors holding a value that is not finite, read from each one's minimum and maximum (a NaN
+    anywhere makes both NaN, an infinity one of them): one reduction a tensor and one device sync for all, where
+    isfinite().all() writes a boolean copy of each first (16x slower on a CPU: 0.8 s for Gemma-3's 168M-entry
+    embedding, at every start, save and evaluation)."""
+    named = list(tensors)
+    if not named:
+        return []
+    device = named[0][1].device
+    extremes = torch.stack([torch.stack(torch.aminmax(tensor.reshape(-1))).float().to(device) if tensor.numel()
+                            else torch.zeros(2, device=device) for _, tensor in named])  # an FSDP shard can be empty
+    return [name for (name, _), finite in zip(named, torch.isfinite(extremes).all(dim=1).tolist(), strict=True)
+            if not finite]

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from burst.module import BurstAttention, set_rank_checks
 from data import Batch
 from models import Transformer
+from models.checkpoint import non_finite
 from runtime.process import all_reduce
 from trainer.config import TrainConfig
 from trainer.distributed import Distributed
@@ -134,8 +135,9 @@ def optimizer_step(model: Transformer, optimizer: torch.optim.Optimizer, config:
 
 def non_finite_weights(model: Transformer, env: Distributed) -> list[str]:
     """The names of the parameters holding a non-finite value on any rank (each rank checks its shards)."""
-    mine = [name.replace(_CHECKPOINT_PREFIX, "") for name, param in model.named_parameters()
-            if not torch.isfinite((param.to_local() if isinstance(param, DTensor) else param).detach()).all()]
+    mine = [name.replace(_CHECKPOINT_PREFIX, "") for name in non_finite(
+        (name, (param.to_local() if isinstance(param, DTensor) else param).detach())
+        for name, param in model.named_parameters())]
     if env.mesh is None:
         return mine
     every: list[list[str]] = [[] for _ in range(env.world_size)]
