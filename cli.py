@@ -433,8 +433,7 @@ def _train_command(config: Path | None = None, **flags: Any) -> None:
         val_sequences_replaced,
     )
     from trainer.launch import launch
-    from trainer.signals import TrainingInterrupted
-    from trainer.trainer import TrainingStopped
+    from trainer.signals import TrainingInterrupted, TrainingStopped
 
     if flags.pop("val_sequences") is not None:
         raise _fail(val_sequences_replaced("--val-sequences"), 2)

@@ -153,3 +153,15 @@ def test_a_worker_forked_from_the_server_dies_with_its_launcher_killed_outright(
         launcher.send_signal(signal.SIGKILL)
         launcher.wait()
     assert_dies_soon(worker)
+
+
+def test_the_launcher_of_ranks_imports_neither_the_training_loop_nor_fsdp_dtensor_or_dcp():
+    """`burst train --cp 2` checks the run and starts the workers' server, which imports the training loop for
+    them: the launcher itself, which only waits, leaves FSDP, DTensor (and sympy under it), DCP and the loop
+    unimported (about 1 CPU s a launch)."""
+    heavy = ["torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed.checkpoint", "sympy",
+             "trainer.trainer", "trainer.train"]
+    probe = f"import sys, cli, trainer.launch; print([name for name in {heavy!r} if name in sys.modules])"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout

@@ -23,8 +23,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from checkpoints.training import read_train_state, rng_name
 from models.checkpoint import read_config
@@ -109,6 +107,9 @@ def load_stage_start(path: Path, model: torch.nn.Module, optimizer: torch.optim.
     """Start a new stage (--init-from) from the checkpoint `path`: the model's weights, and with `optimizer` its
     state too (AdamW's moments and step counts), keeping this run's hyperparameters (lr, betas, weight decay:
     the new stage's schedule drives them). Any layout, as `load_checkpoint`; the rest of the run starts afresh."""
+    import torch.distributed.checkpoint as dcp  # here: the launcher's preflight reads this module, not DCP (1 CPU s)
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
     model_state, optimizer_state = get_state_dict(model, optimizer) if optimizer is not None else \
         (get_state_dict(model, [])[0], None)
     state = {"model": model_state} if optimizer is None else {"model": model_state, "optimizer": optimizer_state}
@@ -127,6 +128,9 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
                     device: torch.device) -> dict[str, Any]:
     """Load the checkpoint `path` into `model` and `optimizer` (sharded or not, any layout) and this rank's RNG;
     returns the saved train state (TrainState, schedule and loader states)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
     model_state, optimizer_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())

@@ -23,9 +23,7 @@ from trainer.config import TrainConfig
 from trainer.distributed import environment_world_size
 from trainer.preflight import check_run, default_run_dir
 from trainer.rundir import hold_run_directory
-from trainer.signals import TrainingInterrupted
-from trainer.train import train
-from trainer.trainer import TrainingStopped
+from trainer.signals import TrainingInterrupted, TrainingStopped
 
 
 def launch(config: TrainConfig) -> None:
@@ -34,7 +32,7 @@ def launch(config: TrainConfig) -> None:
     if under_torchrun():
         if config.out is None and environment_world_size() > 1:
             raise ValueError("under torchrun pass --out: every rank, on every node, must use the same run directory")
-        train(config)
+        train_rank(config)
         return
     config = dataclasses.replace(config, out=config.out or default_run_dir())
     with hold_run_directory(config.out):  # for the run's whole life, restarts included
@@ -47,12 +45,14 @@ def start_ranks(config: TrainConfig) -> None:
     # Each worker resolves the device again from the same request, environment and GPUs (and so says why).
     config = dataclasses.replace(check_run(config, world_size=config.world_size).config, device=config.device)
     if config.world_size == 1 and not config.max_restarts:  # a single process runs here, unless it may restart
-        train(config)
+        train_rank(config)
         return
     try:
         # torch's elastic launcher, as `torchrun --standalone --max-restarts N`
-        # torch._dynamo: a rank's optimizer imports it (torch.optim's step is kept out of compilation)
-        run_local(train, config.world_size, (config,), max_restarts=config.max_restarts, preload=("torch._dynamo",))
+        # trainer.train and what it imports, for the workers alone; torch._dynamo: a rank's optimizer imports it
+        # (torch.optim's step is kept out of compilation)
+        run_local(train_rank, config.world_size, (config,), max_restarts=config.max_restarts,
+                  preload=("trainer.train", "torch._dynamo"))
     except ChildFailedError as err:
         raise worker_failure(err) from None
     except SignalException as err:
@@ -62,6 +62,14 @@ def start_ranks(config: TrainConfig) -> None:
         print(f"stopped by {err.sigval.name}; newest checkpoint: {newest[-1] if newest else 'none'}; "
               f"continue with: burst train --resume --out {config.out}", flush=True)
         raise TrainingInterrupted(err.sigval.name) from None
+
+
+def train_rank(config: TrainConfig) -> None:
+    """A rank's work, `trainer.train.train`, imported here: a launcher of workers never runs the training loop and
+    does not import it, nor FSDP, DTensor and DCP with it (about 1.5 CPU s a launch; its workers' server does)."""
+    from trainer.train import train
+
+    train(config)
 
 
 def worker_failure(err: ChildFailedError) -> TrainingStopped | TrainingInterrupted | ValueError:

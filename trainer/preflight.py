@@ -39,7 +39,6 @@ from runtime.launch import local_world_size
 from runtime.precision import Precision
 from trainer.checkpoint import check_model_config, metrics_rows
 from trainer.config import TrainConfig, run_identity
-from trainer.preference import check_preferences, check_reference_kept
 from trainer.resolve import Resolved, resolve, run_device
 from trainer.rundir import check_run_dir
 
@@ -271,6 +270,10 @@ def check_run(config: TrainConfig, world_size: int, restart: int = 0) -> Checked
     checkpoint exactly as --resume would, or starts over when it has none yet (its directory is its own).
     Prepares the embedded corpus when no --data is given (once, in the calling process).
     """
+    # here, not at the top: trainer.preference's rank side imports FSDP and DTensor, which a launcher of ranks
+    # never uses (0.8 CPU s a launch)
+    from trainer.preference import check_preferences, check_reference_kept
+
     check_world_size(config, world_size)
     local_ranks = local_world_size(world_size)  # under torchrun: this node's
     device = run_device(config, world_size)  # first: a run the machine cannot start prepares nothing

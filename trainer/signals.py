@@ -1,4 +1,5 @@
-"""A graceful stop on SIGTERM (preemption, a job's time limit) and SIGINT (Ctrl-C).
+"""How a run ends early: a graceful stop on SIGTERM (preemption, a job's time limit) and SIGINT (Ctrl-C), and
+TrainingStopped, a run that cannot go on (the launcher reports both without importing the training loop).
 
 The handler only records the request; the training loop reads it between steps, agrees on it with
 every rank (one may have been signalled, another not yet), finishes the step, saves a checkpoint
@@ -25,6 +26,10 @@ class TrainingInterrupted(Exception):
         super().__init__(f"stopped by {signal_name}")
         self.signal_name = signal_name
         self.exit_code = 128 + signal.Signals[signal_name].value
+
+
+class TrainingStopped(RuntimeError):
+    """The run cannot go on (e.g. the loss keeps being non-finite); the message says why and what to try."""
 
 
 class StopRequest:

@@ -46,15 +46,11 @@ from trainer.preference import Reference, load_or_compute_reference, needs_refer
 from trainer.preflight import CheckedRun
 from trainer.rundir import METRICS_FILE, SOURCE_TOKENIZERS, claim_run_directory
 from trainer.saving import CheckpointSaver, Saved
-from trainer.signals import StopRequest, TrainingInterrupted
+from trainer.signals import StopRequest, TrainingInterrupted, TrainingStopped
 from trainer.step import NON_FINITE, StepResult, checks_ranks, non_finite_weights, train_step
 from trainer.validation import ValidationResult, Validator
 
 SMOOTHED_STEPS = 10  # the summary's training loss: the mean over this many last steps
-
-
-class TrainingStopped(RuntimeError):
-    """The run cannot go on (e.g. the loss keeps being non-finite); the message says why and what to try."""
 
 
 @dataclass
