@@ -45,9 +45,10 @@ GROUP_TIMEOUT_S = 300.0  # the gloo group's own limit on one collective
 CALL_LIMIT_FACTOR = 3
 # Imported once by the server pool ranks fork from. A rank imports the test module its function comes from (to
 # unpickle it), and with it transformers, pytest and the project (3 to 5 s of CPU where the module uses
-# transformers); torch._dynamo comes with the first optimizer step. Imported here, a rank begins with them.
+# transformers); torch._dynamo comes with the first optimizer step. Imported here, a rank begins with them, and so
+# does a `burst train` that tests.fixtures runs (cli, tests.fixtures: its entry point).
 PRELOADED = ["torch", "torch.distributed", "torch._dynamo", "transformers", "pytest", "burst", "models", "data",
-             "checkpoints", "evaluation", "trainer.train", "tests.distributed"]
+             "checkpoints", "evaluation", "trainer.train", "tests.distributed", "cli", "tests.fixtures"]
 KEPT_POOLS = 3  # pools alive at once (each rank holds torch and the project): the most recently used
 # what this session's calls asked for (a spawn per call would start "ranks asked") and started (conftest prints it)
 counts = {"calls": 0, "ranks asked": 0, "ranks started": 0}

@@ -3,10 +3,12 @@ several at once), and readers of a run's metrics.jsonl. tests/conftest.py regist
 asks for `store` by name; the helpers are imported (`from tests.fixtures import burst_train`).
 """
 
+import atexit
 import contextlib
 import fcntl
 import hashlib
 import json
+import multiprocessing
 import os
 import random
 import shutil
@@ -22,6 +24,7 @@ import sentencepiece
 
 from data import prepare
 
+REPO = Path(__file__).parents[1]
 WORDS = ["def", "return", "self", "import", "tensor", "rank", "shard", "ring", "(", ")", ":", "=", "+", "0", "1"]
 
 
@@ -104,20 +107,80 @@ def locked(path: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def burst_train(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cli", "train", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, cwd=Path(__file__).parents[1])
+def burst_train(*args: object, timeout: float = 240) -> subprocess.CompletedProcess:
+    return burst_train_together(args, timeout=timeout)[0]
 
 
 def burst_train_together(*runs: Sequence[object], timeout: float = 240) -> list[subprocess.CompletedProcess]:
     """Independent `burst train` invocations run at once, their results in order: most of a small run is start-up
-    (imports, spawning ranks), which overlaps well, so the suite waits less."""
+    (imports, spawning ranks), which overlaps well, so the suite waits less.
+
+    Each is a process of its own, as `python -m cli train ARGS` from the repository would be, but forked from the
+    server the rank pools fork from (tests/distributed.py), which imported torch and the project once: a fresh
+    interpreter spent about 2.5 CPU s importing them again, for some 60 runs in the suite. The process begins as
+    that command's would: the caller's environment and the repository as working directory, its own stdout and
+    stderr, argv, exit code (a signal's negative number) and exit handlers. BURST_TEST_SPAWN_COMMANDS=1 runs the
+    command itself instead (to compare, or to rule this out)."""
+    if os.environ.get("BURST_TEST_SPAWN_COMMANDS") == "1":
+        return _spawned_together(runs, timeout)
+    from tests.distributed import start_forkserver
+
+    start_forkserver()  # running already in a pytest process (conftest): then this does nothing
+    context = multiprocessing.get_context("forkserver")
+    started = []
+    for args in runs:
+        argv = ["train", *map(str, args)]
+        out, err = tempfile.NamedTemporaryFile("w+", delete=False), tempfile.NamedTemporaryFile("w+", delete=False)
+        process = context.Process(target=_command_in_this_process, args=(argv, out.name, err.name, dict(os.environ)))
+        process.start()
+        started.append((argv, process, out, err))
+    deadline, results = time.monotonic() + timeout, []
+    try:
+        for argv, process, out, err in started:
+            process.join(timeout=max(deadline - time.monotonic(), 0.1))
+            if process.exitcode is None:
+                raise subprocess.TimeoutExpired([sys.executable, "-m", "cli", *argv], timeout)
+            results.append(subprocess.CompletedProcess([sys.executable, "-m", "cli", *argv], process.exitcode,
+                                                       Path(out.name).read_text(), Path(err.name).read_text()))
+    finally:
+        for _, process, out, err in started:
+            if process.exitcode is None:
+                process.kill()
+                process.join()
+            for handle in (out, err):
+                handle.close()
+                os.unlink(handle.name)
+    return results
+
+
+def _command_in_this_process(argv: list[str], stdout: str, stderr: str, environment: dict[str, str]) -> None:
+    """`python -m cli ARGV` in a process forked from the server (see burst_train_together): the caller's
+    environment, the repository as working directory, stdout and stderr into the given files. The process's exit
+    code is the command's (typer's SystemExit)."""
+    os.environ.clear()
+    os.environ.update(environment)
+    os.chdir(REPO)
+    for fd, path in ((1, stdout), (2, stderr)):
+        handle = os.open(path, os.O_WRONLY | os.O_TRUNC)
+        os.dup2(handle, fd)
+        os.close(handle)
+    sys.argv = [str(REPO / "cli.py"), *argv]
+    from cli import app
+
+    try:
+        app(args=argv, prog_name="python -m cli")
+    finally:
+        atexit._run_exitfuncs()  # as the interpreter would on its way out; the forked process skips them
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+def _spawned_together(runs: Sequence[Sequence[object]], timeout: float) -> list[subprocess.CompletedProcess]:
     started = []
     for args in runs:
         out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")  # files: a full pipe would stall
         command = [sys.executable, "-m", "cli", "train", *map(str, args)]
-        started.append((subprocess.Popen(command, stdout=out, stderr=err, text=True, cwd=Path(__file__).parents[1]),
-                        out, err))
+        started.append((subprocess.Popen(command, stdout=out, stderr=err, text=True, cwd=REPO), out, err))
     deadline, results = time.monotonic() + timeout, []
     try:
         for process, out, err in started:

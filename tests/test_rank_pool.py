@@ -2,6 +2,7 @@
 test gets a working group."""
 
 import os
+import re
 import time
 
 import pytest
@@ -69,3 +70,32 @@ def test_a_rank_that_hangs_fails_the_call_after_its_timeout_and_the_next_call_ge
     assert time.monotonic() - started < 20
     assert not any(process.is_alive() for process in hung.processes)
     run_on_ranks(_fresh_state, 2)
+
+
+def test_a_burst_train_forked_from_the_server_is_the_command_run_alone(store, tmp_path, monkeypatch):
+    """tests.fixtures.burst_train forks `burst train` from the pools' server instead of starting the interpreter:
+    the same losses bit for bit, output, exit codes and refusals as `python -m cli train` run alone, the caller's
+    environment included (BURST_DEVICE, read when the command runs)."""
+    from tests.fixtures import burst_train, metrics
+
+    args = ["--model", "debug", "--data", store, "--seq-len", 128, "--steps", 2, "--precision", "fp32"]
+    forked = burst_train(*args, "--out", tmp_path / "forked")
+    monkeypatch.setenv("BURST_TEST_SPAWN_COMMANDS", "1")
+    alone = burst_train(*args, "--out", tmp_path / "alone")
+    assert forked.returncode == alone.returncode == 0, forked.stderr[-2000:] + alone.stderr[-2000:]
+    kept = ("step", "loss", "grad_norm", "lr", "skipped", "scored_tokens")  # not the times, nor memory
+    assert [{key: row[key] for key in kept} for row in metrics(tmp_path / "forked")] == \
+        [{key: row[key] for key in kept} for row in metrics(tmp_path / "alone")]
+
+    def shape(done, run: str) -> list[str]:  # the output without its times, speeds and run directory
+        lines = done.stdout.replace(str(tmp_path / run), "RUN").splitlines()
+        return [re.sub(r"[0-9.,:]+", "#", line) for line in lines]
+
+    assert shape(forked, "forked") == shape(alone, "alone")
+    monkeypatch.setenv("BURST_DEVICE", "nonsense")
+    refusals = [burst_train(*args, "--out", tmp_path / "refused")]
+    monkeypatch.delenv("BURST_TEST_SPAWN_COMMANDS")
+    refusals.append(burst_train(*args, "--out", tmp_path / "refused"))
+    assert [done.returncode for done in refusals] == [2, 2]
+    assert refusals[0].stderr == refusals[1].stderr and "BURST_DEVICE" in refusals[1].stderr, refusals[1].stderr
+    assert not (tmp_path / "refused").exists()
