@@ -39,7 +39,7 @@ def ruler_run(smollm2, tmp_path_factory):
 
 def test_transformers_greedy_reproduces_every_task_score(smollm2, ruler_run):
     report, samples, _ = ruler_run
-    results = rescore(samples, smollm2)
+    results = rescore(samples, smollm2, batch=len(samples))  # together: 29 -> 23 CPU s, the same outputs
     assert set(results) == {(task, LENGTH) for task in TASKS}
     for (task, length), scores in results.items():
         assert scores.differing_outputs == 0
