@@ -6,6 +6,7 @@ asks for `store` by name; the helpers are imported (`from tests.fixtures import 
 import atexit
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import multiprocessing
@@ -111,7 +112,8 @@ def burst_train(*args: object, timeout: float = 240) -> subprocess.CompletedProc
     return burst_train_together(args, timeout=timeout)[0]
 
 
-def burst_train_together(*runs: Sequence[object], timeout: float = 240) -> list[subprocess.CompletedProcess]:
+def burst_train_together(*runs: Sequence[object], timeout: float = 240,
+                         cores: Sequence[set[int]] | None = None) -> list[subprocess.CompletedProcess]:
     """Independent `burst train` invocations run at once, their results in order: most of a small run is start-up
     (imports, spawning ranks), which overlaps well, so the suite waits less.
 
@@ -120,18 +122,21 @@ def burst_train_together(*runs: Sequence[object], timeout: float = 240) -> list[
     interpreter spent about 2.5 CPU s importing them again, for some 60 runs in the suite. The process begins as
     that command's would: the caller's environment and the repository as working directory, its own stdout and
     stderr, argv, exit code (a signal's negative number) and exit handlers. BURST_TEST_SPAWN_COMMANDS=1 runs the
-    command itself instead (to compare, or to rule this out)."""
+    command itself instead (to compare, or to rule this out). `cores`: the cores each run (and its ranks) may use.
+    """
+    cores = list(cores) if cores is not None else [None] * len(runs)
     if os.environ.get("BURST_TEST_SPAWN_COMMANDS") == "1":
-        return _spawned_together(runs, timeout)
+        return _spawned_together(runs, timeout, cores)
     from tests.distributed import start_forkserver
 
     start_forkserver()  # running already in a pytest process (conftest): then this does nothing
     context = multiprocessing.get_context("forkserver")
     started = []
-    for args in runs:
+    for args, allowed in zip(runs, cores, strict=True):
         argv = ["train", *map(str, args)]
         out, err = tempfile.NamedTemporaryFile("w+", delete=False), tempfile.NamedTemporaryFile("w+", delete=False)
-        process = context.Process(target=_command_in_this_process, args=(argv, out.name, err.name, dict(os.environ)))
+        process = context.Process(target=_command_in_this_process, args=(argv, out.name, err.name, dict(os.environ),
+                                                                         allowed))
         process.start()
         started.append((argv, process, out, err))
     deadline, results = time.monotonic() + timeout, []
@@ -153,10 +158,13 @@ def burst_train_together(*runs: Sequence[object], timeout: float = 240) -> list[
     return results
 
 
-def _command_in_this_process(argv: list[str], stdout: str, stderr: str, environment: dict[str, str]) -> None:
+def _command_in_this_process(argv: list[str], stdout: str, stderr: str, environment: dict[str, str],
+                             cores: set[int] | None) -> None:
     """`python -m cli ARGV` in a process forked from the server (see burst_train_together): the caller's
     environment, the repository as working directory, stdout and stderr into the given files. The process's exit
     code is the command's (typer's SystemExit)."""
+    if cores is not None:
+        os.sched_setaffinity(0, cores)
     os.environ.clear()
     os.environ.update(environment)
     os.chdir(REPO)
@@ -175,12 +183,15 @@ def _command_in_this_process(argv: list[str], stdout: str, stderr: str, environm
         sys.stderr.flush()
 
 
-def _spawned_together(runs: Sequence[Sequence[object]], timeout: float) -> list[subprocess.CompletedProcess]:
+def _spawned_together(runs: Sequence[Sequence[object]], timeout: float, cores: list[set[int] | None]
+                      ) -> list[subprocess.CompletedProcess]:
     started = []
-    for args in runs:
+    for args, allowed in zip(runs, cores, strict=True):
         out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")  # files: a full pipe would stall
         command = [sys.executable, "-m", "cli", "train", *map(str, args)]
-        started.append((subprocess.Popen(command, stdout=out, stderr=err, text=True, cwd=REPO), out, err))
+        pin = None if allowed is None else functools.partial(os.sched_setaffinity, 0, allowed)
+        started.append((subprocess.Popen(command, stdout=out, stderr=err, text=True, cwd=REPO, preexec_fn=pin),
+                        out, err))
     deadline, results = time.monotonic() + timeout, []
     try:
         for process, out, err in started:

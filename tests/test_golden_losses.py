@@ -13,16 +13,14 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 
 from data import prepare
-from tests.fixtures import metrics
+from tests.fixtures import burst_train_together, metrics
 
 GOLDEN = Path(__file__).with_name("golden_losses.json")
 RELATIVE = 1e-6
@@ -61,26 +59,11 @@ def run_all(root: Path, timeout: float = 400) -> dict[str, list[float]]:
     thread that another run holds."""
     store = make_store(root)
     cores = sorted(os.sched_getaffinity(0))
-    started = []
-    for i, (name, flags) in enumerate(RUNS.items()):
-        command = [sys.executable, "-m", "cli", "train", *map(str, [*flags, *COMMON, "--data", store, "--out",
-                                                                    root / name])]
-        log = (root / f"{name}.log").open("w+")
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).parents[1],
-                                   preexec_fn=lambda core=cores[i % len(cores)]: os.sched_setaffinity(0, {core}))
-        started.append((name, process, log))
-    deadline = time.monotonic() + timeout
-    try:
-        for name, process, log in started:
-            process.wait(timeout=max(deadline - time.monotonic(), 0.1))
-            log.seek(0)
-            assert process.returncode == 0, f"{name}: {log.read()[-3000:]}"
-    finally:
-        for _, process, log in started:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-            log.close()
+    runs = burst_train_together(*([*flags, *COMMON, "--data", store, "--out", root / name]
+                                  for name, flags in RUNS.items()),
+                                timeout=timeout, cores=[{cores[i % len(cores)]} for i in range(len(RUNS))])
+    for name, done in zip(RUNS, runs, strict=True):
+        assert done.returncode == 0, f"{name}: {done.stdout[-1500:]}{done.stderr[-1500:]}"
     return {name: [row["loss"] for row in metrics(root / name)] for name in RUNS}
 
 
