@@ -1,4 +1,4 @@
-"""What test files share: the small token store most runs train on, `burst train` as a subprocess (one, or
+"""What test files share: the small token store most runs train on, `burst train` as a process of its own (one, or
 several at once), and readers of a run's metrics.jsonl. tests/conftest.py registers the fixtures here, so a test
 asks for `store` by name; the helpers are imported (`from tests.fixtures import burst_train`).
 """
