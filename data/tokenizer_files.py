@@ -69,6 +69,7 @@ def files_beside(directory: Path, prefer: str = HUGGINGFACE) -> tuple[str, dict[
 
 
 def kind_beside(directory: Path, prefer: str) -> str | None:
+    """The kind of tokenizer `directory` keeps, `prefer` first where it keeps both; None where it keeps none."""
     hf = directory / HF_FILE
     spm = directory / SPM_FILE
     found = {HUGGINGFACE: hf.is_file(), SENTENCEPIECE: spm.is_file() and not is_tiktoken(spm)}

@@ -66,7 +66,7 @@ def start_ranks(config: TrainConfig) -> None:
 
 def train_rank(config: TrainConfig) -> None:
     """A rank's work, `trainer.train.train`, imported here: a launcher of workers never runs the training loop and
-    does not import it, nor FSDP, DTensor and DCP with it (about 1.5 CPU s a launch; its workers' server does)."""
+    does not import it, nor FSDP, DTensor and DCP with it (about 1 CPU s a launch; its workers' server does)."""
     from trainer.train import train
 
     train(config)
